@@ -1,0 +1,88 @@
+"""Frozen model configuration: the one object library code takes (STYLE.md §5).
+
+Field names follow Hugging Face's `DeepseekV3Config` so that interop is a rename-free copy. Built once from the
+ml-collections ConfigDict in `experiments/` with `ModelConfig.from_dict(cfg.model.to_dict())`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """YaRN parameters, as in HF `rope_scaling` ({"type": "yarn", ...})."""
+  factor: float = 1.0
+  original_max_position_embeddings: int = 4096
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 1.0
+  mscale_all_dim: float = 0.0
+  type: str = "yarn"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A DeepSeek-V3 / Kimi-K2 family MoE transformer."""
+  vocab_size: int = 512
+  hidden_size: int = 64
+  intermediate_size: int = 128            # dense MLP layers (the first `first_k_dense_replace`)
+  moe_intermediate_size: int = 32         # each routed / shared expert
+  num_hidden_layers: int = 2
+  num_attention_heads: int = 4
+  # MLA
+  q_lora_rank: int | None = None          # None: full-rank query projection
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 16
+  qk_rope_head_dim: int = 8
+  v_head_dim: int = 16
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  max_position_embeddings: int = 4096
+  rms_norm_eps: float = 1e-6
+  # MoE
+  n_routed_experts: int = 8
+  n_shared_experts: int = 1
+  num_experts_per_tok: int = 2
+  n_group: int = 1
+  topk_group: int = 1
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  first_k_dense_replace: int = 1
+  moe_layer_freq: int = 1
+  seq_aux_loss_coef: float = 0.0          # sequence-level balance loss weight (0: aux-loss-free only)
+  moe_impl: str = "ragged"                # "dense" | "ragged" | "capacity"
+  capacity_factor: float = 1.25           # for moe_impl="capacity"
+  # MTP (DeepSeek-V3 NextN)
+  num_nextn_predict_layers: int = 0
+  # numerics / structure
+  tie_word_embeddings: bool = False
+  initializer_range: float = 0.02
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+  scan_layers: bool = True                # lax.scan over stacked identical layers (short compiles)
+  remat: bool = False
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+    """Builds from a plain dict (e.g. `cfg.model.to_dict()`); unknown keys are an error naming them."""
+    d = dict(d)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"Unknown ModelConfig field(s) {unknown}; valid fields: {sorted(names)}")
+    if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
+      rs = dict(d["rope_scaling"])
+      rs_names = {f.name for f in dataclasses.fields(RopeScaling)}
+      bad = sorted(set(rs) - rs_names)
+      if bad:
+        raise ValueError(f"Unknown rope_scaling field(s) {bad}; valid fields: {sorted(rs_names)}")
+      d["rope_scaling"] = RopeScaling(**rs)
+    return cls(**d)
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  def is_moe_layer(self, i: int) -> bool:
+    return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
