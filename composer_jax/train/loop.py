@@ -54,7 +54,7 @@ def evaluate(eval_step, params, batches: Iterable[dict], put) -> dict:
 
 def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimConfig, workdir: str,
           train_iter: Iterator[dict], eval_batches: Callable[[], Iterable[dict]], init_params=None,
-          mesh=None, rules=None, log_fn: Callable[[str], None] = print) -> dict:
+          mesh=None, rules=None, log_fn: Callable[[str], None] = print) -> tuple[dict, dict]:
   """Trains until `train_cfg.steps`, resuming from `workdir` if it holds a checkpoint.
 
   Args:
@@ -64,7 +64,7 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
     init_params: start from these (e.g. a previous stage or a Hugging Face checkpoint) instead of random init;
       ignored when resuming.
   Returns:
-    The last logged metrics (including the final held-out evaluation).
+    (final params, the last logged metrics including the final held-out evaluation).
   """
   mesh = mesh if mesh is not None else mesh_lib.make_mesh({})
   params_shardings = model.shardings(model_cfg, mesh, rules)
@@ -140,4 +140,4 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
     writer.close()
     if bar is not None:
       bar.close()
-  return last
+  return state.params, last
