@@ -145,6 +145,8 @@ def _backend(tokenizer):
 def encode_plain(tokenizer, texts: Sequence[str]) -> list[list[int]]:
   """Encodes untrusted texts with special-token parsing disabled (no special id can come out of them)."""
   tok = _backend(tokenizer)
+  # The flag is tokenizer state: set it for this call and put it back, so a caller's tokenizer is left as it was.
+  # (Tokenizers from composer_jax.train.tokenizer already have it on, so concurrent callers never see it off.)
   previous = tok.encode_special_tokens
   tok.encode_special_tokens = True
   try:

@@ -1,11 +1,13 @@
 """composer_jax/train/data.py: the packing contract, long examples, SFT masks, determinism, checkpointable state."""
 
 import collections
+import dataclasses
 import json
 import time
 
 import grain
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from composer_jax.train import corpus as corpus_lib
@@ -154,7 +156,6 @@ def test_iterator_state_round_trip():
 
 
 def test_iterator_checkpoint_through_orbax(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
   examples = _synthetic(list(range(3, 17)))
   ds = data_lib.packed_dataset(examples, data_lib.DataConfig(seq_len=16, batch_size=2, num_packing_bins=3), True)
   it = iter(ds)
@@ -247,3 +248,6 @@ def test_pretrain_data_end_to_end(tmp_path):
   assert _same([next(iter(again.train))], [batch])
   eval_tokens = sum(int((b["segment_ids"] > 0).sum()) for b in data.eval)
   assert eval_tokens == data.stats["eval"]["tokens"]
+  no_eval = data_lib.pretrain_data(dataclasses.replace(corpus_cfg, heldout_fraction=0.0),
+                                   tokenizer_lib.TokenizerConfig(), cfg, tok_dir)
+  assert no_eval.eval is None and no_eval.stats["corpus"]["heldout_files"] == 0

@@ -221,7 +221,7 @@ def packed_dataset(examples: Sequence[Example], cfg: DataConfig, train: bool) ->
 class Data:
   """What a training run needs from the data layer."""
   train: grain.IterDataset  # Infinite.
-  eval: grain.IterDataset  # Finite; iterate it afresh for each evaluation.
+  eval: grain.IterDataset | None  # Finite; iterate it afresh for each evaluation. None: no held-out data.
   tokenizer: Any  # tokenizers.Tokenizer
   stats: dict[str, Any]
 
@@ -242,6 +242,9 @@ def pretrain_data(corpus_cfg: corpus_lib.CorpusConfig, tokenizer_cfg: tokenizer_
   corpus = corpus_lib.load_corpus(corpus_cfg)
   if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
     tok = tokenizer_lib.load_tokenizer(tokenizer_dir)
+    if tok.get_vocab_size() != tokenizer_cfg.vocab_size:
+      logging.warning("reusing the tokenizer in %s (vocab %d), not training one with vocab_size=%d; delete the "
+                      "directory to retrain", tokenizer_dir, tok.get_vocab_size(), tokenizer_cfg.vocab_size)
   else:
     tok = tokenizer_lib.train_tokenizer([d.text for d in corpus.train], tokenizer_cfg)
     tokenizer_lib.save_tokenizer(tok, tokenizer_dir, tokenizer_cfg)
@@ -249,7 +252,8 @@ def pretrain_data(corpus_cfg: corpus_lib.CorpusConfig, tokenizer_cfg: tokenizer_
   heldout, eval_stats = chunk_examples(pretrain_examples(tok, [d.text for d in corpus.heldout]), cfg)
   stats = {"corpus": corpus.stats, "train": train_stats, "eval": eval_stats, "vocab_size": tok.get_vocab_size()}
   logging.info("pretraining data: %s", stats)
-  return Data(packed_dataset(train, cfg, train=True), packed_dataset(heldout, cfg, train=False), tok, stats)
+  eval_ds = packed_dataset(heldout, cfg, train=False) if heldout else None
+  return Data(packed_dataset(train, cfg, train=True), eval_ds, tok, stats)
 
 
 def sft_data(tokenizer, train_path: str, eval_path: str, cfg: DataConfig) -> Data:
