@@ -31,7 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       languages=("python",),
       min_file_bytes=64, max_file_bytes=256 * 1024,
       max_files=-1, max_total_bytes=4_000_000 if colab else -1,   # -1 = no cap
-      heldout_fraction=0.02, min_heldout_files=4))
+      heldout_fraction=0.05, min_heldout_files=4))
   c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=c.model.vocab_size, min_frequency=2, max_token_length=24))
   base_len = 256 if colab else 1024
   c.data = ml_collections.ConfigDict(dict(seq_len=base_len, batch_size=8 if colab else 32, seed=0,
