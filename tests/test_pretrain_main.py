@@ -100,7 +100,8 @@ def test_stages_chain_pretrain_long_context(tmp_path):
   pre, long = tmp_path / "pre", tmp_path / "long"
   r = _run(_cmd(pre, "--config.train.steps=4", "--config.train.ckpt_every=4"))
   assert r.returncode == 0, r.stderr[-3000:]
-  r = _run([sys.executable, MAIN, f"--workdir={long}", "--config=experiments/configs/pretrain.py:tiny,stage=long_context",
+  r = _run([sys.executable, MAIN, f"--workdir={long}",
+            "--config=experiments/configs/pretrain.py:tiny,stage=long_context",
             "--config.corpus.max_total_bytes=300000", "--config.data.seq_len=256", "--config.data.batch_size=1",
             "--config.train.steps=2", "--config.train.eval_batches=1", "--config.train.progress_bar=False",
             f"--config.init.checkpoint={pre}"])
