@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -154,12 +155,21 @@ class BwrapSandbox(Sandbox):
         if cg is not None:
           cg.kill_all()
 
+      t_start = time.time()
       out = run_process(argv, timeout=timeout, output_limit=self.config.output_limit_bytes, kill=kill, poll=poll,
                         stdin=stdin, preexec_fn=preexec, start_new_session=True)
       hit = cg.limit_hit() if cg is not None else None
       if hit is None:
         hit = _limit_from_exit(out.kill_reason, out.returncode)
-      return RunResult(exit_code=out.returncode, stdout=out.stdout, stderr=out.stderr,
+      if hit is None and self.config.limits.file_size_bytes is not None:
+        # SIGXFSZ may kill a child whose status the shell hides (`cmd > f; echo done`); a file left at exactly the
+        # limit, written during this run, is the trace it leaves.
+        if _file_at_size(self.upper, self.config.limits.file_size_bytes, t_start - 1):
+          hit = "file_size"
+      rc = out.returncode
+      if rc == 1 and out.stderr.startswith(b"bwrap: execvp "):
+        rc = 127  # bwrap's own report of a missing argv[0]; 127 is what a shell says
+      return RunResult(exit_code=rc, stdout=out.stdout, stderr=out.stderr,
                        stdout_truncated=out.stdout_truncated, stderr_truncated=out.stderr_truncated,
                        wall_s=out.wall_s, timed_out=out.timed_out, limit_hit=hit)
 
@@ -189,6 +199,27 @@ class BwrapSandbox(Sandbox):
     if self.cgroup is not None:
       self.cgroup.remove()
     overlay.remove_tree(self.dir)
+
+
+def _file_at_size(root: str, size: int, since: float, max_entries: int = 20_000) -> bool:
+  """Whether a regular file under `root` (the overlay upper: only what changed) has exactly `size` bytes."""
+  seen = 0
+  stack = [root]
+  while stack and seen < max_entries:
+    try:
+      it = os.scandir(stack.pop())
+    except OSError:
+      continue
+    with it:
+      for e in it:
+        seen += 1
+        if e.is_dir(follow_symlinks=False):
+          stack.append(e.path)
+        elif e.is_file(follow_symlinks=False):
+          st = e.stat(follow_symlinks=False)
+          if st.st_size == size and st.st_mtime >= since:
+            return True
+  return False
 
 
 # 128+N is how bwrap (like a shell) reports a command killed by signal N.
