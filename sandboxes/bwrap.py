@@ -9,9 +9,8 @@ from collections.abc import Mapping, Sequence
 
 from sandboxes.types import WORKSPACE, BackendUnavailableError, SandboxConfig
 
-SANDBOX_UID = 1000  # uid/gid inside; maps to the caller's uid outside
-# Host /etc is not bound whole: with the caller (root) mapped to the sandbox user, files like /etc/shadow would be
-# readable. Only what programs need to start is shown.
+SANDBOX_UID = 1000  # uid/gid inside; maps to the backend's unprivileged host uid outside
+# Host /etc is not bound whole (it says a lot about the host); only what programs need to start is shown.
 ETC_FILES = (
   "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime", "ssl",
   "ca-certificates", "ca-certificates.conf", "hosts", "mime.types", "bash.bashrc", "profile", "inputrc",
@@ -68,22 +67,25 @@ def shell_argv(cmd: str | Sequence[str]) -> list[str]:
 
 def build_argv(
   bwrap: str, config: SandboxConfig, workspace: str, etc_dir: str, cmd: str | Sequence[str],
-  env: Mapping[str, str] | None = None,
+  env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
 ) -> list[str]:
   """The full bwrap command line for one run.
 
   Args:
     bwrap: the binary.
-    config: the sandbox config (binds, env, limits.tmp_bytes, network).
+    config: the sandbox config (env, path_prefix, limits.tmp_bytes, network).
     workspace: host dir bound read-write at /workspace (the only writable place besides the private /tmp).
     etc_dir: host dir with the synthesized passwd/group files.
     cmd: the command (see `Sandbox.run`).
     env: per-run extra environment.
+    ro_binds: (host source, path inside) pairs bound read-only, e.g. the host Python and `config.ro_binds`
+      (the backend passes staged sources the unprivileged bwrap can reach).
   """
   a = [bwrap, "--unshare-all"]
   if config.network:
     a.append("--share-net")
-  # As root, a user namespace is what drops privileges: without it the sandbox keeps root's capabilities.
+  # The backend already runs bwrap as an unprivileged host uid; inside, a user namespace with every capability
+  # dropped and no nested user namespaces (FACTS: without these flags a root-started bwrap keeps its capabilities).
   a += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
         "--disable-userns", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
   for d in SYSTEM_DIRS:
@@ -95,10 +97,10 @@ def build_argv(
     a += ["--ro-bind-try", f"/etc/{f}", f"/etc/{f}"]
   a += ["--ro-bind", os.path.join(etc_dir, "passwd"), "/etc/passwd",
         "--ro-bind", os.path.join(etc_dir, "group"), "/etc/group"]
-  for p in python_prefixes() + tuple(config.ro_binds):
-    a += ["--ro-bind", p, p]
-  a += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.limits.tmp_bytes), "--tmpfs", "/tmp",
-        "--bind", workspace, WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
+  a += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.limits.tmp_bytes), "--tmpfs", "/tmp"]
+  for src, dst in ro_binds:  # after /tmp's tmpfs, which would otherwise hide binds below /tmp
+    a += ["--ro-bind", src, dst]
+  a += ["--bind", workspace, WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
   full_env = {"HOME": "/tmp", "PATH": default_path(config), "LANG": "C.UTF-8", "TMPDIR": "/tmp",
               "USER": "sandbox", "WORKSPACE": WORKSPACE}
   full_env.update(dict(config.env))

@@ -82,15 +82,27 @@ def read_file(root: str, path: str, max_bytes: int | None = None) -> bytes:
     return f.read() if max_bytes is None else f.read(max_bytes)
 
 
-def write_file(root: str, path: str, data: bytes | str, mode: int = 0o644) -> None:
+def write_file(root: str, path: str, data: bytes | str, mode: int = 0o644,
+               owner: tuple[int, int] | None = None) -> None:
+  """Writes a file, creating parent dirs; new entries get `owner` (uid, gid) so the sandbox user can edit them."""
   if isinstance(data, str):
     data = data.encode()
   host = resolve_in_root(root, path)
-  os.makedirs(os.path.dirname(host), exist_ok=True)
+  missing = []
+  d = os.path.dirname(host)
+  while not os.path.isdir(d):
+    missing.append(d)
+    d = os.path.dirname(d)
+  for d in reversed(missing):
+    os.mkdir(d)
+    if owner is not None:
+      os.chown(d, *owner)
   # The path is fully resolved; O_NOFOLLOW guards against a link appearing at the last step.
   fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
   with os.fdopen(fd, "wb") as f:
     f.write(data)
+    if owner is not None:
+      os.fchown(f.fileno(), *owner)
 
 
 def list_dir(root: str, path: str = ".") -> list[str]:

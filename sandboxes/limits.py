@@ -273,8 +273,10 @@ def apply_rlimits(triples: list[tuple[int, int, int]]) -> None:
     resource.setrlimit(res, (soft, hard))
 
 
-def make_preexec(procs_files: list[str], rlimits: list[tuple[int, int, int]]):
-  """The child-side set-up: join the cgroups before exec (so no descendant escapes them), then set rlimits."""
+def make_preexec(procs_files: list[str], rlimits: list[tuple[int, int, int]], uid: int | None = None,
+                 gid: int | None = None):
+  """The child-side set-up before exec: join the cgroups (so no descendant escapes them), set rlimits, and drop
+  to the unprivileged host uid/gid (last: joining root-owned cgroups needs root)."""
 
   def preexec() -> None:
     pid = str(os.getpid()).encode()
@@ -285,5 +287,10 @@ def make_preexec(procs_files: list[str], rlimits: list[tuple[int, int, int]]):
       finally:
         os.close(fd)
     apply_rlimits(rlimits)
+    if gid is not None:
+      os.setgroups([])
+      os.setresgid(gid, gid, gid)
+    if uid is not None:
+      os.setresuid(uid, uid, uid)
 
   return preexec

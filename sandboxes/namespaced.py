@@ -34,6 +34,10 @@ from sandboxes.types import (
 class BwrapBackend(Backend):
   """Namespaced sandboxes with overlayfs forks. Needs root (overlay mounts, cgroups) and bubblewrap >= 0.11.
 
+  Commands run as an unprivileged host uid (`host_uid`, default 60000; uid 1000 inside), never as the caller's
+  root: even a namespace escape lands as a nobody-like user. Workspace files belong to that uid on the host (the
+  caller, as root, can still read, snapshot and delete them).
+
   Args:
     config: default `SandboxConfig` for forks.
     state_root: host dir for layers and workspaces (default /tmp/composer_sandboxes); stale state of dead
@@ -41,12 +45,13 @@ class BwrapBackend(Backend):
     max_layers: a snapshot deeper than this is flattened into one layer (also done whenever the mount options
       would not fit the kernel's one-page limit). Deep stacks slow every lookup, so keep it well under 500.
     bwrap_path: explicit bwrap binary (else see `bwrap.find_bwrap`).
+    host_uid, host_gid: the unprivileged host ids that sandboxed processes (and their files) have.
   """
 
   name = "bwrap"
 
   def __init__(self, config: SandboxConfig | None = None, state_root: str | None = None, max_layers: int = 32,
-               bwrap_path: str | None = None):
+               bwrap_path: str | None = None, host_uid: int = 60000, host_gid: int = 60000):
     if os.geteuid() != 0:
       raise BackendUnavailableError(
         "BwrapBackend needs root for overlay mounts and cgroups (rootless mode is not implemented); run as root, "
@@ -56,23 +61,68 @@ class BwrapBackend(Backend):
     self.bwrap = bwrap.find_bwrap(bwrap_path)
     self.config = config or SandboxConfig()
     self.max_layers = max_layers
+    if host_uid <= 0 or host_gid <= 0:
+      raise ValueError(f"host_uid/host_gid must be unprivileged (> 0), got {host_uid}/{host_gid}")
+    self.owner = (host_uid, host_gid)
     self.cgroup_parents = limits.detect_parents()
     self.store = Store(state_root)
-    self._etc = os.path.join(self.store.path, "etc")
-    os.makedirs(self._etc)
-    for fname, text in bwrap.etc_files().items():
-      with open(os.path.join(self._etc, fname), "w") as f:
-        f.write(text)
     self._lock = threading.Lock()
     self._sandboxes: weakref.WeakSet[BwrapSandbox] = weakref.WeakSet()
+    self._staged: dict[str, str] = {}
     self._closed = False
+    try:
+      _check_traversable(self.store.path, *self.owner)
+      self._etc = os.path.join(self.store.path, "etc")
+      os.makedirs(self._etc, mode=0o755)
+      for fname, text in bwrap.etc_files().items():
+        with open(os.path.join(self._etc, fname), "w") as f:
+          f.write(text)
+        os.chmod(os.path.join(self._etc, fname), 0o644)
+      self._self_test()
+    except BaseException:
+      self.close()
+      raise
+
+  def _self_test(self) -> None:
+    """One `true` in an empty sandbox, so that a machine without user namespaces fails here, clearly."""
+    empty = os.path.join(self.store.path, "empty")
+    os.makedirs(empty)
+    with self.create(empty, SandboxConfig(limits=self.config.limits)) as sb:
+      r = sb.run(["true"], timeout=30)
+    if r.exit_code != 0:
+      raise BackendUnavailableError(
+        f"bubblewrap cannot start a sandbox here (exit {r.exit_code}): {r.stderr_text.strip()} -- user namespaces "
+        "may be disabled (sysctl user.max_user_namespaces / kernel.unprivileged_userns_clone).")
+
+  def ro_binds(self, config: SandboxConfig) -> list[tuple[str, str]]:
+    """(staged host source, path inside) for the host Python and `config.ro_binds`.
+
+    Each host dir is bind-mounted read-only once under the store, so the unprivileged bwrap can reach it even
+    below a root-only dir such as /root.
+    """
+    out = []
+    for p in bwrap.python_prefixes() + tuple(config.ro_binds):
+      real = os.path.realpath(p)
+      with self._lock:
+        self._check_open()
+        if real not in self._staged:
+          if os.path.isdir(real):
+            staged = self.store.new_bind_dir()
+            os.mkdir(staged)
+          else:
+            staged = self.store.new_bind_dir() + "f"
+            open(staged, "w").close()
+          overlay.bind_readonly(real, staged)
+          self._staged[real] = staged
+      out.append((self._staged[real], p))
+    return out
 
   def import_dir(self, base_dir: str) -> Snapshot:
     if not isinstance(base_dir, str | os.PathLike) or not os.path.isdir(base_dir):
       raise FileNotFoundError(f"base directory {base_dir!r} does not exist or is not a directory")
     self._check_open()
     layer = self.store.new_layer_dir()
-    overlay.copy_tree(os.fspath(base_dir), layer)
+    overlay.copy_tree(os.fspath(base_dir), layer, owner=self.owner)
     return Snapshot(self.name, (layer,), os.path.basename(layer))
 
   def fork(self, snapshot: Snapshot, config: SandboxConfig | None = None) -> BwrapSandbox:
@@ -109,9 +159,11 @@ class BwrapSandbox(Sandbox):
     self.dir = backend.store.new_sandbox_dir()
     self.upper, self.work, self.merged = (os.path.join(self.dir, x) for x in ("u", "w", "m"))
     self.cgroup = None
+    self._owner = backend.owner
     try:
       for d in (self.upper, self.work, self.merged):
         os.makedirs(d)
+      os.chown(self.upper, *self._owner)  # the workspace root (the overlay's root takes the upper's owner)
       self._mount()
       if backend.cgroup_parents:
         name = os.path.basename(backend.store.path) + "-" + os.path.basename(self.dir)
@@ -133,13 +185,14 @@ class BwrapSandbox(Sandbox):
           env: Mapping[str, str] | None = None) -> RunResult:
     if not timeout > 0:
       raise ValueError(f"timeout must be positive, got {timeout!r}")
-    argv = bwrap.build_argv(self.backend.bwrap, self.config, self.merged, self.backend._etc, cmd, env)
+    argv = bwrap.build_argv(self.backend.bwrap, self.config, self.merged, self.backend._etc, cmd, env,
+                            self.backend.ro_binds(self.config))
     with self._lock:
       self._check_open()
       cg = self.cgroup
       controllers = set(cg.dirs) if cg else set()
-      preexec = limits.make_preexec(cg.procs_files() if cg else [], limits.rlimits_for(self.config.limits,
-                                                                                          controllers))
+      rlimits = limits.rlimits_for(self.config.limits, controllers)
+      preexec = limits.make_preexec(cg.procs_files() if cg else [], rlimits, *self._owner)
       cpu_limit = self.config.limits.cpu_seconds
       poll = None
       if cg is not None:
@@ -190,6 +243,7 @@ class BwrapSandbox(Sandbox):
           self.layers = layers
           overlay.remove_tree(self.work)  # holds a root-only "work" dir from the old mount
           os.makedirs(self.upper)
+          os.chown(self.upper, *self._owner)
           os.makedirs(self.work)
         finally:
           self._mount()
@@ -199,6 +253,20 @@ class BwrapSandbox(Sandbox):
     if self.cgroup is not None:
       self.cgroup.remove()
     overlay.remove_tree(self.dir)
+
+
+def _check_traversable(path: str, uid: int, gid: int) -> None:
+  """Raises if `uid` cannot reach `path` (e.g. a state_root under a 0700 pytest tmp dir)."""
+  p = os.path.abspath(path)
+  while True:
+    st = os.stat(p)
+    bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+    if not st.st_mode & bit:
+      raise SandboxError(f"the sandbox uid {uid} cannot enter {p} (mode {oct(st.st_mode & 0o777)}), on the way to "
+                         f"{path}; choose a state_root whose parents are world-executable (e.g. under /tmp)")
+    if p == "/":
+      return
+    p = os.path.dirname(p)
 
 
 def _file_at_size(root: str, size: int, since: float, max_entries: int = 20_000) -> bool:

@@ -23,6 +23,9 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
 
 
 def _check_path(p: str) -> str:
@@ -59,6 +62,17 @@ def mount(layers: tuple[str, ...], target: str, upper: str | None = None, work: 
     raise OSError(err, f"mount overlay at {target} failed: {os.strerror(err)} (options: {opts[:200]}...)")
 
 
+def bind_readonly(src: str, target: str) -> None:
+  """Read-only bind mount of host `src` at `target` (read-only so that no rm -rf can ever go through it)."""
+  if _libc.mount(src.encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"bind mount {src} -> {target} failed: {os.strerror(err)}")
+  if _libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) != 0:
+    err = ctypes.get_errno()
+    umount(target)
+    raise OSError(err, f"read-only remount of {target} failed: {os.strerror(err)}")
+
+
 def umount(target: str, lazy: bool = False) -> None:
   if _libc.umount2(target.encode(), MNT_DETACH if lazy else 0) != 0:
     err = ctypes.get_errno()
@@ -77,36 +91,53 @@ def mounts_under(prefix: str) -> list[str]:
   return sorted(out, key=len, reverse=True)
 
 
-def copy_tree(src: str, dst: str) -> None:
-  """Copies a directory's contents with modes, times, links and xattrs, owned by the caller (cp -a is fast)."""
+def copy_tree(src: str, dst: str, owner: tuple[int, int] | None = None, preserve_owner: bool = False) -> None:
+  """Copies a directory's contents with modes, times, links and xattrs (cp -a is fast).
+
+  Args:
+    src, dst: source dir and destination dir (created if missing).
+    owner: (uid, gid) to give every copied entry, e.g. the sandbox's host uid so it can edit the files.
+    preserve_owner: keep the source's owners (flattening layers); else the copy belongs to the caller.
+  """
   os.makedirs(dst, exist_ok=True)
-  r = subprocess.run(["cp", "-a", "--no-preserve=ownership", "--reflink=auto", src.rstrip("/") + "/.", dst],
-                     capture_output=True, text=True)
+  cmd = ["cp", "-a", "--reflink=auto"] + ([] if preserve_owner else ["--no-preserve=ownership"])
+  r = subprocess.run(cmd + [src.rstrip("/") + "/.", dst], capture_output=True, text=True)
   if r.returncode != 0:
     raise OSError(f"copying {src} to {dst} failed: {r.stderr.strip()}")
+  if owner is not None:
+    r = subprocess.run(["chown", "-R", "--no-dereference", f"{owner[0]}:{owner[1]}", dst], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+      raise OSError(f"chown of {dst} failed: {r.stderr.strip()}")
 
 
 def flatten(layers: tuple[str, ...], dst: str, scratch: str) -> None:
   """Writes the merged view of `layers` into the new single layer `dst` (scratch: an empty dir for the mount)."""
   if len(layers) == 1:
-    copy_tree(layers[0], dst)
+    copy_tree(layers[0], dst, preserve_owner=True)
     return
   os.makedirs(scratch, exist_ok=True)
   mount(layers, scratch)
   try:
-    copy_tree(scratch, dst)
+    copy_tree(scratch, dst, preserve_owner=True)
   finally:
     umount(scratch)
     os.rmdir(scratch)
 
 
 def remove_tree(path: str) -> None:
-  """rm -rf that first unmounts anything below `path` (so it never deletes through a live mount)."""
+  """rm -rf that first unmounts everything below `path`, and refuses to delete if a mount is left.
+
+  Staged host binds (e.g. the host Python) live below the store: deleting through one would delete host files.
+  """
   for m in mounts_under(path):
     try:
       umount(m)
     except OSError:
-      umount(m, lazy=True)
+      umount(m, lazy=True)  # busy (a process still has it open): detach it from the tree instead
+  left = mounts_under(path)
+  if left:
+    raise OSError(f"refusing to delete {path}: still mounted below it: {left}")
   shutil.rmtree(path, ignore_errors=True)
   if os.path.exists(path):  # e.g. read-only dirs left by the command: make writable and retry
     for root, dirs, _ in os.walk(path):

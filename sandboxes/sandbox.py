@@ -25,6 +25,7 @@ class Sandbox(abc.ABC):
     self.config = config
     self._lock = threading.RLock()
     self._closed = False
+    self._owner: tuple[int, int] | None = None  # (uid, gid) host files written for the sandbox get
 
   # -- commands --------------------------------------------------------------------------------------------
   @abc.abstractmethod
@@ -67,7 +68,7 @@ class Sandbox(abc.ABC):
     """Writes (creating parent dirs); a str is UTF-8 encoded."""
     with self._lock:
       self._check_open()
-      fsops.write_file(self._root(), path, data, mode)
+      fsops.write_file(self._root(), path, data, mode, self._owner)
 
   def list_dir(self, path: str = ".") -> list[str]:
     """Sorted names in a workspace directory."""

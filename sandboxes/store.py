@@ -6,6 +6,8 @@ Layout (short paths: every lower layer is spelled out in the overlay mount optio
                                     /cgroups    one cgroup dir per line, appended as sandboxes are made
                                     /l/<n>      lower layers (immutable once written)
                                     /s/<n>/{u,w,m}  per sandbox: overlay upper, work dir, merged mount point
+                                    /ro/<n>     read-only bind mounts of host dirs shown inside (e.g. the host
+                                                Python under /root, which the unprivileged bwrap cannot reach)
 """
 
 from __future__ import annotations
@@ -44,14 +46,17 @@ class Store:
 
   def __init__(self, state_root: str | None = None):
     self.state_root = os.path.abspath(state_root or DEFAULT_STATE_ROOT)
-    os.makedirs(self.state_root, mode=0o700, exist_ok=True)
+    # 0o711: the unprivileged sandbox uid must traverse to its workspace and staged binds, but not list stores.
+    os.makedirs(self.state_root, mode=0o711, exist_ok=True)
+    os.chmod(self.state_root, 0o711)
     cleanup(self.state_root)
     pid = os.getpid()
     self.path = os.path.join(self.state_root, f"{pid}-{secrets.token_hex(3)}")
     # Built under a ".tmp" name and renamed, so a concurrent cleanup never sees a store without its owner file.
     tmp = self.path + ".tmp"
-    os.makedirs(os.path.join(tmp, "l"))
-    os.makedirs(os.path.join(tmp, "s"))
+    for sub in ("l", "s", "ro"):
+      os.makedirs(os.path.join(tmp, sub), mode=0o711)
+    os.chmod(tmp, 0o711)
     with open(os.path.join(tmp, "owner"), "w") as f:
       f.write(f"{pid} {_start_time(pid)}\n")
     os.rename(tmp, self.path)
@@ -66,6 +71,9 @@ class Store:
 
   def new_sandbox_dir(self) -> str:
     return os.path.join(self.path, "s", self.new_id())
+
+  def new_bind_dir(self) -> str:
+    return os.path.join(self.path, "ro", self.new_id())
 
   def record_cgroups(self, dirs: list[str]) -> None:
     with self._lock, open(os.path.join(self.path, "cgroups"), "a") as f:
