@@ -112,11 +112,14 @@ def run_process(
         kill(proc)
         proc.wait()
         break
-      wait = min(deadline, next_poll) - now if poll is not None else deadline - now
+      wait = max(0.0, min(deadline - now, next_poll - now if poll is not None else poll_interval, poll_interval))
       if sel.get_map():
-        pump(max(0.0, min(wait, poll_interval)))
-      else:
-        time.sleep(max(0.0, min(wait, poll_interval, 0.01)))
+        pump(wait)
+      else:  # output closed; wait for the exit itself (subprocess backs off from 0.5 ms, so short exits are quick)
+        try:
+          proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+          pass
     wall_s = time.monotonic() - t0
     kill(proc)  # reap anything the command left behind before draining the pipes
     drain_end = time.monotonic() + drain_timeout
