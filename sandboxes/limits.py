@@ -17,6 +17,10 @@ import time
 from sandboxes.types import Limits
 
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+
+
+class CgroupError(OSError):
+  """Creating or configuring a sandbox cgroup failed (e.g. cgroup v2 refuses controllers in a busy cgroup)."""
 _PERIOD_US = 100_000
 
 
@@ -95,11 +99,20 @@ class SandboxCgroup:
     try:
       for ctrl, parent in parents.items():
         path = os.path.join(parent, "composer_sandboxes", name)
-        if _is_v2(parent):
-          self._enable_v2(parent, os.path.join(parent, "composer_sandboxes"))
-        os.makedirs(path, exist_ok=True)
+        for attempt in range(3):  # a concurrent remove() may rmdir the shared parent between our two mkdirs
+          try:
+            if _is_v2(parent):
+              self._enable_v2(parent, os.path.join(parent, "composer_sandboxes"))
+            os.makedirs(path, exist_ok=True)
+            break
+          except FileNotFoundError:
+            if attempt == 2:
+              raise
         self.dirs[ctrl] = path
       self._apply()
+    except OSError as e:
+      self.remove()
+      raise CgroupError(f"cannot set up cgroup {name!r} under {sorted(set(parents.values()))}: {e}") from e
     except BaseException:
       self.remove()
       raise
@@ -223,7 +236,17 @@ class SandboxCgroup:
       self.kill_all()
     for d in sorted(set(self.dirs.values())):
       remove_cgroup_dir(d)
+      remove_if_empty(os.path.dirname(d))
     self.dirs = {}
+
+
+def remove_if_empty(group_parent: str) -> None:
+  """Removes the shared `composer_sandboxes` group once its last sandbox is gone, so that the caller's own cgroup
+  is left as it was (a supervisor may want to rmdir it)."""
+  try:
+    os.rmdir(group_parent)
+  except OSError:
+    pass  # other sandboxes still live there, or it is already gone
 
 
 def remove_cgroup_dir(d: str, tries: int = 100) -> None:

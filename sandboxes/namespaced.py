@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -69,6 +70,9 @@ class BwrapBackend(Backend):
     self._lock = threading.Lock()
     self._sandboxes: weakref.WeakSet[BwrapSandbox] = weakref.WeakSet()
     self._staged: dict[str, str] = {}
+    self._snapshots: dict[str, tuple[str, ...]] = {}  # live snapshot id -> layers
+    self._known_layers: set[str] = set()  # layers that _gc may delete once nothing uses them
+    self._pending: list[tuple[str, ...]] = []  # layers of forks being mounted right now
     self._closed = False
     try:
       _check_traversable(self.store.path, *self.owner)
@@ -84,11 +88,25 @@ class BwrapBackend(Backend):
       raise
 
   def _self_test(self) -> None:
-    """One `true` in an empty sandbox, so that a machine without user namespaces fails here, clearly."""
+    """One `true` in an empty sandbox, so that a machine without user namespaces fails here, clearly; also the
+    probe for usable cgroups."""
     empty = os.path.join(self.store.path, "empty")
     os.makedirs(empty)
-    with self.create(empty, SandboxConfig(limits=self.config.limits)) as sb:
-      r = sb.run(["true"], timeout=30)
+    snap = self.import_dir(empty)
+    cfg = SandboxConfig(limits=self.config.limits)
+    try:
+      try:
+        sb = self.fork(snap, cfg)
+      except limits.CgroupError as e:
+        warnings.warn(f"sandbox cgroups are unusable here ({e}); limits fall back to rlimits (RLIMIT_AS, "
+                      "RLIMIT_NPROC) and memory/pids hits are not reported", RuntimeWarning, stacklevel=3)
+        self.cgroup_parents = {}
+        sb = self.fork(snap, cfg)
+      with sb:
+        r = sb.run(["true"], timeout=30)
+    finally:
+      self.delete_snapshot(snap)
+      os.rmdir(empty)
     if r.exit_code != 0:
       raise BackendUnavailableError(
         f"bubblewrap cannot start a sandbox here (exit {r.exit_code}): {r.stderr_text.strip()} -- user namespaces "
@@ -122,17 +140,60 @@ class BwrapBackend(Backend):
       raise FileNotFoundError(f"base directory {base_dir!r} does not exist or is not a directory")
     self._check_open()
     layer = self.store.new_layer_dir()
-    overlay.copy_tree(os.fspath(base_dir), layer, owner=self.owner)
-    return Snapshot(self.name, (layer,), os.path.basename(layer))
+    try:
+      overlay.copy_tree(os.fspath(base_dir), layer, owner=self.owner)
+    except BaseException:
+      overlay.remove_tree(layer)
+      raise
+    with self._lock:
+      return self._register((layer,))
+
+  def _register(self, layers: tuple[str, ...]) -> Snapshot:
+    """A new live snapshot of `layers` (call with self._lock held)."""
+    self._check_open()
+    sid = "s" + self.store.new_id()
+    self._snapshots[sid] = layers
+    self._known_layers.update(layers)
+    return Snapshot(self.name, layers, sid)
 
   def fork(self, snapshot: Snapshot, config: SandboxConfig | None = None) -> BwrapSandbox:
-    self._check_open()
-    if snapshot.backend != self.name or not all(self.store.owns_layer(p) for p in snapshot.layers):
-      raise SandboxError(f"snapshot {snapshot.snapshot_id} was not made by this backend instance")
-    sb = BwrapSandbox(self, snapshot.layers, config or self.config)
     with self._lock:
-      self._sandboxes.add(sb)
+      self._check_open()
+      if snapshot.backend != self.name or self._snapshots.get(snapshot.snapshot_id) != snapshot.layers:
+        raise SandboxError(f"unknown snapshot {snapshot.snapshot_id}: deleted, or not made by this backend instance")
+      self._pending.append(snapshot.layers)  # keeps _gc off these layers until the fork is registered
+    try:
+      sb = BwrapSandbox(self, snapshot.layers, config or self.config)
+      with self._lock:
+        self._sandboxes.add(sb)
+    finally:
+      with self._lock:
+        self._pending.remove(snapshot.layers)
     return sb
+
+  def delete_snapshot(self, snapshot: Snapshot) -> None:
+    """Forgets a snapshot and deletes its layers unless another snapshot or a live fork still uses them."""
+    with self._lock:
+      if self._snapshots.pop(snapshot.snapshot_id, None) is None:
+        raise SandboxError(f"unknown snapshot {snapshot.snapshot_id}: already deleted, or not made by this backend")
+    self._gc()
+
+  def _gc(self) -> None:
+    """Deletes layers that no live snapshot, fork or fork-in-progress uses."""
+    with self._lock:
+      if self._closed:
+        return  # close() deletes the whole store
+      used = set().union(*self._snapshots.values(), *self._pending,
+                         *(sb.layers for sb in self._sandboxes if not sb.closed))
+      dead = self._known_layers - used
+      self._known_layers -= dead
+    for layer in dead:
+      overlay.remove_tree(layer)
+
+  @property
+  def live_layers(self) -> int:
+    """How many layer directories exist (for tests and monitoring)."""
+    return len(os.listdir(os.path.join(self.store.path, "l")))
 
   def _check_open(self) -> None:
     if self._closed:
@@ -230,29 +291,39 @@ class BwrapSandbox(Sandbox):
     with self._lock:
       self._check_open()
       store = self.backend.store
-      if os.listdir(self.upper):  # unchanged since the last snapshot/fork: reuse the same layers
-        overlay.umount(self.merged)
-        try:
-          layer = store.new_layer_dir()
-          os.rename(self.upper, layer)
-          layers = (layer,) + self.layers
-          if len(layers) > self.backend.max_layers or not overlay.fits(layers, self.upper, self.work):
-            flat = store.new_layer_dir()
-            overlay.flatten(layers, flat, scratch=os.path.join(self.dir, "f"))
-            layers = (flat,)
-          self.layers = layers
-          overlay.remove_tree(self.work)  # holds a root-only "work" dir from the old mount
+      if not os.listdir(self.upper):  # unchanged since the last snapshot/fork: the same layers, a new id
+        with self.backend._lock:
+          return self.backend._register(self.layers)
+      overlay.umount(self.merged)
+      try:
+        layer = store.new_layer_dir()
+        os.rename(self.upper, layer)
+        self.layers = (layer,) + self.layers  # from here on the fork's state lives in `layer`
+        with self.backend._lock:
+          self.backend._known_layers.add(layer)
+        if len(self.layers) > self.backend.max_layers or not overlay.fits(self.layers, self.upper, self.work):
+          flat = store.new_layer_dir()
+          overlay.flatten(self.layers, flat, scratch=os.path.join(self.dir, "f"))
+          with self.backend._lock:
+            self.backend._known_layers.add(flat)
+          self.layers = (flat,)
+        overlay.remove_tree(self.work)  # holds a root-only "work" dir from the old mount
+      finally:
+        if not os.path.isdir(self.upper):
           os.makedirs(self.upper)
           os.chown(self.upper, *self._owner)
-          os.makedirs(self.work)
-        finally:
-          self._mount()
-      return Snapshot(self.backend.name, self.layers, os.path.basename(self.layers[0]))
+        os.makedirs(self.work, exist_ok=True)
+        self._mount()
+      with self.backend._lock:
+        snap = self.backend._register(self.layers)
+    self.backend._gc()  # e.g. the layers a flatten replaced
+    return snap
 
   def _close(self) -> None:
     if self.cgroup is not None:
       self.cgroup.remove()
     overlay.remove_tree(self.dir)
+    self.backend._gc()  # layers only this fork still used (its snapshot was deleted while it lived)
 
 
 def _check_traversable(path: str, uid: int, gid: int) -> None:

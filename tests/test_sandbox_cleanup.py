@@ -60,6 +60,8 @@ def test_close_leaves_nothing(tmp_path):
   be.close()
   assert mounts_under(root) == [] and not os.path.exists(store)
   assert not any(os.path.exists(d) for d in cgroup_dirs)
+  for parent in {os.path.dirname(d) for d in cgroup_dirs}:  # the shared parent goes once no sandbox uses it
+    assert not os.path.exists(parent) or any(os.path.isdir(os.path.join(parent, c)) for c in os.listdir(parent))
   os.rmdir(root)  # empty: nothing else was left behind
 
 
