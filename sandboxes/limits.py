@@ -34,10 +34,10 @@ def _write(path: str, value: str) -> None:
     f.write(value)
 
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
-  """(mount point, fstype, super options) of cgroup mounts, from /proc/self/mountinfo."""
+def _mounts(mountinfo: str) -> list[tuple[str, str, set[str]]]:
+  """(mount point, fstype, super options) of the cgroup mounts in a /proc/self/mountinfo text."""
   out = []
-  for line in _read("/proc/self/mountinfo").splitlines():
+  for line in mountinfo.splitlines():
     pre, _, post = line.partition(" - ")
     fields, post_fields = pre.split(), post.split()
     if len(post_fields) >= 3 and post_fields[0] in ("cgroup", "cgroup2"):
@@ -45,26 +45,29 @@ def _mounts() -> list[tuple[str, str, set[str]]]:
   return out
 
 
-def _own_cgroups() -> dict[str, str]:
-  """Maps controller name (or "" for v2) to this process's cgroup path, from /proc/self/cgroup."""
+def _own_cgroups(proc_cgroup: str) -> dict[str, str]:
+  """Maps controller name (or "" for v2) to this process's cgroup path, from a /proc/self/cgroup text."""
   own = {}
-  for line in _read("/proc/self/cgroup").splitlines():
+  for line in proc_cgroup.splitlines():
     _, ctrls, path = line.split(":", 2)
     for c in ctrls.split(",") if ctrls else [""]:
       own[c] = path
   return own
 
 
-def detect_parents() -> dict[str, str]:
+def detect_parents(mountinfo: str | None = None, proc_cgroup: str | None = None) -> dict[str, str]:
   """Maps each available controller to the directory under which sandbox groups are created.
 
   v1 wins for a controller that is mounted as v1 (this machine: memory, pids, cpu, cpuacct); otherwise the v2
   tree is used if it lists the controller (`cpuacct`'s job is done by v2's `cpu.stat`).
+
+  Args:
+    mountinfo, proc_cgroup: texts of /proc/self/mountinfo and /proc/self/cgroup (read when None).
   """
-  own = _own_cgroups()
+  own = _own_cgroups(proc_cgroup if proc_cgroup is not None else _read("/proc/self/cgroup"))
   parents: dict[str, str] = {}
   v2_root = None
-  for point, fstype, opts in _mounts():
+  for point, fstype, opts in _mounts(mountinfo if mountinfo is not None else _read("/proc/self/mountinfo")):
     if fstype == "cgroup":
       for c in CONTROLLERS:
         if c in opts and c not in parents:
@@ -96,12 +99,13 @@ class SandboxCgroup:
     self.name = name
     self.limits = limits
     self.dirs: dict[str, str] = {}  # controller -> cgroup dir (several controllers share one dir on v2)
+    self.v2 = {ctrl: _is_v2(parent) for ctrl, parent in parents.items()}
     try:
       for ctrl, parent in parents.items():
         path = os.path.join(parent, "composer_sandboxes", name)
         for attempt in range(3):  # a concurrent remove() may rmdir the shared parent between our two mkdirs
           try:
-            if _is_v2(parent):
+            if self.v2[ctrl]:
               self._enable_v2(parent, os.path.join(parent, "composer_sandboxes"))
             os.makedirs(path, exist_ok=True)
             break
@@ -133,7 +137,7 @@ class SandboxCgroup:
     lim = self.limits
     if "memory" in self.dirs and lim.memory_bytes is not None:
       d = self.dirs["memory"]
-      if os.path.exists(os.path.join(d, "memory.max")):
+      if self.v2["memory"]:
         _write(os.path.join(d, "memory.max"), str(lim.memory_bytes))
         if os.path.exists(os.path.join(d, "memory.swap.max")):
           _write(os.path.join(d, "memory.swap.max"), "0")
@@ -148,7 +152,7 @@ class SandboxCgroup:
     if "cpu" in self.dirs and lim.cpus is not None:
       d = self.dirs["cpu"]
       quota = max(1000, int(lim.cpus * _PERIOD_US))
-      if os.path.exists(os.path.join(d, "cpu.max")):
+      if self.v2["cpu"]:
         _write(os.path.join(d, "cpu.max"), f"{quota} {_PERIOD_US}")
       else:
         _write(os.path.join(d, "cpu.cfs_period_us"), str(_PERIOD_US))
@@ -187,13 +191,16 @@ class SandboxCgroup:
   def cpu_seconds(self) -> float | None:
     """Total CPU seconds used by the group since it was created."""
     d = self.dirs.get("cpuacct")
-    if d is None:
-      return None
-    if os.path.exists(os.path.join(d, "cpuacct.usage")):
-      return int(_read(os.path.join(d, "cpuacct.usage"))) / 1e9
-    for line in _read(os.path.join(d, "cpu.stat")).splitlines():
-      if line.startswith("usage_usec "):
-        return int(line.split()[1]) / 1e6
+    try:
+      if d is None:
+        return None
+      if not self.v2["cpuacct"]:
+        return int(_read(os.path.join(d, "cpuacct.usage"))) / 1e9
+      for line in _read(os.path.join(d, "cpu.stat")).splitlines():
+        if line.startswith("usage_usec "):
+          return int(line.split()[1]) / 1e6
+    except (OSError, ValueError):
+      pass
     return None
 
   def _kv(self, ctrl: str, fname: str, key: str) -> int:

@@ -47,12 +47,16 @@ class BwrapBackend(Backend):
       would not fit the kernel's one-page limit). Deep stacks slow every lookup, so keep it well under 500.
     bwrap_path: explicit bwrap binary (else see `bwrap.find_bwrap`).
     host_uid, host_gid: the unprivileged host ids that sandboxed processes (and their files) have.
+    cgroup_parents: controller ("memory", "pids", "cpu", "cpuacct") -> cgroup dir to create sandbox groups under,
+      instead of the caller's own cgroups; e.g. a delegated, process-free cgroup on a cgroup v2 host. {} disables
+      cgroups (rlimits only).
   """
 
   name = "bwrap"
 
   def __init__(self, config: SandboxConfig | None = None, state_root: str | None = None, max_layers: int = 32,
-               bwrap_path: str | None = None, host_uid: int = 60000, host_gid: int = 60000):
+               bwrap_path: str | None = None, host_uid: int = 60000, host_gid: int = 60000,
+               cgroup_parents: dict[str, str] | None = None):
     if os.geteuid() != 0:
       raise BackendUnavailableError(
         "BwrapBackend needs root for overlay mounts and cgroups (rootless mode is not implemented); run as root, "
@@ -65,7 +69,8 @@ class BwrapBackend(Backend):
     if host_uid <= 0 or host_gid <= 0:
       raise ValueError(f"host_uid/host_gid must be unprivileged (> 0), got {host_uid}/{host_gid}")
     self.owner = (host_uid, host_gid)
-    self.cgroup_parents = limits.detect_parents()
+    self.cgroup_parents = limits.detect_parents() if cgroup_parents is None else dict(cgroup_parents)
+    self._cgroups_explicit = cgroup_parents is not None
     self.store = Store(state_root)
     self._lock = threading.Lock()
     self._sandboxes: weakref.WeakSet[BwrapSandbox] = weakref.WeakSet()
@@ -98,6 +103,8 @@ class BwrapBackend(Backend):
       try:
         sb = self.fork(snap, cfg)
       except limits.CgroupError as e:
+        if self._cgroups_explicit:
+          raise
         warnings.warn(f"sandbox cgroups are unusable here ({e}); limits fall back to rlimits (RLIMIT_AS, "
                       "RLIMIT_NPROC) and memory/pids hits are not reported", RuntimeWarning, stacklevel=3)
         self.cgroup_parents = {}
