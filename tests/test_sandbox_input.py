@@ -163,3 +163,12 @@ def test_config_validation(tmp_path):
     SandboxConfig(ro_binds=(str(tmp_path / "missing"),))
   with pytest.raises(ValueError, match="memory_bytes must be positive"):
     Limits(memory_bytes=0)
+
+
+@root_only
+def test_large_stdin_to_a_command_that_ignores_it(sb):
+  # 1 MB of stdin to a command that never reads it and writes a lot: must neither deadlock nor lose output.
+  r = sb.run("head -c 300000 /dev/zero | wc -c", stdin=b"x" * 1_000_000, timeout=20)
+  assert r.ok and r.stdout == b"300000\n"
+  r = sb.run("wc -c", stdin=b"y" * 1_000_000, timeout=20)
+  assert r.stdout == b"1000000\n"
