@@ -70,8 +70,9 @@ CHILD = textwrap.dedent("""
   from sandboxes import BwrapBackend
   be = BwrapBackend(state_root=sys.argv[1])
   sb = be.create(sys.argv[2])
-  threading.Thread(target=sb.run, args=("sleep " + sys.argv[3],), kwargs={"timeout": 300}, daemon=True).start()
-  print(be.store.path, " ".join(sorted(set(sb.cgroup.dirs.values()))), flush=True)
+  cmd = "touch started; sleep " + sys.argv[3]
+  threading.Thread(target=sb.run, args=(cmd,), kwargs={"timeout": 300}, daemon=True).start()
+  print(be.store.path, sb.merged, " ".join(sorted(set(sb.cgroup.dirs.values()))), flush=True)
   threading.Event().wait()
 """)
 
@@ -84,8 +85,10 @@ def test_parent_sigkill_then_cleanup(tmp_path):
   child = subprocess.Popen([sys.executable, "-c", CHILD, root, str(tmp_path), marker], stdout=subprocess.PIPE,
                            text=True, cwd=repo, env={**os.environ, "PYTHONPATH": repo})
   try:
-    store, *cgroup_dirs = child.stdout.readline().split()
-    assert _wait_until(lambda: _procs_with(f"sleep {marker}")), "the sandboxed command never started"
+    store, workspace, *cgroup_dirs = child.stdout.readline().split()
+    # Wait until the command itself runs (not just its launcher), then kill the parent.
+    assert _wait_until(lambda: os.path.exists(os.path.join(workspace, "started"))), "the command never started"
+    assert _procs_with(f"sleep {marker}")
     assert mounts_under(store)
     child.send_signal(signal.SIGKILL)
     child.wait()

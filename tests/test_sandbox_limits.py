@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from sandboxes import BwrapBackend, Limits, SandboxConfig
+from sandboxes import BwrapBackend, Limits, SandboxConfig, limits
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
 
@@ -13,11 +13,14 @@ MiB = 1 << 20
 LIMITS = Limits(memory_bytes=64 * MiB, max_pids=32, file_size_bytes=1 * MiB, cpu_seconds=1.0)
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
+# Both ways of putting bwrap into its cgroups/rlimits/uid must enforce the same limits.
+@pytest.fixture(scope="module", params=["exec", "preexec"])
+def backend(request, tmp_path_factory):
   base = tmp_path_factory.mktemp("base")
   (base / "a.txt").write_text("a")
-  be = BwrapBackend(config=SandboxConfig(limits=LIMITS))
+  be = BwrapBackend(config=SandboxConfig(limits=LIMITS), launcher=request.param)
+  if request.param == "exec":
+    assert limits.launcher_argv([], []) is not None, "util-linux prlimit/setpriv are expected on this machine"
   be.test_snapshot = be.import_dir(str(base))
   yield be
   be.close()
