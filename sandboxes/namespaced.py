@@ -116,6 +116,11 @@ class BwrapBackend(Backend):
                       "RLIMIT_NPROC) and memory/pids hits are not reported", RuntimeWarning, stacklevel=3)
         self.cgroup_parents = {}
         sb = self.fork(snap, cfg)
+      except OSError as e:
+        raise BackendUnavailableError(
+          f"cannot mount an overlay for a sandbox under {self.store.path}: {e}. The state_root must be on a "
+          "filesystem that can hold overlayfs upper dirs (ext4, xfs, tmpfs; not overlayfs itself, as inside many "
+          "containers): try state_root='/dev/shm/composer_sandboxes'.") from e
       with sb:
         r = sb.run(["true"], timeout=30)
     finally:

@@ -2,11 +2,23 @@
 
 import os
 import random
+import shutil
+import tempfile
 
 import pytest
 
-from sandboxes import BwrapBackend, Limits, SandboxClosedError, SandboxConfig, SandboxError, Snapshot, make_backend
+from sandboxes import (
+  BackendUnavailableError,
+  BwrapBackend,
+  Limits,
+  SandboxClosedError,
+  SandboxConfig,
+  SandboxError,
+  Snapshot,
+  make_backend,
+)
 from sandboxes.fsops import resolve_in_root
+from sandboxes.overlay import mount, umount
 from sandboxes.process import CappedBuffer
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
@@ -172,3 +184,27 @@ def test_large_stdin_to_a_command_that_ignores_it(sb):
   assert r.ok and r.stdout == b"300000\n"
   r = sb.run("wc -c", stdin=b"y" * 1_000_000, timeout=20)
   assert r.stdout == b"1000000\n"
+
+
+@root_only
+def test_state_root_that_cannot_hold_overlays_is_a_clear_error():
+  # overlayfs cannot be the upper filesystem of another overlay (the situation inside many containers).
+  top = tempfile.mkdtemp(prefix="sbx_overlay_root_")
+  os.chmod(top, 0o755)
+  lower, upper, work, merged = (os.path.join(top, x) for x in ("lo", "up", "wk", "mnt"))
+  for d in (lower, upper, work, merged):
+    os.mkdir(d)
+  mount((lower,), merged, upper, work)
+  try:
+    with pytest.raises(BackendUnavailableError, match="cannot mount an overlay"):
+      BwrapBackend(state_root=os.path.join(merged, "state"))
+  finally:
+    umount(merged)
+    shutil.rmtree(top)
+
+
+@root_only
+def test_state_root_the_sandbox_user_cannot_reach(tmp_path):
+  os.chmod(tmp_path, 0o700)
+  with pytest.raises(SandboxError, match="cannot enter"):
+    BwrapBackend(state_root=str(tmp_path / "state"))

@@ -102,6 +102,18 @@ def test_no_capabilities_and_no_nested_userns(sb):
   assert r.stdout_text.split() == ["NoNewPrivs:", "1"]
 
 
+def test_every_namespace_is_new(sb):
+  kinds = ["cgroup", "ipc", "mnt", "net", "pid", "user", "uts"]
+  r = sb.run("for k in " + " ".join(kinds) + "; do readlink /proc/self/ns/$k; done; hostname")
+  assert r.ok, r.stderr_text
+  *inside, hostname = r.stdout_text.split()
+  host = [os.readlink(f"/proc/self/ns/{k}") for k in kinds]
+  assert len(inside) == len(kinds)
+  for k, a, b in zip(kinds, inside, host, strict=True):
+    assert a != b, f"the sandbox shares the host's {k} namespace"
+  assert hostname == "sandbox"
+
+
 def test_own_pid_namespace(sb):
   r = sb.run("ls /proc | grep -E '^[0-9]+$' | wc -l")
   assert int(r.stdout_text) < 10  # only the sandbox's few processes, not the host's
