@@ -50,6 +50,16 @@ def test_no_network_to_host_loopback(sb):
   assert r.stdout_text.split() == ["lo"]  # a fresh net namespace has only its own loopback
 
 
+def test_network_opt_in_reaches_host_loopback(backend, base):
+  # The positive control for the test above: the same connect works when the network is explicitly shared.
+  with socket.socket() as srv, backend.fork(backend.import_dir(base), SandboxConfig(network=True)) as s:
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    code = f"import socket; socket.create_connection(('127.0.0.1', {srv.getsockname()[1]}), timeout=5); print('ok')"
+    r = s.run(["python3", "-c", code], timeout=10)
+    assert r.stdout == b"ok\n", r.stderr_text
+
+
 @pytest.mark.parametrize(
   "path", ["/etc/x", "/usr/x", "/x", "/root/x", "/proc/sys/vm/swappiness", "/proc/sys/kernel/core_pattern"])
 def test_writes_outside_workspace_fail(sb, path):
