@@ -2,6 +2,7 @@
 
 import os
 import socket
+import sys
 
 import pytest
 
@@ -140,3 +141,15 @@ def test_host_python_and_extra_ro_binds(backend, base, tmp_path):
     r = s.run("python3 -c 'import sys; print(sys.version_info[0])'; mytool; touch " + str(tool / "new"))
     assert r.stdout_text.split() == ["3", "tool-ran"]
     assert r.exit_code != 0 and not (tool / "new").exists()  # the extra bind is read-only
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the tests are not running from a venv to share")
+def test_venv_python_and_ruff_through_ro_binds(backend, base):
+  venv = sys.prefix
+  cfg = SandboxConfig(ro_binds=(venv,), path_prefix=(os.path.join(venv, "bin"),))
+  with backend.fork(backend.import_dir(base), cfg) as s:
+    s.write_file("bad.py", "import os\n")
+    r = s.run("python -c 'import numpy, sys; print(sys.prefix == sys.base_prefix)'; ruff check --no-cache -q bad.py",
+              timeout=60)
+    assert r.stdout_text.splitlines()[0] == "False", r.stderr_text  # the venv's python, with its packages
+    assert r.exit_code == 1 and "F401" in r.stdout_text, r.stdout_text + r.stderr_text  # ruff ran and found it
