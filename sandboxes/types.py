@@ -100,7 +100,7 @@ class RunResult:
 
   Attributes:
     exit_code: the command's exit status as a shell reports it (128+N when killed by signal N); None when
-      the sandbox itself was killed (timeout or CPU-time limit) before the command exited.
+      the sandbox itself was killed (timeout, CPU-time limit, or closed from another thread) before it exited.
     stdout, stderr: captured bytes, each at most `output_limit_bytes` (head and tail kept when cut).
     stdout_truncated, stderr_truncated: whether bytes were dropped.
     wall_s: wall-clock seconds from launch to exit.

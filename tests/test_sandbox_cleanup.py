@@ -118,3 +118,21 @@ def test_cleanup_spares_live_owners():
   finally:
     cleanup(root)
     os.rmdir(root)
+
+
+def test_close_from_another_thread_kills_the_running_command(tmp_path):
+  import threading
+
+  with BwrapBackend() as be:
+    sb = be.create(str(tmp_path))
+    results = []
+    t = threading.Thread(target=lambda: results.append(sb.run("sleep 30", timeout=60)))
+    t.start()
+    assert _wait_until(lambda: sb.cgroup.pids()), "the command never started"
+    t0 = time.monotonic()
+    sb.close()
+    t.join(10)
+    assert time.monotonic() - t0 < 5 and results
+    r = results[0]
+    assert r.exit_code is None and not r.timed_out and r.limit_hit is None
+    assert not os.path.exists(sb.dir)
