@@ -21,11 +21,11 @@ import time
 from sandboxes.types import Limits
 
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+_PERIOD_US = 100_000  # CFS period for the `cpus` bandwidth limit
 
 
 class CgroupError(OSError):
   """Creating or configuring a sandbox cgroup failed (e.g. cgroup v2 refuses controllers in a busy cgroup)."""
-_PERIOD_US = 100_000
 
 
 def _read(path: str) -> str:
@@ -271,12 +271,11 @@ def remove_cgroup_dir(d: str, tries: int = 100) -> None:
     except OSError as e:
       if e.errno != errno.EBUSY:
         raise
-      for f in ("cgroup.procs",):
-        try:
-          for pid in _read(os.path.join(d, f)).split():
-            os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError):
-          pass
+      try:
+        for pid in _read(os.path.join(d, "cgroup.procs")).split():
+          os.kill(int(pid), signal.SIGKILL)
+      except (OSError, ValueError):
+        pass
       time.sleep(0.01)
   raise OSError(errno.EBUSY, f"cgroup {d} still busy after {tries} tries")
 
