@@ -288,12 +288,20 @@ class BwrapSandbox(Sandbox):
       if cg is not None:
         cg.start_run()
 
+      disk_limit = self.config.limits.disk_bytes
+      next_disk_check = [time.monotonic() + self.config.limits.disk_poll_s]
+
       def poll() -> str | None:
         if self._closing:
           return "closed"
         if cpu_limit is not None:
           used = cg.run_cpu_seconds()
-          return "cpu_time" if used is not None and used > cpu_limit else None
+          if used is not None and used > cpu_limit:
+            return "cpu_time"
+        if disk_limit is not None and time.monotonic() >= next_disk_check[0]:
+          next_disk_check[0] = time.monotonic() + self.config.limits.disk_poll_s
+          if _tree_bytes(self.upper, stop_above=disk_limit) > disk_limit:
+            return "disk"
         return None
 
       def kill(proc: subprocess.Popen) -> None:
@@ -371,6 +379,27 @@ def _check_traversable(path: str, uid: int, gid: int) -> None:
     if p == "/":
       return
     p = os.path.dirname(p)
+
+
+def _tree_bytes(root: str, stop_above: int) -> int:
+  """Disk usage (allocated blocks) of a tree; stops counting once above `stop_above`."""
+  total = 0
+  stack = [root]
+  while stack and total <= stop_above:
+    try:
+      it = os.scandir(stack.pop())
+    except OSError:
+      continue
+    with it:
+      for e in it:
+        try:
+          st = e.stat(follow_symlinks=False)
+        except OSError:
+          continue
+        total += st.st_blocks * 512
+        if e.is_dir(follow_symlinks=False):
+          stack.append(e.path)
+  return total
 
 
 def _file_at_size(root: str, size: int, since: float, max_entries: int = 20_000) -> bool:
