@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,19 @@ def median_ms(fn, n: int) -> float:
     fn()
     times.append((time.perf_counter() - t) * 1e3)
   return statistics.median(times)
+
+
+def cpu_ms_per_call(fn, n: int) -> float:
+  """CPU time (user + sys, this process and its children) per call: unlike wall time, load on the machine
+  does not inflate it, so it shows what a launch costs when cores are free."""
+  def cpu() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+  c0 = cpu()
+  for _ in range(n):
+    fn()
+  return (cpu() - c0) / n * 1e3
 
 
 def main() -> None:
@@ -71,11 +85,13 @@ def main() -> None:
     with backend.fork(snap) as sb:
       sb.run(["true"])  # warm: stages the host Python bind, page cache
       sandbox_ms = median_ms(lambda: sb.run(["true"]), args.n)
+      sandbox_cpu_ms = cpu_ms_per_call(lambda: sb.run(["true"]), args.n)
       python_ms = median_ms(lambda: sb.run(["python3", "-c", "pass"]), max(5, args.n // 3))
       backend.launcher = "preexec"  # the fork()-based launcher, for comparison
       sandbox_preexec_ms = median_ms(lambda: sb.run(["true"]), args.n)
       backend.launcher = "exec"
     plain_ms = median_ms(lambda: subprocess.run(["true"], capture_output=True), args.n)
+    plain_cpu_ms = cpu_ms_per_call(lambda: subprocess.run(["true"], capture_output=True), args.n)
     # The interpreter the sandbox finds as `python3` (not a pyenv shim script, which would add ~200 ms).
     python = os.path.join(sys.base_prefix, "bin", "python3")
     plain_python_ms = median_ms(lambda: subprocess.run([python, "-c", "pass"], capture_output=True),
@@ -94,6 +110,7 @@ def main() -> None:
     "files": args.files, "import_s": round(import_s, 3), "fork_ms_median": round(fork_ms, 3),
     "close_ms_median": round(close_ms, 3), "sandbox_true_ms": round(sandbox_ms, 3), "plain_true_ms": round(plain_ms, 3),
     "exec_overhead_ms": round(sandbox_ms - plain_ms, 3),
+    "exec_overhead_cpu_ms": round(sandbox_cpu_ms - plain_cpu_ms, 3), "load_avg_1m": os.getloadavg()[0],
     "exec_overhead_preexec_ms": round(sandbox_preexec_ms - plain_ms, 3), "ballast_gb": args.ballast_gb,
     "python_overhead_ms": round(python_ms - plain_python_ms, 3),
     "forks_runs_per_s": round(throughput, 2), "concurrency": args.concurrency,
@@ -102,6 +119,8 @@ def main() -> None:
   print(f"fork (overlay mount + cgroup): median {fork_ms:.2f} ms (target <= 10); close {close_ms:.2f} ms")
   print(f"`true`: sandbox {sandbox_ms:.2f} ms vs plain subprocess {plain_ms:.2f} ms -> overhead "
         f"{sandbox_ms - plain_ms:.2f} ms (target <= 15)")
+  print(f"  CPU time per launch (load-independent): sandbox {sandbox_cpu_ms:.2f} ms vs plain {plain_cpu_ms:.2f} ms; "
+        f"1-min load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
   print(f"  same with launcher='preexec' (fork of this {args.ballast_gb} GB-ballast process): "
         f"{sandbox_preexec_ms:.2f} ms")
   print(f"`python3 -c pass`: sandbox {python_ms:.1f} ms vs plain {plain_python_ms:.1f} ms")
