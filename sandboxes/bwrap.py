@@ -85,20 +85,24 @@ def shell_argv(cmd: str | Sequence[str]) -> list[str]:
 
 
 def build_argv(
-  bwrap: str, config: SandboxConfig, workspace: str, etc_dir: str, cmd: str | Sequence[str],
-  env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
+  bwrap: str, config: SandboxConfig, workspace: str | tuple[tuple[str, ...], str | None, str | None], etc_dir: str,
+  cmd: str | Sequence[str], env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
+  rw_binds: Sequence[tuple[str, str]] = (),
 ) -> list[str]:
   """The full bwrap command line for one run.
 
   Args:
     bwrap: the binary.
     config: the sandbox config (env, path_prefix, limits.tmp_bytes, network).
-    workspace: host dir bound read-write at /workspace (the only writable place besides the private /tmp).
+    workspace: host dir bound read-write at /workspace (the only writable place besides the private /tmp), or
+      (layers topmost first, upper, work) for bwrap to mount an overlay there itself (rootless mode; upper None
+      for a read-only overlay).
     etc_dir: host dir with the synthesized passwd/group files.
     cmd: the command (see `Sandbox.run`).
     env: per-run extra environment.
     ro_binds: (host source, path inside) pairs bound read-only, e.g. the host Python and `config.ro_binds`
       (the backend passes staged sources the unprivileged bwrap can reach).
+    rw_binds: (host source, path inside) pairs bound read-write (internal use: flattening a snapshot).
   """
   a = [bwrap, "--unshare-all"]
   if config.network:
@@ -119,7 +123,16 @@ def build_argv(
   a += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.limits.tmp_bytes), "--tmpfs", "/tmp"]
   for src, dst in ro_binds:  # after /tmp's tmpfs, which would otherwise hide binds below /tmp
     a += ["--ro-bind", src, dst]
-  a += ["--bind", workspace, WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
+  for src, dst in rw_binds:
+    a += ["--bind", src, dst]
+  if isinstance(workspace, str):
+    a += ["--bind", workspace, WORKSPACE]
+  else:
+    layers, upper, work = workspace
+    for layer in reversed(layers):  # bwrap takes the lowest layer first
+      a += ["--overlay-src", layer]
+    a += ["--ro-overlay", WORKSPACE] if upper is None else ["--overlay", upper, work, WORKSPACE]
+  a += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
   full_env = {"HOME": "/tmp", "PATH": default_path(config), "LANG": "C.UTF-8", "TMPDIR": "/tmp",
               "USER": "sandbox", "WORKSPACE": WORKSPACE}
   full_env.update(dict(config.env))

@@ -280,8 +280,23 @@ def remove_cgroup_dir(d: str, tries: int = 100) -> None:
   raise OSError(errno.EBUSY, f"cgroup {d} still busy after {tries} tries")
 
 
-def rlimits_for(limits: Limits, cgroup_controllers: set[str]) -> list[tuple[int, int, int]]:
-  """(resource, soft, hard) to set in the child; backstops for what the cgroups cannot or do not cover."""
+def processes_of(uid: int) -> int:
+  """How many processes `uid` has now (RLIMIT_NPROC counts them all, not just one sandbox's)."""
+  n = 0
+  for pid in os.listdir("/proc"):
+    if pid.isdigit():
+      try:
+        n += os.stat(f"/proc/{pid}").st_uid == uid
+      except OSError:
+        pass
+  return n
+
+
+def rlimits_for(limits: Limits, cgroup_controllers: set[str], nproc_base: int = 0) -> list[tuple[int, int, int]]:
+  """(resource, soft, hard) to set in the child; backstops for what the cgroups cannot or do not cover.
+
+  `nproc_base` is added to `max_pids` for RLIMIT_NPROC, which counts every process of the user.
+  """
   out = [(resource.RLIMIT_NOFILE, limits.open_files, limits.open_files), (resource.RLIMIT_CORE, 0, 0)]
   if limits.file_size_bytes is not None:
     out.append((resource.RLIMIT_FSIZE, limits.file_size_bytes, limits.file_size_bytes))
@@ -291,7 +306,7 @@ def rlimits_for(limits: Limits, cgroup_controllers: set[str]) -> list[tuple[int,
     sec = math.ceil(limits.cpu_seconds) + 1
     out.append((resource.RLIMIT_CPU, sec, sec + 1))
   if limits.max_pids is not None and "pids" not in cgroup_controllers:
-    out.append((resource.RLIMIT_NPROC, limits.max_pids, limits.max_pids))
+    out.append((resource.RLIMIT_NPROC, limits.max_pids + nproc_base, limits.max_pids + nproc_base))
   if limits.memory_bytes is not None and "memory" not in cgroup_controllers:
     out.append((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes))
   return out

@@ -9,6 +9,7 @@ dies) the pid namespace ends and takes every process with it.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -18,11 +19,12 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 
-from sandboxes import bwrap, limits, overlay
+from sandboxes import bwrap, fsops, limits, overlay
 from sandboxes.process import run_process
 from sandboxes.sandbox import Backend, Sandbox
 from sandboxes.store import Store
 from sandboxes.types import (
+  WORKSPACE,
   BackendUnavailableError,
   RunResult,
   SandboxClosedError,
@@ -61,23 +63,29 @@ class BwrapBackend(Backend):
   def __init__(self, config: SandboxConfig | None = None, state_root: str | None = None, max_layers: int = 32,
                bwrap_path: str | None = None, host_uid: int = 60000, host_gid: int = 60000,
                cgroup_parents: dict[str, str] | None = None, launcher: str = "exec"):
-    if os.geteuid() != 0:
-      raise BackendUnavailableError(
-        "BwrapBackend needs root for overlay mounts and cgroups (rootless mode is not implemented); run as root, "
-        "or explicitly choose the unsafe `UnsafeLocalBackend`.")
+    # Rootless: bwrap mounts the overlay itself, inside the sandbox; the sandbox runs as the caller's uid; file
+    # calls go through commands in the sandbox; limits are rlimits unless a writable cgroup is given.
+    self.rootless = os.geteuid() != 0
     if not 1 <= max_layers <= overlay.MAX_KERNEL_LAYERS:
       raise ValueError(f"{max_layers=} must be in [1, {overlay.MAX_KERNEL_LAYERS}]")
     self.bwrap = bwrap.find_bwrap(bwrap_path)
     self.config = config or SandboxConfig()
     self.max_layers = max_layers
-    if host_uid <= 0 or host_gid <= 0:
+    if self.rootless:
+      host_uid, host_gid = os.getuid(), os.getgid()
+    elif host_uid <= 0 or host_gid <= 0:
       raise ValueError(f"host_uid/host_gid must be unprivileged (> 0), got {host_uid}/{host_gid}")
     self.owner = (host_uid, host_gid)
+    self._switch_uid = None if self.rootless else self.owner  # (uid, gid) the launcher drops to
     if launcher not in ("exec", "preexec"):
       raise ValueError(f"unknown launcher {launcher!r}; valid: ['exec', 'preexec']")
     self.launcher = launcher
     self.cgroup_parents = limits.detect_parents() if cgroup_parents is None else dict(cgroup_parents)
     self._cgroups_explicit = cgroup_parents is not None
+    if self.rootless and not self.cgroup_parents:
+      warnings.warn("rootless BwrapBackend without a writable (delegated) cgroup: memory is limited by RLIMIT_AS "
+                    "and processes by RLIMIT_NPROC over all of this user's processes; memory/pids/disk-in-cgroup "
+                    "hits are not reported as such", RuntimeWarning, stacklevel=2)
     self.store = Store(state_root)
     self._lock = threading.Lock()
     self._sandboxes: weakref.WeakSet[BwrapSandbox] = weakref.WeakSet()
@@ -140,6 +148,9 @@ class BwrapBackend(Backend):
     out = []
     for p in bwrap.python_prefixes() + tuple(config.ro_binds):
       real = os.path.realpath(p)
+      if self.rootless:  # nothing to stage (and no right to mount): what the caller reaches, bwrap reaches
+        out.append((real, p))
+        continue
       with self._lock:
         self._check_open()
         if real not in self._staged:
@@ -240,6 +251,7 @@ class BwrapSandbox(Sandbox):
     self.upper, self.work, self.merged = (os.path.join(self.dir, x) for x in ("u", "w", "m"))
     self.cgroup = None
     self._closing = False
+    self._at_limit: set[tuple[str, int]] = set()  # files at file_size_bytes after the last run
     self._owner = backend.owner
     try:
       for d in (self.upper, self.work, self.merged):
@@ -262,28 +274,42 @@ class BwrapSandbox(Sandbox):
     super().close()
 
   def _mount(self) -> None:
-    overlay.mount(self.layers, self.merged, self.upper, self.work)
+    if not self.backend.rootless:  # rootless: bwrap mounts the overlay inside each sandbox instead
+      overlay.mount(self.layers, self.merged, self.upper, self.work)
 
   def _root(self) -> str:
     return self.merged
 
   def run(self, cmd: str | Sequence[str], timeout: float = 60.0, stdin: bytes | None = None,
           env: Mapping[str, str] | None = None) -> RunResult:
+    return self._run(cmd, timeout, stdin, env)
+
+  def _run(self, cmd: str | Sequence[str], timeout: float = 60.0, stdin: bytes | None = None,
+           env: Mapping[str, str] | None = None, output_limit: int | None = None,
+           workspace: tuple[tuple[str, ...], str | None, str | None] | None = None,
+           rw_binds: Sequence[tuple[str, str]] = ()) -> RunResult:
+    """`run` with internal options: a bigger output cap (file reads), another workspace or extra binds (flatten)."""
     if not timeout > 0:
       raise ValueError(f"timeout must be positive, got {timeout!r}")
-    argv = bwrap.build_argv(self.backend.bwrap, self.config, self.merged, self.backend._etc, cmd, env,
-                            self.backend.ro_binds(self.config))
     with self._lock:
       self._check_open()
+      if workspace is None:
+        workspace = (self.layers, self.upper, self.work) if self.backend.rootless else self.merged
+      argv = bwrap.build_argv(self.backend.bwrap, self.config, workspace, self.backend._etc, cmd, env,
+                              self.backend.ro_binds(self.config), rw_binds)
       cg = self.cgroup
       controllers = set(cg.dirs) if cg else set()
-      rlimits = limits.rlimits_for(self.config.limits, controllers)
+      nproc_base = 0
+      if self.backend.rootless and "pids" not in controllers and self.config.limits.max_pids is not None:
+        nproc_base = limits.processes_of(os.getuid())
+      rlimits = limits.rlimits_for(self.config.limits, controllers, nproc_base)
       procs = cg.procs_files() if cg else []
-      launcher = limits.launcher_argv(procs, rlimits, *self._owner) if self.backend.launcher == "exec" else None
+      uid_gid = self.backend._switch_uid or (None, None)
+      launcher = limits.launcher_argv(procs, rlimits, *uid_gid) if self.backend.launcher == "exec" else None
       if launcher is not None:
         argv, popen_kw = launcher + argv, {}
       else:
-        popen_kw = {"preexec_fn": limits.make_preexec(procs, rlimits, *self._owner)}
+        popen_kw = {"preexec_fn": limits.make_preexec(procs, rlimits, *uid_gid)}
       cpu_limit = self.config.limits.cpu_seconds if cg is not None and "cpuacct" in controllers else None
       if cg is not None:
         cg.start_run()
@@ -310,17 +336,18 @@ class BwrapSandbox(Sandbox):
         if cg is not None:
           cg.kill_all()
 
-      t_start = time.time()
-      out = run_process(argv, timeout=timeout, output_limit=self.config.output_limit_bytes, kill=kill, poll=poll,
-                        stdin=stdin, start_new_session=True, **popen_kw)
+      out = run_process(argv, timeout=timeout, output_limit=output_limit or self.config.output_limit_bytes, kill=kill,
+                        poll=poll, stdin=stdin, start_new_session=True, **popen_kw)
       hit = cg.limit_hit() if cg is not None else None
       if hit is None:
         hit = _limit_from_exit(out.kill_reason, out.returncode)
-      if hit is None and self.config.limits.file_size_bytes is not None:
-        # SIGXFSZ may kill a child whose status the shell hides (`cmd > f; echo done`); a file left at exactly the
-        # limit, written during this run, is the trace it leaves.
-        if _file_at_size(self.upper, self.config.limits.file_size_bytes, t_start - 1):
+      if self.config.limits.file_size_bytes is not None:
+        # SIGXFSZ may kill a child whose status the shell hides (`cmd > f; echo done`); a file at exactly the
+        # limit that was not there (with that mtime) after the previous run is the trace it leaves.
+        at_limit = _files_at_size(self.upper, self.config.limits.file_size_bytes)
+        if hit is None and at_limit - self._at_limit:
           hit = "file_size"
+        self._at_limit = at_limit
       rc = out.returncode
       if rc == 1 and out.stderr.startswith(b"bwrap: execvp "):
         rc = 127  # bwrap's own report of a missing argv[0]; 127 is what a shell says
@@ -335,7 +362,8 @@ class BwrapSandbox(Sandbox):
       if not os.listdir(self.upper):  # unchanged since the last snapshot/fork: the same layers, a new id
         with self.backend._lock:
           return self.backend._register(self.layers)
-      overlay.umount(self.merged)
+      if not self.backend.rootless:
+        overlay.umount(self.merged)
       try:
         layer = store.new_layer_dir()
         os.rename(self.upper, layer)
@@ -344,7 +372,10 @@ class BwrapSandbox(Sandbox):
           self.backend._known_layers.add(layer)
         if len(self.layers) > self.backend.max_layers or not overlay.fits(self.layers, self.upper, self.work):
           flat = store.new_layer_dir()
-          overlay.flatten(self.layers, flat, scratch=os.path.join(self.dir, "f"))
+          if self.backend.rootless:
+            self._flatten_inside(flat)
+          else:
+            overlay.flatten(self.layers, flat, scratch=os.path.join(self.dir, "f"))
           with self.backend._lock:
             self.backend._known_layers.add(flat)
           self.layers = (flat,)
@@ -353,6 +384,7 @@ class BwrapSandbox(Sandbox):
         if not os.path.isdir(self.upper):
           os.makedirs(self.upper)
           os.chown(self.upper, *self._owner)
+        self._at_limit = set()  # those files moved into a layer with the upper dir
         os.makedirs(self.work, exist_ok=True)
         self._mount()
       with self.backend._lock:
@@ -360,11 +392,76 @@ class BwrapSandbox(Sandbox):
     self.backend._gc()  # e.g. the layers a flatten replaced
     return snap
 
+  def _flatten_inside(self, flat: str) -> None:
+    """Rootless flatten: copy a read-only overlay of the layers into `flat` from inside a sandbox."""
+    os.makedirs(flat)
+    r = self._run(["cp", "-a", WORKSPACE + "/.", "/flat/"], timeout=3600, workspace=(self.layers, None, None),
+                  rw_binds=[(flat, "/flat")])
+    if not r.ok:
+      raise SandboxError(f"flattening {len(self.layers)} layers failed: {r.stderr_text.strip()}")
+
+  # -- rootless file access: there is no merged view on the host, so it goes through commands in the sandbox --
+  def _file_cmd(self, argv: list[str], path: str, stdin: bytes | None = None,
+                output_limit: int | None = None) -> RunResult:
+    r = self._run(argv, timeout=600, stdin=stdin, output_limit=output_limit)
+    if r.exit_code != 0:
+      err = r.stderr_text.strip()
+      if "No such file" in err:
+        raise FileNotFoundError(errno.ENOENT, f"{err}", path)
+      if "Is a directory" in err:
+        raise IsADirectoryError(errno.EISDIR, f"{err}", path)
+      raise OSError(f"{argv[0]} {path!r} in the sandbox failed (exit {r.exit_code}): {err}")
+    return r
+
+  def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+    if not self.backend.rootless:
+      return super().read_file(path, max_bytes)
+    p = _inside(path)
+    if max_bytes is None:  # stat first: the output cap must fit the whole file
+      size = int(self._file_cmd(["stat", "-L", "-c", "%s", "--", p], path).stdout)
+      return self._file_cmd(["cat", "--", p], path, output_limit=max(2, size + 1)).stdout
+    return self._file_cmd(["head", "-c", str(max_bytes), "--", p], path, output_limit=max(2, max_bytes)).stdout
+
+  def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+    if not self.backend.rootless:
+      return super().write_file(path, data, mode)
+    script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
+    data = data.encode() if isinstance(data, str) else data
+    self._file_cmd(["sh", "-c", script, "sh", _inside(path), f"{mode:o}"], path, stdin=data)
+
+  def list_dir(self, path: str = ".") -> list[str]:
+    if not self.backend.rootless:
+      return super().list_dir(path)
+    out = self._file_cmd(["find", _inside(path), "-mindepth", "1", "-maxdepth", "1", "-printf", "%f\\0"], path,
+                         output_limit=1 << 30).stdout
+    return sorted(n.decode("utf-8", "surrogateescape") for n in out.split(b"\0") if n)
+
+  def remove(self, path: str) -> None:
+    if not self.backend.rootless:
+      return super().remove(path)
+    p = _inside(path)
+    if os.path.normpath(p) == WORKSPACE:
+      raise SandboxError("refusing to remove the workspace root")
+    if not self.exists(path):
+      raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+    self._file_cmd(["rm", "-rf", "--", p], path)
+
+  def exists(self, path: str) -> bool:
+    if not self.backend.rootless:
+      return super().exists(path)
+    p = _inside(path)
+    return self._run(["sh", "-c", 'test -e "$1" || test -L "$1"', "sh", p], timeout=60).exit_code == 0
+
   def _close(self) -> None:
     if self.cgroup is not None:
       self.cgroup.remove()
     overlay.remove_tree(self.dir)
     self.backend._gc()  # layers only this fork still used (its snapshot was deleted while it lived)
+
+
+def _inside(path: str) -> str:
+  """The absolute in-sandbox path of a workspace path (validated like the host-side calls)."""
+  return os.path.normpath(os.path.join(WORKSPACE, fsops.to_relative(path)))
 
 
 def _check_traversable(path: str, uid: int, gid: int) -> None:
@@ -402,8 +499,9 @@ def _tree_bytes(root: str, stop_above: int) -> int:
   return total
 
 
-def _file_at_size(root: str, size: int, since: float, max_entries: int = 20_000) -> bool:
-  """Whether a regular file under `root` (the overlay upper: only what changed) has exactly `size` bytes."""
+def _files_at_size(root: str, size: int, max_entries: int = 20_000) -> set[tuple[str, int]]:
+  """(path, mtime_ns) of regular files under `root` (the overlay upper: only what changed) of exactly `size` bytes."""
+  found = set()
   seen = 0
   stack = [root]
   while stack and seen < max_entries:
@@ -418,9 +516,9 @@ def _file_at_size(root: str, size: int, since: float, max_entries: int = 20_000)
           stack.append(e.path)
         elif e.is_file(follow_symlinks=False):
           st = e.stat(follow_symlinks=False)
-          if st.st_size == size and st.st_mtime >= since:
-            return True
-  return False
+          if st.st_size == size:
+            found.add((e.path, st.st_mtime_ns))
+  return found
 
 
 # 128+N is how bwrap (like a shell) reports a command killed by signal N.

@@ -21,7 +21,9 @@ import time
 
 from sandboxes import limits, overlay
 
-DEFAULT_STATE_ROOT = os.path.join(tempfile.gettempdir(), "composer_sandboxes")
+# Per user: a non-root (rootless) user cannot use root's state dir.
+DEFAULT_STATE_ROOT = os.path.join(
+  tempfile.gettempdir(), "composer_sandboxes" if os.geteuid() == 0 else f"composer_sandboxes-{os.geteuid()}")
 
 
 def _start_time(pid: int) -> str | None:
