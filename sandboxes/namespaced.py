@@ -1,5 +1,6 @@
 """The default backend: bubblewrap (Linux namespaces) + overlayfs snapshots/forks + cgroup limits.
 
+(Rootless callers get the same, except that bwrap mounts the overlay itself, see `BwrapBackend`.)
 Each `run` starts a fresh bwrap: new user/pid/ipc/uts/net/mount/cgroup namespaces, unprivileged uid 1000 inside
 with every capability dropped and nested user namespaces disabled, read-only system dirs, a private tmpfs /tmp,
 and the fork's overlay mount bound read-write at /workspace. The bwrap process is placed in the sandbox's cgroups
@@ -35,11 +36,13 @@ from sandboxes.types import (
 
 
 class BwrapBackend(Backend):
-  """Namespaced sandboxes with overlayfs forks. Needs root (overlay mounts, cgroups) and bubblewrap >= 0.11.
+  """Namespaced sandboxes with overlayfs forks (bubblewrap >= 0.10).
 
-  Commands run as an unprivileged host uid (`host_uid`, default 60000; uid 1000 inside), never as the caller's
-  root: even a namespace escape lands as a nobody-like user. Workspace files belong to that uid on the host (the
-  caller, as root, can still read, snapshot and delete them).
+  As root: overlays are mounted on the host and commands run as an unprivileged host uid (`host_uid`, default
+  60000; uid 1000 inside), never as the caller's root: even a namespace escape lands as a nobody-like user.
+  Workspace files belong to that uid on the host (the caller, as root, can still read, snapshot and delete them).
+  Not as root (rootless): bwrap runs as the caller and mounts each overlay inside the sandbox; file calls go
+  through commands in the sandbox; limits are rlimits unless a writable cgroup is given (see README).
 
   Args:
     config: default `SandboxConfig` for forks.
