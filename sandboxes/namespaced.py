@@ -1,11 +1,11 @@
 """The default backend: bubblewrap (Linux namespaces) + overlayfs snapshots/forks + cgroup limits.
 
-(Rootless callers get the same, except that bwrap mounts the overlay itself, see `BwrapBackend`.)
 Each `run` starts a fresh bwrap: new user/pid/ipc/uts/net/mount/cgroup namespaces, unprivileged uid 1000 inside
 with every capability dropped and nested user namespaces disabled, read-only system dirs, a private tmpfs /tmp,
 and the fork's overlay mount bound read-write at /workspace. The bwrap process is placed in the sandbox's cgroups
 before it execs, so every descendant is counted and limited; when the command exits (or is killed, or the caller
-dies) the pid namespace ends and takes every process with it.
+dies) the pid namespace ends and takes every process with it. (Rootless callers get the same, except that bwrap
+mounts the overlay itself; see `BwrapBackend`.)
 """
 
 from __future__ import annotations
