@@ -20,10 +20,10 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 
-from sandboxes import bwrap, fsops, limits, overlay
+from sandboxes import bwrap, fsops, limits, overlay, scan
 from sandboxes.process import run_process
 from sandboxes.sandbox import Backend, Sandbox
-from sandboxes.store import Store
+from sandboxes.store import Store, check_traversable
 from sandboxes.types import (
   WORKSPACE,
   BackendUnavailableError,
@@ -98,7 +98,7 @@ class BwrapBackend(Backend):
     self._pending: list[tuple[str, ...]] = []  # layers of forks being mounted right now
     self._closed = False
     try:
-      _check_traversable(self.store.path, *self.owner)
+      check_traversable(self.store.path, *self.owner)
       self._etc = os.path.join(self.store.path, "etc")
       os.makedirs(self._etc, mode=0o755)
       for fname, text in bwrap.etc_files().items():
@@ -329,7 +329,7 @@ class BwrapSandbox(Sandbox):
             return "cpu_time"
         if disk_limit is not None and time.monotonic() >= next_disk_check[0]:
           next_disk_check[0] = time.monotonic() + self.config.limits.disk_poll_s
-          if _tree_bytes(self.upper, stop_above=disk_limit) > disk_limit:
+          if scan.tree_bytes(self.upper, stop_above=disk_limit) > disk_limit:
             return "disk"
         return None
 
@@ -347,7 +347,7 @@ class BwrapSandbox(Sandbox):
       if self.config.limits.file_size_bytes is not None:
         # SIGXFSZ may kill a child whose status the shell hides (`cmd > f; echo done`); a file at exactly the
         # limit that was not there (with that mtime) after the previous run is the trace it leaves.
-        at_limit = _files_at_size(self.upper, self.config.limits.file_size_bytes)
+        at_limit = scan.files_at_size(self.upper, self.config.limits.file_size_bytes)
         if hit is None and at_limit - self._at_limit:
           hit = "file_size"
         self._at_limit = at_limit
@@ -465,63 +465,6 @@ class BwrapSandbox(Sandbox):
 def _inside(path: str) -> str:
   """The absolute in-sandbox path of a workspace path (validated like the host-side calls)."""
   return os.path.normpath(os.path.join(WORKSPACE, fsops.to_relative(path)))
-
-
-def _check_traversable(path: str, uid: int, gid: int) -> None:
-  """Raises if `uid` cannot reach `path` (e.g. a state_root under a 0700 pytest tmp dir)."""
-  p = os.path.abspath(path)
-  while True:
-    st = os.stat(p)
-    bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
-    if not st.st_mode & bit:
-      raise SandboxError(f"the sandbox uid {uid} cannot enter {p} (mode {oct(st.st_mode & 0o777)}), on the way to "
-                         f"{path}; choose a state_root whose parents are world-executable (e.g. under /tmp)")
-    if p == "/":
-      return
-    p = os.path.dirname(p)
-
-
-def _tree_bytes(root: str, stop_above: int) -> int:
-  """Disk usage (allocated blocks) of a tree; stops counting once above `stop_above`."""
-  total = 0
-  stack = [root]
-  while stack and total <= stop_above:
-    try:
-      it = os.scandir(stack.pop())
-    except OSError:
-      continue
-    with it:
-      for e in it:
-        try:
-          st = e.stat(follow_symlinks=False)
-        except OSError:
-          continue
-        total += st.st_blocks * 512
-        if e.is_dir(follow_symlinks=False):
-          stack.append(e.path)
-  return total
-
-
-def _files_at_size(root: str, size: int, max_entries: int = 20_000) -> set[tuple[str, int]]:
-  """(path, mtime_ns) of regular files under `root` (the overlay upper: only what changed) of exactly `size` bytes."""
-  found = set()
-  seen = 0
-  stack = [root]
-  while stack and seen < max_entries:
-    try:
-      it = os.scandir(stack.pop())
-    except OSError:
-      continue
-    with it:
-      for e in it:
-        seen += 1
-        if e.is_dir(follow_symlinks=False):
-          stack.append(e.path)
-        elif e.is_file(follow_symlinks=False):
-          st = e.stat(follow_symlinks=False)
-          if st.st_size == size:
-            found.add((e.path, st.st_mtime_ns))
-  return found
 
 
 # 128+N is how bwrap (like a shell) reports a command killed by signal N.

@@ -20,6 +20,7 @@ import threading
 import time
 
 from sandboxes import limits, overlay
+from sandboxes.types import SandboxError
 
 # Per user: a non-root (rootless) user cannot use root's state dir.
 DEFAULT_STATE_ROOT = os.path.join(
@@ -124,3 +125,17 @@ def cleanup(state_root: str | None = None) -> list[str]:
       remove_store(path)
       removed.append(path)
   return removed
+
+
+def check_traversable(path: str, uid: int, gid: int) -> None:
+  """Raises if `uid` cannot reach `path` (e.g. a state_root under a 0700 pytest tmp dir)."""
+  p = os.path.abspath(path)
+  while True:
+    st = os.stat(p)
+    bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+    if not st.st_mode & bit:
+      raise SandboxError(f"the sandbox uid {uid} cannot enter {p} (mode {oct(st.st_mode & 0o777)}), on the way to "
+                         f"{path}; choose a state_root whose parents are world-executable (e.g. under /tmp)")
+    if p == "/":
+      return
+    p = os.path.dirname(p)

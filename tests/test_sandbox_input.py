@@ -3,6 +3,7 @@
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -229,3 +230,21 @@ def test_missing_bwrap_is_a_clear_error(monkeypatch, tmp_path):
 def test_bundled_bwrap_is_found():
   path = bwrap.find_bwrap()
   assert os.access(path, os.X_OK) and bwrap.bwrap_version(path) >= (0, 11, 0)
+
+
+def test_scans_match_references(tmp_path):
+  from sandboxes import scan
+
+  rng = random.Random(0)
+  for i in range(40):
+    d = tmp_path / f"d{i % 5}" / f"e{i % 3}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"f{i}").write_bytes(b"x" * rng.choice([0, 100, 4096, 5000, 1000]))
+  os.symlink("d0", tmp_path / "link")
+  du = subprocess.run(["du", "-s", "-B1", str(tmp_path)], capture_output=True, text=True, check=True)
+  root_blocks = os.stat(tmp_path).st_blocks * 512  # du counts the root dir itself; tree_bytes counts below it
+  assert scan.tree_bytes(str(tmp_path), stop_above=1 << 40) + root_blocks == int(du.stdout.split()[0])
+  assert scan.tree_bytes(str(tmp_path), stop_above=0) > 0  # stops early, but past the bound
+  want = {(os.path.join(r, f), os.stat(os.path.join(r, f)).st_mtime_ns)
+          for r, _, fs in os.walk(tmp_path) for f in fs if os.path.getsize(os.path.join(r, f)) == 5000}
+  assert scan.files_at_size(str(tmp_path), 5000) == want and want
