@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -99,6 +100,8 @@ class BwrapBackend(Backend):
     self._closed = False
     try:
       check_traversable(self.store.path, *self.owner)
+      if not self.rootless:
+        self.bwrap = self._reachable_bwrap(self.bwrap)
       self._etc = os.path.join(self.store.path, "etc")
       os.makedirs(self._etc, mode=0o755)
       for fname, text in bwrap.etc_files().items():
@@ -109,6 +112,30 @@ class BwrapBackend(Backend):
     except BaseException:
       self.close()
       raise
+
+  def _reachable_bwrap(self, path: str) -> str:
+    """`path`, or a copy in the store if the sandbox uid cannot reach it (e.g. a venv below root-only /root)."""
+    try:
+      check_traversable(os.path.dirname(path), *self.owner)
+      if os.stat(path).st_mode & 0o001:
+        return path
+    except SandboxError:
+      pass
+    bin_dir = os.path.dirname(path)
+    dst_root = os.path.join(self.store.path, "bwrap")
+    if os.path.basename(bin_dir) == "_bin":  # the wheel: keep the layout its RPATH ($ORIGIN/../../X.libs) expects
+      pkg = os.path.dirname(bin_dir)
+      shutil.copytree(pkg, os.path.join(dst_root, os.path.basename(pkg)))
+      libs = pkg + ".libs"
+      if os.path.isdir(libs):
+        shutil.copytree(libs, os.path.join(dst_root, os.path.basename(libs)))
+      staged = os.path.join(dst_root, os.path.basename(pkg), "_bin", os.path.basename(path))
+    else:
+      os.makedirs(dst_root)
+      staged = os.path.join(dst_root, "bwrap")
+      shutil.copy2(path, staged)
+    subprocess.run(["chmod", "-R", "a+rX", dst_root], check=True)
+    return staged
 
   def _self_test(self) -> None:
     """One `true` in an empty sandbox, so that a machine without user namespaces fails here, clearly; also the

