@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import random
 import re
@@ -140,8 +141,13 @@ def _inputs(args: str) -> list[tuple[int, ...]]:
   return [(v,) for v in vals] if args.count(",") == 0 else [(a, b) for a in range(-2, 9) for b in (0, 1, 3, 7)]
 
 
+@functools.lru_cache(maxsize=65536)
+def _compile(args: str, expr: str):
+  return eval(f"lambda {args}: {expr}")  # our own generated expressions, never model output
+
+
 def _eval(args: str, expr: str, inp: tuple[int, ...]):
-  return eval(f"lambda {args}: {expr}")(*inp)  # noqa: S307 - our own generated expressions
+  return _compile(args, expr)(*inp)
 
 
 def _sample_fn(rng: random.Random, split: str, kind: str, used_names: set[str], heldout_percent: int) -> _Fn:
