@@ -111,7 +111,9 @@ def _restore_and_apply(ws: Workspace, patch: str, timeout_s: float) -> CommandRe
                  set(re.findall(r"^--- a/(\S+)", patch, re.MULTILINE)))
   ws.write_file(".hidden_tests.patch", patch)
   quoted = " ".join(shlex.quote(p) for p in paths)
-  cmd = (f"(git checkout -q HEAD -- {quoted} 2>/dev/null || true) && "
+  # Reset each touched file to the commit, or remove it if the commit lacks it (the patch creates it).
+  cmd = ("if git rev-parse --git-dir >/dev/null 2>&1; then "
+         f"for p in {quoted}; do git checkout -q HEAD -- \"$p\" 2>/dev/null || rm -f \"$p\"; done; fi; "
          "git apply --whitespace=nowarn .hidden_tests.patch; s=$?; rm -f .hidden_tests.patch; exit $s")
   res = ws.run(cmd, timeout_s=timeout_s)
   return None if res.ok else res
