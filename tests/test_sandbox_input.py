@@ -1,0 +1,165 @@
+"""Bad and awkward input: missing dirs, missing commands, binary/huge output, stdin, symlink escapes, misuse."""
+
+import os
+import random
+
+import pytest
+
+from sandboxes import BwrapBackend, Limits, SandboxClosedError, SandboxConfig, SandboxError, Snapshot, make_backend
+from sandboxes.fsops import resolve_in_root
+from sandboxes.process import CappedBuffer
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+
+
+@pytest.fixture(scope="module")
+def backend():
+  be = BwrapBackend(config=SandboxConfig(output_limit_bytes=1000))
+  yield be
+  be.close()
+
+
+@pytest.fixture
+def sb(backend, tmp_path):
+  (tmp_path / "f.txt").write_text("content\n")
+  with backend.create(str(tmp_path)) as s:
+    yield s
+
+
+# -- pure helpers, against simple references ---------------------------------------------------------------
+@pytest.mark.parametrize("limit", [2, 7, 100])
+def test_capped_buffer_matches_head_tail_reference(limit):
+  rng = random.Random(limit)
+  data = bytes(rng.randrange(256) for _ in range(1000))
+  for trial in range(20):
+    n = rng.randrange(0, 300) if trial % 2 else rng.randrange(0, limit + 1)
+    chunks, buf, pos = [], CappedBuffer(limit), 0
+    while pos < n:
+      step = rng.randrange(1, 50)
+      chunks.append(data[pos:min(n, pos + step)])
+      pos += step
+    for c in chunks:
+      buf.feed(c)
+    stream = data[:n]
+    head = limit // 2
+    expected = stream if len(stream) <= limit else stream[:head] + stream[len(stream) - (limit - head):]
+    assert buf.value() == expected and buf.truncated == (n > limit)
+
+
+def test_resolve_in_root_never_leaves_root(tmp_path):
+  root = tmp_path / "ws"
+  (root / "d").mkdir(parents=True)
+  (root / "d" / "f").write_text("x")
+  os.symlink("/workspace/d/f", root / "abs_in")
+  os.symlink("../d/f", root / "d" / "rel")
+  os.symlink("../../../..", root / "up")
+  os.symlink("/etc/passwd", root / "abs_out")
+  os.symlink("loop2", root / "loop1")
+  os.symlink("loop1", root / "loop2")
+  r = str(root)
+  assert resolve_in_root(r, "abs_in") == f"{r}/d/f"
+  assert resolve_in_root(r, "/workspace/d/rel") == f"{r}/d/f"
+  assert resolve_in_root(r, "up/etc/passwd") == f"{r}/etc/passwd"  # '..' stops at the root, like chroot
+  assert resolve_in_root(r, "../../x") == f"{r}/x"
+  assert resolve_in_root(r, "abs_out", follow_final=False) == f"{r}/abs_out"
+  with pytest.raises(SandboxError, match="outside the workspace"):
+    resolve_in_root(r, "abs_out")
+  with pytest.raises(SandboxError, match="outside the workspace"):
+    resolve_in_root(r, "/etc/passwd")
+  with pytest.raises(OSError, match="too many symlinks"):
+    resolve_in_root(r, "loop1")
+
+
+def test_unknown_backend_name_lists_valid_ones():
+  with pytest.raises(ValueError, match=r"unknown sandbox backend 'docker'; valid: \['bwrap', 'unsafe-local'\]"):
+    make_backend("docker")
+
+
+# -- the bwrap backend -----------------------------------------------------------------------------------------
+@root_only
+def test_missing_base_dir(backend, tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    backend.create(str(tmp_path / "nope"))
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(FileNotFoundError, match="not a directory"):
+    backend.import_dir(str(tmp_path / "file"))
+
+
+@root_only
+def test_nonexistent_command(sb):
+  r = sb.run(["no_such_command_xyz", "arg"])
+  assert r.exit_code == 127 and b"no_such_command_xyz" in r.stderr
+  r = sb.run("no_such_command_xyz arg")
+  assert r.exit_code == 127 and b"command not found" in r.stderr
+
+
+@root_only
+def test_binary_output_is_returned_exactly(sb):
+  r = sb.run(["python3", "-c", "import sys; sys.stdout.buffer.write(bytes(range(256)))"])
+  assert r.ok and r.stdout == bytes(range(256)) and not r.stdout_truncated
+  assert r.stdout_text[:1] == "\x00" and "\ufffd" in r.stdout_text  # text view replaces invalid UTF-8
+
+
+@root_only
+def test_huge_output_is_capped_head_and_tail(sb):
+  # 50 MB through a 1000-byte cap: head and tail kept, flag set, and it does not stall the command.
+  r = sb.run("echo START; head -c 50000000 /dev/zero | tr '\\0' x; echo; echo END; echo err >&2", timeout=60)
+  assert r.ok and r.stdout_truncated and not r.stderr_truncated
+  assert len(r.stdout) == 1000 and r.stdout.startswith(b"START\nxxx") and r.stdout.endswith(b"xxx\nEND\n")
+  assert r.stderr == b"err\n"
+
+
+@root_only
+def test_stdin_and_env(sb):
+  r = sb.run("cat; echo $FOO $HOME $WORKSPACE", stdin=b"from-stdin\n", env={"FOO": "bar"})
+  assert r.stdout == b"from-stdin\nbar /tmp /workspace\n"
+  assert sb.run("echo ${FOO:-unset}").stdout == b"unset\n"  # per-run env does not stick
+
+
+@root_only
+def test_bad_arguments(sb):
+  with pytest.raises(ValueError, match="timeout must be positive"):
+    sb.run("true", timeout=0)
+  with pytest.raises(ValueError, match="non-empty string or list"):
+    sb.run([])
+  with pytest.raises(SandboxError, match="outside the workspace"):
+    sb.read_file("/etc/passwd")
+  with pytest.raises(FileNotFoundError):
+    sb.read_file("missing.txt")
+
+
+@root_only
+def test_symlink_planted_inside_cannot_read_host_files(sb):
+  assert sb.run("ln -s /etc/passwd leak && ln -s /workspace/f.txt ok && ln -s ../../../../etc/hostname up").ok
+  with pytest.raises(SandboxError, match="outside the workspace"):
+    sb.read_file("leak")
+  assert sb.read_file("ok") == b"content\n"
+  with pytest.raises(FileNotFoundError):
+    sb.read_file("up")  # '..' is clamped at the workspace root: <ws>/etc/hostname does not exist
+  with pytest.raises(SandboxError):
+    sb.write_file("leak", "overwrite the host?")
+  sb.remove("leak")  # removes the link itself
+  assert not sb.exists("leak") and os.path.exists("/etc/passwd")
+
+
+@root_only
+def test_closed_sandbox_and_foreign_snapshot(backend, sb, tmp_path):
+  snap = sb.snapshot()
+  sb.close()
+  sb.close()  # idempotent
+  with pytest.raises(SandboxClosedError):
+    sb.run("true")
+  with pytest.raises(SandboxClosedError):
+    sb.read_file("f.txt")
+  with pytest.raises(SandboxError, match="not made by this backend"):
+    backend.fork(Snapshot("bwrap", (str(tmp_path),), "fake"))
+  backend.fork(snap).close()  # the snapshot outlives the sandbox it came from
+
+
+def test_config_validation(tmp_path):
+  with pytest.raises(ValueError, match="must be absolute"):
+    SandboxConfig(ro_binds=("relative/path",))
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    SandboxConfig(ro_binds=(str(tmp_path / "missing"),))
+  with pytest.raises(ValueError, match="memory_bytes must be positive"):
+    Limits(memory_bytes=0)
