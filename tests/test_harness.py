@@ -192,3 +192,22 @@ def test_prompt_too_long_is_a_clear_error(tok, envs, tasks):
   with pytest.raises(ValueError, match="leaves no room"):
     harness.run_episodes(scripted.ScriptedEngine(tok, scripted.noop_policy), tok, tasks[:1], envs,
                          harness.HarnessConfig(context_budget=200, max_turn_tokens=100, observation_reserve=50))
+
+
+def test_oracle_and_noop_in_real_sandboxes(tok):
+  """The same loop with the isolated `sandboxes` backend (bubblewrap namespaces, overlay forks)."""
+  sandboxes = pytest.importorskip("sandboxes")
+  from rollout.workspace import SandboxFactory
+  try:
+    factory = SandboxFactory()
+  except sandboxes.BackendUnavailableError as e:
+    pytest.skip(f"no namespaced sandboxes on this machine: {e}")
+  try:
+    envs = EnvironmentCache(factory)
+    few = procedural.generate(3, seed=11, level=2)
+    oracle = harness.run_episodes(scripted.ScriptedEngine(tok, scripted.oracle_policy(few)), tok, few, envs, CFG)
+    assert [t.metrics["solved"] for t in oracle] == [1.0] * 3
+    noop = harness.run_episodes(scripted.ScriptedEngine(tok, scripted.noop_policy), tok, few, envs, CFG)
+    assert [t.metrics["solved"] for t in noop] == [0.0] * 3
+  finally:
+    factory.close()
