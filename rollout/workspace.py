@@ -237,11 +237,16 @@ class SandboxFactory(WorkspaceFactory):
   """Workspaces are `sandboxes` sandboxes (default: bubblewrap namespaces); the Python environment that runs this
   code (its venv) is bound read-only inside and first on PATH, so `python -m pytest` and `python -m ruff` work."""
 
-  def __init__(self, backend: str = "bwrap", venv: str | None = sys.prefix, **sandbox_kwargs):
+  def __init__(self, backend: str = "bwrap", venv: str | None = sys.prefix, ro_binds: tuple[str, ...] = (),
+               **sandbox_kwargs):
+    """Args: backend: a `sandboxes` backend name; venv: Python environment bound in (None: only the base Python);
+    ro_binds: more host paths visible read-only at the same path (e.g. a wheel directory); sandbox_kwargs: more
+    `sandboxes.SandboxConfig` fields (limits, output_limit_bytes, ...)."""
     import sandboxes  # only this backend needs it
 
-    binds = (venv,) if venv and venv != sys.base_prefix else ()
-    config = sandboxes.SandboxConfig.make(ro_binds=binds, path_prefix=tuple(os.path.join(v, "bin") for v in binds),
+    venvs = (venv,) if venv and venv != sys.base_prefix else ()
+    config = sandboxes.SandboxConfig.make(ro_binds=venvs + tuple(ro_binds),
+                                          path_prefix=tuple(os.path.join(v, "bin") for v in venvs),
                                           env={"PYTHONDONTWRITEBYTECODE": "1"}, **sandbox_kwargs)
     self.backend = sandboxes.make_backend(backend, config=config)
 

@@ -78,6 +78,10 @@ class EnvironmentCache:
       self._snapshots[key] = snap
     return self._snapshots[key]
 
+  def put(self, env: Environment, snapshot) -> None:
+    """Registers an already-built snapshot for `env` (e.g. one an auto-install run validated)."""
+    self._snapshots[env.key()] = snapshot
+
   def fork(self, task: Task) -> Workspace:
     return self.factory.fork(self.snapshot(task.environment))
 
