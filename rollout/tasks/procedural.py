@@ -285,7 +285,8 @@ def make_task(rng: random.Random, cfg: ProceduralConfig, split: str, level: int 
   return Task(
     id=f"proc/{split}/{digest}", language="python", prompt=" ".join(parts),
     environment=Environment(files=before),
-    tests=HiddenTests(command=f"python3 {HIDDEN_TEST_FILE}", fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p),
+    # -I -S: no site-packages or env vars needed, and ~40% less interpreter start-up (grading is on the RL path).
+    tests=HiddenTests(command=f"python3 -I -S {HIDDEN_TEST_FILE}", fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p),
                       files={HIDDEN_TEST_FILE: _hidden_script(tests)}, timeout_s=20.0),
     gold_patch=gold,
     metadata={"source": "procedural", "split": split, "level": level, "cores": [f.core for f in fns],
