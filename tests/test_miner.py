@@ -8,6 +8,9 @@ import pytest
 from rollout.tasks import environment, miner
 from rollout.workspace import LocalFactory
 
+# Plugins of the surrounding venv are not needed by these tests and double pytest's start-up.
+FAST = miner.MinerConfig(test_command="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + miner.MinerConfig().test_command)
+
 CALC_V1 = '''"""Small arithmetic helpers."""
 
 
@@ -62,7 +65,7 @@ def repo(tmp_path_factory):
 def test_miner_produces_validated_tasks(repo, tmp_path):
   path, shas = repo
   envs = environment.EnvironmentCache(LocalFactory(root=str(tmp_path / "ws")))
-  tasks, rejected = miner.mine(path, envs)
+  tasks, rejected = miner.mine(path, envs, FAST)
   assert {t.metadata["commit"] for t in tasks} == {shas["mul"], shas["sub"]}
   reasons = {r.commit: r.reason for r in rejected}
   assert reasons == {shas["init"]: "root commit (no parent to start from)", shas["docs"]: "no code file changed",
@@ -91,7 +94,7 @@ def test_miner_produces_validated_tasks(repo, tmp_path):
 def test_miner_rejects_a_broken_gold_patch(repo, tmp_path):
   path, shas = repo
   envs = environment.EnvironmentCache(LocalFactory(root=str(tmp_path / "ws")))
-  cfg = miner.MinerConfig(test_command="python -m pytest -rA -q -p no:cacheprovider -k nothing_matches {files}")
+  cfg = miner.MinerConfig(test_command=FAST.test_command.replace("{files}", "-k nothing_matches {files}"))
   out = miner.mine_commit(path, shas["sub"], shas["mul"], "x", envs, cfg)
   assert isinstance(out, miner.Rejection) and out.reason == "no test goes from failing to passing"
   with pytest.raises(ValueError, match="git"):

@@ -46,7 +46,8 @@ def instance(tmp_path_factory):
 
 def test_load_and_grade(instance, tmp_path):
   path, repos, _ = instance
-  (task,) = swe.load_jsonl(path, repos)
+  fast = {"acme/clampy": "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + swe.DEFAULT_TEST_COMMAND}  # halves pytest start-up
+  (task,) = swe.load_jsonl(path, repos, test_commands=fast)
   assert task.id == "swe/acme__clampy-1" and task.prompt == "clamp ignores hi"
   assert task.tests.fail_to_pass == ("test_mod.py::test_high",) and task.metadata["changed_files"] == ["mod.py"]
   assert task.metadata["changed_lines"] == 2
