@@ -99,3 +99,21 @@ def test_miner_rejects_a_broken_gold_patch(repo, tmp_path):
   assert isinstance(out, miner.Rejection) and out.reason == "no test goes from failing to passing"
   with pytest.raises(ValueError, match="git"):
     miner.mine(str(tmp_path), envs)  # not a repository
+
+
+@pytest.mark.slow
+def test_miner_in_namespaced_sandboxes(repo):
+  """The same mining with validation inside bubblewrap sandboxes (git, python and pytest run isolated)."""
+  sandboxes = pytest.importorskip("sandboxes")
+  from rollout.workspace import SandboxFactory
+  path, shas = repo
+  try:
+    factory = SandboxFactory()
+  except sandboxes.BackendUnavailableError as e:
+    pytest.skip(f"no namespaced sandboxes on this machine: {e}")
+  try:
+    tasks, rejected = miner.mine(path, environment.EnvironmentCache(factory), FAST)
+    assert {t.metadata["commit"] for t in tasks} == {shas["mul"], shas["sub"]}
+    assert len(rejected) == 4
+  finally:
+    factory.close()
