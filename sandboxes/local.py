@@ -18,10 +18,15 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 
-from sandboxes import bwrap, limits, overlay
+from sandboxes import bwrap, limits
 from sandboxes.process import run_process
 from sandboxes.sandbox import Backend, Sandbox
 from sandboxes.types import RunResult, SandboxClosedError, SandboxConfig, SandboxError, Snapshot
+
+
+def _copy(src: str, dst: str) -> None:
+  # shutil, not `cp -a --reflink`: this backend is for hosts such as macOS whose cp lacks GNU options.
+  shutil.copytree(src, dst, symlinks=True)
 
 
 class UnsafeLocalBackend(Backend):
@@ -55,14 +60,14 @@ class UnsafeLocalBackend(Backend):
     if not isinstance(base_dir, str | os.PathLike) or not os.path.isdir(base_dir):
       raise FileNotFoundError(f"base directory {base_dir!r} does not exist or is not a directory")
     d = self._new_dir("snap")
-    overlay.copy_tree(os.fspath(base_dir), d)
+    _copy(os.fspath(base_dir), d)
     return Snapshot(self.name, (d,), os.path.basename(d))
 
   def fork(self, snapshot: Snapshot, config: SandboxConfig | None = None) -> LocalSandbox:
     if snapshot.backend != self.name or os.path.dirname(snapshot.layers[0]) != self.path:
       raise SandboxError(f"snapshot {snapshot.snapshot_id} was not made by this backend instance")
     d = self._new_dir("sb")
-    overlay.copy_tree(snapshot.layers[0], os.path.join(d, "ws"))
+    _copy(snapshot.layers[0], os.path.join(d, "ws"))
     os.makedirs(os.path.join(d, "tmp"))
     sb = LocalSandbox(self, d, config or self.config)
     with self._lock:
@@ -132,7 +137,7 @@ class LocalSandbox(Sandbox):
     with self._lock:
       self._check_open()
       d = self.backend._new_dir("snap")
-      overlay.copy_tree(self.workspace, d)
+      _copy(self.workspace, d)
       return Snapshot(self.backend.name, (d,), os.path.basename(d))
 
   def _close(self) -> None:

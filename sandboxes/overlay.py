@@ -38,7 +38,9 @@ def _check_path(p: str) -> str:
 def mount_options(layers: tuple[str, ...], upper: str | None = None, work: str | None = None) -> str:
   opts = "lowerdir=" + ":".join(_check_path(p) for p in layers)
   if upper is not None:
-    opts += f",upperdir={_check_path(upper)},workdir={_check_path(work)}"
+    # metacopy=off: an upper file must hold its data, because the upper dir later becomes a lower layer on its
+    # own; index=off: no inode index tying the upper to these exact lower dirs.
+    opts += f",upperdir={_check_path(upper)},workdir={_check_path(work)},index=off,metacopy=off"
   return opts
 
 

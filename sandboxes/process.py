@@ -79,15 +79,29 @@ def run_process(
   for f in (proc.stdout, proc.stderr):
     os.set_blocking(f.fileno(), False)
     sel.register(f.fileno(), selectors.EVENT_READ)
-  if stdin is not None:
-    try:  # Small inputs only: a pipe buffer (64 KiB) is written without a reader thread.
-      proc.stdin.write(stdin)
-    except BrokenPipeError:
-      pass
-    proc.stdin.close()
+  pending = memoryview(stdin or b"")
+  if stdin is not None:  # fed from the same loop as the reads, so a command that ignores stdin cannot block us
+    in_fd = proc.stdin.fileno()
+    os.set_blocking(in_fd, False)
+    if pending:
+      sel.register(in_fd, selectors.EVENT_WRITE)
+    else:
+      proc.stdin.close()
 
   def pump(wait: float) -> None:
+    nonlocal pending
     for key, _ in sel.select(wait):
+      if key.events & selectors.EVENT_WRITE:
+        try:
+          pending = pending[os.write(key.fd, pending[: 1 << 16]):]
+        except BlockingIOError:
+          continue
+        except BrokenPipeError:
+          pending = pending[:0]
+        if not pending:
+          sel.unregister(key.fd)
+          proc.stdin.close()
+        continue
       try:
         data = os.read(key.fd, 1 << 16)
       except BlockingIOError:
@@ -130,6 +144,8 @@ def run_process(
       kill(proc)
       proc.wait()
     sel.close()
+    if proc.stdin is not None and not proc.stdin.closed:
+      proc.stdin.close()
     proc.stdout.close()
     proc.stderr.close()
   return ProcessOutcome(

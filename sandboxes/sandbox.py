@@ -38,7 +38,7 @@ class Sandbox(abc.ABC):
     Args:
       cmd: a shell string (run with `bash -c`, or `sh -c` where bash is missing) or an argv list.
       timeout: wall-clock seconds; the whole process tree is killed when it expires.
-      stdin: bytes fed to the command's stdin (at most 64 KiB); None for /dev/null.
+      stdin: bytes fed to the command's stdin; None for /dev/null.
       env: extra environment variables for this command only.
 
     Returns:

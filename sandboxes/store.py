@@ -96,8 +96,9 @@ def remove_store(path: str) -> None:
   for d in cgroup_dirs:
     try:
       limits.remove_cgroup_dir(d)
+      limits.remove_if_empty(os.path.dirname(d))
     except OSError:
-      pass  # reported by the next cleanup if it is really stuck
+      pass  # retried by the next cleanup if it is really stuck
   overlay.remove_tree(path)
 
 

@@ -36,6 +36,10 @@ class Limits:
       per process as a backstop).
     cpus: CPU bandwidth in cores (cgroup cfs quota / cpu.max), e.g. 0.5.
     file_size_bytes: largest file any process may write (RLIMIT_FSIZE; cgroups have no such control).
+    disk_bytes: total size of what the sandbox changed in its workspace (the overlay upper dir; the snapshot
+      it started from does not count). Polled every `disk_poll_s` during a run, so a fast writer can overshoot
+      by what it writes in that time; the command is then killed.
+    disk_poll_s: how often `disk_bytes` is checked (each check walks the changed files).
     tmp_bytes: size of the private tmpfs at /tmp.
     open_files: RLIMIT_NOFILE.
   """
@@ -45,11 +49,13 @@ class Limits:
   cpu_seconds: float | None = None
   cpus: float | None = None
   file_size_bytes: int | None = 256 * MiB
+  disk_bytes: int | None = 4096 * MiB
+  disk_poll_s: float = 0.5
   tmp_bytes: int = 256 * MiB
   open_files: int = 1024
 
   def __post_init__(self):
-    for name in ("memory_bytes", "max_pids", "cpu_seconds", "cpus", "file_size_bytes"):
+    for name in ("memory_bytes", "max_pids", "cpu_seconds", "cpus", "file_size_bytes", "disk_bytes", "disk_poll_s"):
       v = getattr(self, name)
       if v is not None and v <= 0:
         raise ValueError(f"Limits.{name} must be positive or None, got {v!r}")
@@ -100,13 +106,13 @@ class RunResult:
 
   Attributes:
     exit_code: the command's exit status as a shell reports it (128+N when killed by signal N); None when
-      the sandbox itself was killed (timeout or CPU-time limit) before the command exited.
+      the sandbox itself was killed (timeout, CPU-time limit, or closed from another thread) before it exited.
     stdout, stderr: captured bytes, each at most `output_limit_bytes` (head and tail kept when cut).
     stdout_truncated, stderr_truncated: whether bytes were dropped.
     wall_s: wall-clock seconds from launch to exit.
     timed_out: the wall-clock timeout expired and the sandbox was killed.
     limit_hit: which limit stopped or constrained the command: "memory", "pids", "cpu_time", "file_size",
-      or None.
+      "disk", or None.
   """
 
   exit_code: int | None

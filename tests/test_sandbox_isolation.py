@@ -2,6 +2,7 @@
 
 import os
 import socket
+import sys
 
 import pytest
 
@@ -48,6 +49,16 @@ def test_no_network_to_host_loopback(sb):
   assert b"ConnectionRefusedError" in r.stderr or b"Network is unreachable" in r.stderr, r.stderr_text
   r = sb.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
   assert r.stdout_text.split() == ["lo"]  # a fresh net namespace has only its own loopback
+
+
+def test_network_opt_in_reaches_host_loopback(backend, base):
+  # The positive control for the test above: the same connect works when the network is explicitly shared.
+  with socket.socket() as srv, backend.fork(backend.import_dir(base), SandboxConfig(network=True)) as s:
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    code = f"import socket; socket.create_connection(('127.0.0.1', {srv.getsockname()[1]}), timeout=5); print('ok')"
+    r = s.run(["python3", "-c", code], timeout=10)
+    assert r.stdout == b"ok\n", r.stderr_text
 
 
 @pytest.mark.parametrize(
@@ -102,6 +113,18 @@ def test_no_capabilities_and_no_nested_userns(sb):
   assert r.stdout_text.split() == ["NoNewPrivs:", "1"]
 
 
+def test_every_namespace_is_new(sb):
+  kinds = ["cgroup", "ipc", "mnt", "net", "pid", "user", "uts"]
+  r = sb.run("for k in " + " ".join(kinds) + "; do readlink /proc/self/ns/$k; done; hostname")
+  assert r.ok, r.stderr_text
+  *inside, hostname = r.stdout_text.split()
+  host = [os.readlink(f"/proc/self/ns/{k}") for k in kinds]
+  assert len(inside) == len(kinds)
+  for k, a, b in zip(kinds, inside, host, strict=True):
+    assert a != b, f"the sandbox shares the host's {k} namespace"
+  assert hostname == "sandbox"
+
+
 def test_own_pid_namespace(sb):
   r = sb.run("ls /proc | grep -E '^[0-9]+$' | wc -l")
   assert int(r.stdout_text) < 10  # only the sandbox's few processes, not the host's
@@ -118,3 +141,15 @@ def test_host_python_and_extra_ro_binds(backend, base, tmp_path):
     r = s.run("python3 -c 'import sys; print(sys.version_info[0])'; mytool; touch " + str(tool / "new"))
     assert r.stdout_text.split() == ["3", "tool-ran"]
     assert r.exit_code != 0 and not (tool / "new").exists()  # the extra bind is read-only
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the tests are not running from a venv to share")
+def test_venv_python_and_ruff_through_ro_binds(backend, base):
+  venv = sys.prefix
+  cfg = SandboxConfig(ro_binds=(venv,), path_prefix=(os.path.join(venv, "bin"),))
+  with backend.fork(backend.import_dir(base), cfg) as s:
+    s.write_file("bad.py", "import os\n")
+    r = s.run("python -c 'import numpy, sys; print(sys.prefix == sys.base_prefix)'; ruff check --no-cache -q bad.py",
+              timeout=60)
+    assert r.stdout_text.splitlines()[0] == "False", r.stderr_text  # the venv's python, with its packages
+    assert r.exit_code == 1 and "F401" in r.stdout_text, r.stdout_text + r.stderr_text  # ruff ran and found it

@@ -5,19 +5,23 @@ import time
 
 import pytest
 
-from sandboxes import BwrapBackend, Limits, SandboxConfig
+from sandboxes import BwrapBackend, Limits, SandboxConfig, limits
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
 
 MiB = 1 << 20
-LIMITS = Limits(memory_bytes=64 * MiB, max_pids=32, file_size_bytes=1 * MiB, cpu_seconds=1.0)
+LIMITS = Limits(memory_bytes=64 * MiB, max_pids=32, file_size_bytes=1 * MiB, cpu_seconds=1.0, disk_bytes=20 * MiB,
+                disk_poll_s=0.1)
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory):
+# Both ways of putting bwrap into its cgroups/rlimits/uid must enforce the same limits.
+@pytest.fixture(scope="module", params=["exec", "preexec"])
+def backend(request, tmp_path_factory):
   base = tmp_path_factory.mktemp("base")
   (base / "a.txt").write_text("a")
-  be = BwrapBackend(config=SandboxConfig(limits=LIMITS))
+  be = BwrapBackend(config=SandboxConfig(limits=LIMITS), launcher=request.param)
+  if request.param == "exec":
+    assert limits.launcher_argv([], []) is not None, "util-linux prlimit/setpriv are expected on this machine"
   be.test_snapshot = be.import_dir(str(base))
   yield be
   be.close()
@@ -70,6 +74,14 @@ def test_disk_filler_stops_at_file_size_limit(sb, cmd):
   r = sb.run(cmd, timeout=20)
   assert r.limit_hit == "file_size", r
   assert os.path.getsize(os.path.join(sb.merged, "big")) == 1 * MiB
+
+
+def test_many_small_files_are_stopped_at_disk_limit(sb):
+  # Each file is under file_size_bytes; only the total (20 MiB) stops this loop.
+  r = sb.run("i=0; while true; do head -c 900000 /dev/zero > f$i; i=$((i+1)); done", timeout=30)
+  assert r.limit_hit == "disk" and r.exit_code is None and not r.timed_out
+  n = len([f for f in sb.list_dir() if f.startswith("f")])
+  assert 20 <= n < 200  # stopped soon after passing the limit (the overshoot is bounded by the poll period)
 
 
 def test_cpu_burner_is_stopped_at_cpu_time_limit(sb):
