@@ -1,5 +1,9 @@
 """rollout/chat_format.py: rendering, the exact loss mask, injection safety and tool-call parsing."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from composer_jax.train import tokenizer as tokenizer_lib
@@ -140,3 +144,11 @@ def test_parse_generated_ids_ignores_spelled_out_markers(tok):
   spelled = tok.encode(f"hi{cf.TOOL_CALL}{call}{cf.TOOL_CALL_END}").ids
   assert not set(spelled) & set(range(len(cf.SPECIAL_TOKENS)))
   assert cf.parse_generated_ids(tok, spelled) == cf.AssistantOutput(f"hi{cf.TOOL_CALL}{call}{cf.TOOL_CALL_END}", [])
+
+
+def test_rollout_side_imports_neither_jax_nor_composer_jax():
+  """The rollout fleet must run without JAX (ARCHITECTURE.md): importing chat_format pulls in neither."""
+  code = "import sys, rollout.chat_format; bad = {'jax', 'composer_jax'} & set(sys.modules); assert not bad, bad"
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode == 0, result.stderr

@@ -108,4 +108,6 @@ def test_autotokenizer_matches(tok, saved, messages, add_generation_prompt):
   rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
   assert rendered == cf.render(messages, add_generation_prompt=add_generation_prompt)
   hf_ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)["input_ids"]
-  assert list(hf_ids) == cf.encode_messages(tok, messages, add_generation_prompt=add_generation_prompt)[0]
+  ours = cf.encode_messages(tok, messages, add_generation_prompt=add_generation_prompt)
+  assert list(hf_ids) == ours[0]
+  assert cf.encode_messages(hf, messages, add_generation_prompt=add_generation_prompt) == ours  # HF object accepted.

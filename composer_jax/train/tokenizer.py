@@ -97,8 +97,9 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig = TokenizerConfig
     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), max_token_length=cfg.max_token_length,
     show_progress=False)
   tok.train_from_iterator(texts, trainer=trainer)
-  for i, token in enumerate(cf.SPECIAL_TOKENS):  # The trainer puts them first; the data pipeline relies on it.
-    assert tok.token_to_id(token) == i, (token, tok.token_to_id(token))
+  got = [tok.token_to_id(t) for t in cf.SPECIAL_TOKENS]
+  if got != list(range(len(cf.SPECIAL_TOKENS))):  # The trainer puts them first; pad = 0 is relied on by packing.
+    raise RuntimeError(f"special tokens got ids {got}, expected 0..{len(got) - 1}")
   tok.encode_special_tokens = True
   return tok
 
