@@ -211,3 +211,17 @@ def test_oracle_and_noop_in_real_sandboxes(tok):
     assert [t.metrics["solved"] for t in noop] == [0.0] * 3
   finally:
     factory.close()
+
+
+def test_oracle_tells_apart_tasks_that_share_a_prompt(tok, envs):
+  """Generated tasks can share a prompt (same names, different bug); the oracle tells them apart by what its reads
+  showed, as a model must."""
+  for level in (1, 2):
+    pool = procedural.generate(1500, seed=5, level=level)
+    by_prompt = {}
+    for t in pool:
+      by_prompt.setdefault(t.prompt, []).append(t)
+    same = next(ts for ts in by_prompt.values() if len(ts) > 1)[:2]
+    assert same[0].gold_patch != same[1].gold_patch
+    trajs = harness.run_episodes(scripted.ScriptedEngine(tok, scripted.oracle_policy(pool)), tok, same, envs, CFG)
+    assert [t.metrics["solved"] for t in trajs] == [1.0, 1.0]

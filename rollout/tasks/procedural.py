@@ -44,9 +44,11 @@ TEMPLATES = (
   ("between", "n", "{c0} <= n <= {c1}"),
 )
 VERBS = ("get", "calc", "make", "find", "check", "count", "load", "pick", "score", "rate", "price", "size", "sum",
-         "next", "last", "base", "total", "fix", "eval", "step")
+         "next", "last", "base", "total", "fix", "eval", "step", "read", "send", "keep", "move", "draw", "test", "push",
+         "pull", "scale", "trim")
 NOUNS = ("item", "value", "box", "cost", "page", "user", "line", "tax", "fee", "rate", "node", "cell", "age", "day",
-         "level", "limit", "point", "order", "row", "bonus")
+         "level", "limit", "point", "order", "row", "bonus", "score", "size", "step", "price", "word", "tile", "card",
+         "seat", "ship", "room")
 MODULES = ("calc", "util", "core", "shop", "stats", "rules", "grid", "money", "clock", "parts")
 ARITH_SWAPS = {"+": ("-", "*"), "-": ("+",), "*": ("+",)}
 COMPARE_SWAPS = {"<": ("<=",), "<=": ("<",), ">": (">=",), ">=": (">",), "==": ("!=",), "!=": ("==",)}
@@ -313,7 +315,7 @@ def generate(n: int, *, seed: int = 0, split: str = "train", level: int = 1,
     cfg = DIFFICULTY[level]
   rng = random.Random(f"{seed}/{split}/{cfg}")
   tasks, seen = [], set()
-  for _ in range(50 * n + 100):
+  for _ in range(20 * n + 1000):
     if len(tasks) == n:
       break
     task = make_task(rng, cfg, split, level)
