@@ -181,6 +181,8 @@ def test_self_summarization_chains_segments(tok, envs, tasks):
       assert any((prompt[i:i + len(summary_ids)] == summary_ids).all() for i in range(len(prompt)))
       assert not nxt.gen_mask_T[:nxt.prompt_len].any()  # carried summary is prompt in the next segment
     assert all(len(s.tokens_T) <= cfg.context_budget for s in t.segments)
+    rows = t.training_rows()
+    assert [r["reward"] for r in rows] == [t.reward] * len(t.segments) and t.reward == pytest.approx(1.0)
   # The chain is bounded: with 2 segments allowed the hard tasks stop early, unsolved, still graded.
   short = harness.run_episodes(scripted.ScriptedEngine(tok, scripted.oracle_policy(hard)), tok, hard, envs,
                                dataclasses.replace(cfg, max_segments=2))
