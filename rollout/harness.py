@@ -152,6 +152,11 @@ class _Episode:
             "finish_reason": res.finish_reason, "tools": [], "tool_wall_s": [], "errors": 0}
     self.builder.turns.append(turn)
     self.turn += 1
+    if res.finish_reason == "abort":  # the engine gave up (e.g. shut down): end the episode, run nothing
+      self.messages.append({"role": "assistant", "content": self.tok.decode(out, skip_special_tokens=False)})
+      self.stop_reason = "abort"
+      turn["end"] = len(self.builder)
+      return
     if self.mode == "summary":
       text = cf.parse_generated_ids(self.tok, out).content
       self.messages.append({"role": "summary", "content": text})

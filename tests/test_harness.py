@@ -227,3 +227,14 @@ def test_oracle_tells_apart_tasks_that_share_a_prompt(tok, envs):
     assert same[0].gold_patch != same[1].gold_patch
     trajs = harness.run_episodes(scripted.ScriptedEngine(tok, scripted.oracle_policy(pool)), tok, same, envs, CFG)
     assert [t.metrics["solved"] for t in trajs] == [1.0, 1.0]
+
+
+def test_abort_ends_the_episode(tok, envs, tasks):
+  class Aborting:
+    def generate(self, requests):
+      return [GenerateResult(np.zeros(0, np.int32), np.zeros(0, np.float32), None, 0, "abort") for _ in requests]
+
+  (t,) = harness.run_episodes(Aborting(), tok, tasks[:1], envs, CFG)
+  assert t.stop_reason == "abort" and t.metrics["turns"] == 1 and t.metrics["solved"] == 0.0
+  seg = t.segments[0]
+  assert seg.tokens_T[-1] == cf.special_id(tok, cf.END_OF_TURN) and seg.gen_mask_T[-1] == 0  # closed by the loop
