@@ -54,3 +54,15 @@ def test_oracle_policy_needs_oracle_metadata(tok):
   bare = type(task)(task.id, task.language, task.prompt, task.environment, task.tests)
   with pytest.raises(ValueError, match="no metadata"):
     scripted.oracle_policy([bare])
+
+
+def test_rollout_imports_neither_jax_nor_composer_jax():
+  """Layering: the rollout side runs without JAX (ARCHITECTURE.md)."""
+  import subprocess
+  import sys
+  code = ("import sys, rollout.harness, rollout.evaluate, rollout.tasks.miner, rollout.tasks.swe, "
+          "rollout.tasks.autoinstall, rollout.engines.scripted, rollout.workspace\n"
+          "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'composer_jax'))]\n"
+          "assert not bad, bad")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
