@@ -87,6 +87,8 @@ def main() -> None:
       results = pool.run_many(snap, ["true"] * args.jobs)
       throughput = args.jobs / (time.perf_counter() - t)
     assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
+  if state_root and not os.listdir(state_root):
+    os.rmdir(state_root)  # leave /dev/shm as we found it
 
   out = {
     "files": args.files, "import_s": round(import_s, 3), "fork_ms_median": round(fork_ms, 3),

@@ -5,7 +5,7 @@ import resource
 
 import pytest
 
-from sandboxes import BwrapBackend, Limits
+from sandboxes import BwrapBackend, Limits, SandboxConfig
 from sandboxes.limits import SandboxCgroup, detect_parents, rlimits_for
 
 MiB = 1 << 20
@@ -118,3 +118,17 @@ def test_real_groups_get_the_limits(tmp_path):
     r = sb.run("cat /proc/self/cgroup")  # the command runs inside them (the cgroup namespace hides the path)
     assert r.ok and r.stdout_text.strip()
     assert sb.cgroup.cpu_seconds() > 0  # the run was accounted
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+def test_cpus_bandwidth_throttles(tmp_path):
+  cfg = SandboxConfig(limits=Limits(cpus=0.2))
+  with BwrapBackend(config=cfg) as be, be.create(str(tmp_path)) as sb:
+    d = sb.cgroup.dirs["cpu"]
+    quota = _read(os.path.join(d, "cpu.max")).split()[0] if sb.cgroup.v2["cpu"] else _read(
+      os.path.join(d, "cpu.cfs_quota_us")).strip()
+    assert quota == "20000"
+    r = sb.run(["timeout", "1.5", "python3", "-c", "while True: pass"], timeout=30)
+    used = sb.cgroup.run_cpu_seconds()
+    # At most 0.2 CPU-seconds per wall second (+ one 100 ms CFS period of slack and python's start-up).
+    assert r.exit_code == 124 and used <= 0.2 * r.wall_s + 0.15, (used, r.wall_s)

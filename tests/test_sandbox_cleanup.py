@@ -136,3 +136,27 @@ def test_close_from_another_thread_kills_the_running_command(tmp_path):
     r = results[0]
     assert r.exit_code is None and not r.timed_out and r.limit_hit is None
     assert not os.path.exists(sb.dir)
+
+
+def test_cli_cleanup_and_run(tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": repo}
+  root = _state_root()
+  try:
+    # A store whose owner is gone: a pid that exited (its start time no longer matches anything).
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = os.path.join(root, f"{dead.stdout.strip()}-abcdef")
+    os.makedirs(os.path.join(stale, "l", "0"))
+    with open(os.path.join(stale, "owner"), "w") as f:
+      f.write(f"{dead.stdout.strip()} 1\n")
+    out = subprocess.run([sys.executable, "-m", "sandboxes", "cleanup", "--state-root", root], capture_output=True,
+                         text=True, env=env, cwd=repo)
+    assert out.returncode == 0 and out.stdout == f"removed {stale}\n" and not os.path.exists(stale)
+    (tmp_path / "x.txt").write_text("hello")
+    out = subprocess.run([sys.executable, "-m", "sandboxes", "run", str(tmp_path), "--state-root", root, "--",
+                          "sh", "-c", "cat x.txt; exit 3"], capture_output=True, text=True, env=env, cwd=repo)
+    assert out.returncode == 3 and out.stdout == "hello"
+    assert '"exit_code": 3' in out.stderr and '"limit_hit": null' in out.stderr
+  finally:
+    cleanup(root)
+    os.rmdir(root)

@@ -1,7 +1,6 @@
 """Resource limits and kills with real processes: fork bomb, memory hog, disk filler, CPU burner, escapees."""
 
 import os
-import time
 
 import pytest
 
@@ -52,7 +51,7 @@ def test_fork_bomb_is_bounded_by_pids_limit(sb):
   # reaped.
   r = sb.run("bomb() { bomb | bomb & }; bomb; sleep 1", timeout=3)
   assert r.limit_hit == "pids"
-  assert r.wall_s < 6
+  assert r.wall_s < 10  # generous: other jobs may load the machine
   assert sb.cgroup.pids() == set()  # nothing of the bomb is left
   assert sb.run("echo ok").stdout == b"ok\n"  # and the sandbox is usable again
 
@@ -85,18 +84,17 @@ def test_many_small_files_are_stopped_at_disk_limit(sb):
 
 
 def test_cpu_burner_is_stopped_at_cpu_time_limit(sb):
-  t = time.monotonic()
-  r = sb.run(["python3", "-c", "while True: pass"], timeout=30)
+  # 1 s of CPU; the wall time depends on how loaded the machine is, so the timeout is far away.
+  r = sb.run(["python3", "-c", "while True: pass"], timeout=120)
   assert r.limit_hit == "cpu_time"
   assert not r.timed_out and r.exit_code is None
-  assert time.monotonic() - t < 10
 
 
 def test_timeout_kills_sigterm_ignoring_command(sb):
   r = sb.run("trap '' TERM INT HUP; echo started; sleep 100", timeout=1.0)
   assert r.timed_out and r.exit_code is None and r.limit_hit is None
   assert r.stdout == b"started\n"  # output before the kill is kept
-  assert 1.0 <= r.wall_s < 3.0
+  assert 1.0 <= r.wall_s < 6.0
 
 
 @pytest.mark.parametrize("how", ["setsid", "nohup", "disown"])
