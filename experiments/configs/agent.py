@@ -2,11 +2,11 @@
 
   python experiments/agent_main.py --config=experiments/configs/agent.py:colab
 
-Expected (colab, ~10-15 s on 2 busy CPU cores, in bubblewrap sandboxes): the oracle solves 100% of tasks (reward 1.0 each), the no-op policy 0%, the
-random-token policy 0% with malformed-call penalties; transcripts and reward breakdowns are printed. A validity check
-of the tasks and the grader. Options: `level=1..4`, `n_tasks=`, `split=train|heldout`, `budget=` (tokens per
-segment; small values exercise self-summarization), `policies=oracle+noop+random`,
-`backend=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
+Expected (colab, ~10-15 s on 2 busy CPU cores, in bubblewrap sandboxes): the oracle solves 100% of tasks (reward
+1.0 each), the no-op policy 0%, the random-token policy 0% with malformed-call penalties; transcripts and reward
+breakdowns are printed. A validity check of the tasks and the grader. Options: `level=1..4`, `n_tasks=`,
+`split=train|heldout`, `budget=` (tokens per segment; small values exercise self-summarization),
+`policies=oracle+noop+random`, `backend=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
 """
 import ml_collections
 
