@@ -72,7 +72,7 @@ def update_router_bias(params, expert_load_MxE, rate: float):
 
 
 def _global_norm(tree):
-  return optax.global_norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+  return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
 
 
 def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
