@@ -140,7 +140,7 @@ def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: Mode
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   params = train_step_lib.update_router_bias(params, aux["expert_load"], rl_cfg.bias_update_rate)
-  norm = lambda t: optax.global_norm(jax.tree.map(lambda x: x.astype(jnp.float32), t))
+  norm = lambda t: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), t))
   metrics.update(grad_norm=norm(grads), update_norm=norm(updates), param_norm=norm(params))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng), metrics
 
