@@ -151,3 +151,15 @@ def test_make_batch_feeds_the_step(setup):
   m = loss_fn(params, {k: jnp.asarray(v) for k, v in batch.items()}, ref_params, rl_step_lib.RLConfig())
   assert float(m["routing_mismatch_rate"]) == 0.0 and float(m["logprob_gap_replay"]) < 1e-5
   np.testing.assert_allclose(m["generated_tokens"], B * (L - PROMPT))
+
+
+def test_freeze_subtrees_stops_weight_decay_on_mtp():
+  params = {"mtp": {"w": jnp.ones((2, 2))}, "moe_layers": {"moe": {"bias": jnp.ones((1, 4)),
+                                                                   "router": jnp.ones((1, 2, 4))}}}
+  opt = rl_step_lib.freeze_subtrees(optim.make_optimizer(OptimConfig(warmup_steps=0, weight_decay=0.5), params),
+                                    params)
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = opt.update(zero_grads, opt.init(params), params)
+  assert float(jnp.abs(updates["mtp"]["w"]).max()) == 0.0                    # frozen: no decay
+  assert float(jnp.abs(updates["moe_layers"]["moe"]["bias"]).max()) == 0.0    # the router bias stays frozen
+  assert float(jnp.abs(updates["moe_layers"]["moe"]["router"]).max()) > 0.0   # trained leaves still decay

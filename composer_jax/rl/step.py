@@ -167,3 +167,14 @@ def batch_shardings(mesh, batch_axis: str | tuple[str, ...] | None = "data") -> 
   out = {k: NamedSharding(mesh, P(ax)) for k in rows}
   out["routing"] = NamedSharding(mesh, P(None, ax))
   return out
+
+
+def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...] = ("mtp",)
+                    ) -> optax.GradientTransformation:
+  """`optimizer` with the top-level param subtrees `names` frozen (zero updates, so no weight decay either).
+
+  With `RLConfig.mtp_weight == 0` the MTP heads get no gradient; AdamW's decoupled weight decay would still shrink
+  them every step, so freeze them: `freeze_subtrees(optim.make_optimizer(cfg, params), params)`.
+  """
+  labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k in names else "train", v) for k, v in params.items()}
+  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
