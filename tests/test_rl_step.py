@@ -8,10 +8,12 @@ from composer_jax import model
 from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.rl import losses
 from composer_jax.rl import step as rl_step_lib
-from composer_jax.rl.batch import BatchConfig, make_batch
+from composer_jax.rl.batch import BatchConfig, from_consumed
 from composer_jax.train import loop, optim
 from composer_jax.train import step as train_step_lib
 from composer_jax.train.config import OptimConfig
+from rollout.queue import QueueConsumer, QueueProducer, open_store
+from rollout.staleness import StalenessConfig
 
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                         num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -137,8 +139,8 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   assert (delta[0::2] > 0).all() and (delta[1::2] < 0).all(), delta   # rewarded up, unrewarded down
 
 
-def test_make_batch_feeds_the_step(setup):
-  """Trajectory dicts → make_batch → rl_loss_fn runs and its routing matches what was recorded per token."""
+def test_queue_to_batch_to_step(setup):
+  """Trajectory dicts → queue → from_consumed → rl_loss_fn: the recorded routing survives the trip per token."""
   params, ref_params, tokens, lp_own, own, _, _ = setup
   trajs = []
   for i in range(B):
@@ -147,7 +149,13 @@ def test_make_batch_feeds_the_step(setup):
     trajs.append({"task_id": "t", "reward": float(i % 2), "segments": [{
         "tokens_T": np.asarray(tokens[i]), "gen_mask_T": (np.arange(L) >= PROMPT).astype(np.int8),
         "logprobs_T": np.asarray(lp_own[i]), "routed_TxNxK": routed}]})
-  batch = make_batch([trajs[:2], trajs[2:]], BatchConfig(rows=B, length=L + 2, n_moe_layers=LM, top_k=2))
+  kv = open_store("memory://")
+  producer = QueueProducer(kv, "w0")
+  producer.append_group(trajs[:2], policy_version=3)
+  producer.append_group(trajs[2:], policy_version=4)
+  consumed = QueueConsumer(kv, StalenessConfig(max_staleness=1)).poll(4, max_rows=B)
+  batch = from_consumed(consumed, BatchConfig(rows=B, length=L + 2, n_moe_layers=LM, top_k=2))
+  np.testing.assert_array_equal(batch["staleness"], [1, 1, 0, 0])
   m = loss_fn(params, {k: jnp.asarray(v) for k, v in batch.items()}, ref_params, rl_step_lib.RLConfig())
   assert float(m["routing_mismatch_rate"]) == 0.0 and float(m["logprob_gap_replay"]) < 1e-5
   np.testing.assert_allclose(m["generated_tokens"], B * (L - PROMPT))
