@@ -34,6 +34,8 @@ class EngineConfig:
   Attributes:
     speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
     max_batch: most rows per compiled call (larger requests are split).
+    min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
+      batch so every call reuses one compiled program.
     min_prompt_bucket: smallest padded prompt width (prompts are left-padded to a power of two >= this).
     min_len_bucket: smallest output buffer length.
     moe_impl: override of cfg.moe_impl for generation (None: keep; 'capacity' is always replaced by 'ragged',
@@ -42,6 +44,7 @@ class EngineConfig:
   """
   speculative: bool = False
   max_batch: int = 64
+  min_batch_bucket: int = 1
   min_prompt_bucket: int = 16
   min_len_bucket: int = 16
   moe_impl: str | None = None
@@ -97,8 +100,8 @@ class JaxEngine:
         raise ValueError(f"request {r.request_id!r} has token ids outside [0, vocab_size={cfg.vocab_size})")
     uniq: dict[tuple[int, ...], int] = {}
     rows = [uniq.setdefault(tuple(r.prompt_ids), len(uniq)) for r in requests]
-    B = bucket(len(requests), 1)
-    U = bucket(len(uniq), 1)
+    B = bucket(len(requests), ecfg.min_batch_bucket)
+    U = min(bucket(len(uniq), ecfg.min_batch_bucket), B)
     P = bucket(max(len(p) for p in uniq), ecfg.min_prompt_bucket)
     T = bucket(max(r.params.max_tokens for r in requests), ecfg.min_len_bucket)
     if P + T > cfg.max_position_embeddings:
@@ -144,7 +147,8 @@ class JaxEngine:
 
 def sample(params: dict, prompts: Sequence[Sequence[int]], cfg: ModelConfig, *, max_tokens: int = 64,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
-           seed: int | None = 0, speculative: bool = False) -> list[GenerateResult]:
+           seed: int | None = 0, speculative: bool = False,
+           engine_cfg: EngineConfig | None = None) -> list[GenerateResult]:
   """Samples one completion per prompt (notebook entry point; same sampling params for every prompt).
 
   Args:
@@ -154,11 +158,13 @@ def sample(params: dict, prompts: Sequence[Sequence[int]], cfg: ModelConfig, *, 
     max_tokens, temperature, top_p, top_k, stop_token_ids: as `SamplingParams`.
     seed: base seed; prompt i uses seed + i (None: the engine's own stream).
     speculative: use MTP speculative decoding.
+    engine_cfg: bucket sizes etc. (its `speculative` is overridden by the argument).
 
   Returns:
     One `GenerateResult` per prompt (output_ids, logprobs, routed_experts, finish_reason).
   """
-  engine = JaxEngine(params, cfg, EngineConfig(speculative=speculative))
+  engine_cfg = dataclasses.replace(engine_cfg or EngineConfig(), speculative=speculative)
+  engine = JaxEngine(params, cfg, engine_cfg)
   reqs = [GenerateRequest(tuple(int(t) for t in p),
                           SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                          stop_token_ids=tuple(stop_token_ids),
