@@ -42,6 +42,7 @@ def test_scan_loop_and_remat_agree():
   assert aux_ref["router_scores"].shape == (2, 2, 12, 8) and aux_ref["experts"].shape == (2, 2, 12, 2)
   assert aux_ref["expert_load"].shape == (2, 8) and float(aux_ref["expert_load"].sum()) == 2 * 2 * 12 * 2
   assert float(aux_ref["balance_loss"]) > 0
+  assert aux_ref["mtp_expert_load"].shape == (1, 8) and float(aux_ref["mtp_expert_load"].sum()) == 2 * 12 * 2
   for cfg in (dataclasses.replace(CFG, scan_layers=False), dataclasses.replace(CFG, remat=True)):
     out, aux = _fwd(_params(), tok, cfg)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
