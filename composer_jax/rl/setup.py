@@ -1,0 +1,65 @@
+"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, harness."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+
+from composer_jax.rl.config import RunConfig
+from composer_jax.train import tokenizer as tokenizer_lib
+from rollout import harness
+from rollout.engines.protocol import SamplingParams
+from rollout.rewards import RewardConfig
+from rollout.tasks import procedural
+from rollout.tasks.environment import EnvironmentCache
+from rollout.tools import ToolConfig
+from rollout.workspace import make_factory
+
+
+def harness_config(cfg: RunConfig) -> harness.HarnessConfig:
+  return harness.HarnessConfig(
+      system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=cfg.context_budget,
+      max_turn_tokens=cfg.max_turn_tokens, observation_reserve=cfg.observation_reserve, max_turns=cfg.max_turns,
+      max_segments=1, summary_max_tokens=cfg.max_turn_tokens,
+      sampling=SamplingParams(temperature=cfg.temperature), tools=ToolConfig(max_output_chars=300), seed=cfg.seed,
+      rewards=RewardConfig(length_weight=cfg.length_weight, length_q=cfg.length_q))
+
+
+def train_pool(cfg: RunConfig) -> list:
+  return procedural.generate(cfg.pool_size, seed=cfg.seed + 1, split="train", level=cfg.level)
+
+
+def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list:
+  return procedural.generate(n or cfg.eval_tasks, seed=cfg.seed + 2, split="heldout", level=cfg.level)
+
+
+def make_envs(cfg: RunConfig) -> EnvironmentCache:
+  return EnvironmentCache(make_factory(cfg.backend))
+
+
+def tokenizer_dir(cfg: RunConfig) -> str:
+  return os.path.join(cfg.workdir, "tokenizer")
+
+
+def save_run_config(cfg: RunConfig) -> str:
+  os.makedirs(cfg.workdir, exist_ok=True)
+  path = os.path.join(cfg.workdir, "run_config.pkl")
+  with open(path, "wb") as f:
+    pickle.dump(cfg, f)
+  return path
+
+
+def load_run_config(workdir: str) -> RunConfig:
+  with open(os.path.join(workdir, "run_config.pkl"), "rb") as f:
+    cfg = pickle.load(f)
+  if not isinstance(cfg, RunConfig):
+    raise TypeError(f"{workdir}/run_config.pkl holds a {type(cfg).__name__}, not a RunConfig")
+  return cfg
+
+
+def load_tokenizer(cfg: RunConfig):
+  return tokenizer_lib.load_tokenizer(tokenizer_dir(cfg))
+
+
+def with_temperature(h: harness.HarnessConfig, t: float) -> harness.HarnessConfig:
+  return dataclasses.replace(h, sampling=SamplingParams(temperature=t))
