@@ -49,13 +49,13 @@ def main(workdir: str, worker_index: int) -> None:
     time.sleep(0.2)
   like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
   version, path = publish.latest(wdir)
-  engine = JaxEngine(publish.load(path, like), cfg.model, engine_config(cfg), policy_version=version)
+  engine = JaxEngine(jax.device_put(publish.load(path, like)), cfg.model, engine_config(cfg), policy_version=version)
 
   def refresh() -> None:
     got = publish.latest(wdir)
     if got is not None and got[0] > engine.policy_version:
       try:
-        engine.update_weights(publish.load(got[1], like), policy_version=got[0])
+        engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
       except FileNotFoundError:
         pass   # pruned between the pointer read and the load: a newer one is there, take it next group
 

@@ -1,0 +1,94 @@
+"""RL run configuration errors, the Wilson interval, weight publishing and the rl_main config conversion."""
+import math
+
+import numpy as np
+import pytest
+
+from composer_jax.model.config import ModelConfig
+from composer_jax.rl import evaluate, publish
+from composer_jax.rl.config import RunConfig
+from experiments.configs import rl as rl_configs
+
+
+def _cfg(**kw):
+  return RunConfig(model=ModelConfig(vocab_size=512), workdir="/tmp/unused", **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="fast"), "mode"),
+    (dict(engine="vllm"), "engine"),
+    (dict(mode="sync", max_staleness=2), "max_staleness=0"),
+    (dict(samples_per_prompt=1), ">= 2"),
+    (dict(steps=0), "steps"),
+    (dict(staleness_policy="ignore"), "staleness_policy"),
+    (dict(max_staleness=0, publish_every=3), "dropped as stale"),
+    (dict(context_budget=100, max_turn_tokens=64, observation_reserve=64), "context_budget"),
+    (dict(vocab_size=1024), "vocab_size"),
+])
+def test_bad_run_config_is_a_clear_error(kw, match):
+  with pytest.raises(ValueError, match=match):
+    _cfg(**kw)
+
+
+def test_sync_with_zero_staleness_is_valid():
+  assert _cfg(mode="sync", max_staleness=0).batch_rows == 4 * 8
+
+
+def test_wilson_interval_matches_hand_computation():
+  # 80/100: centre = (0.8 + 1.96²/200) / (1 + 1.96²/100), half = 1.96·sqrt(0.0016 + 1.96²/40000) / (1 + 1.96²/100)
+  z = 1.96
+  d = 1 + z * z / 100
+  centre, half = (0.8 + z * z / 200) / d, z * math.sqrt(0.8 * 0.2 / 100 + z * z / 40000) / d
+  lo, hi = evaluate.wilson(80, 100)
+  assert lo == pytest.approx(centre - half) and hi == pytest.approx(centre + half)
+  assert lo == pytest.approx(0.7112, abs=1e-4) and hi == pytest.approx(0.8666, abs=1e-4)
+  assert evaluate.wilson(0, 10)[0] == 0.0 and evaluate.wilson(10, 10)[1] == 1.0
+  with pytest.raises(ValueError, match="n > 0"):
+    evaluate.wilson(0, 0)
+
+
+def test_publish_roundtrip_and_pruning(tmp_path):
+  params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": {"c": np.ones(4, np.int32)}}
+  assert publish.latest(str(tmp_path)) is None
+  for v in range(5):
+    publish.publish(str(tmp_path), {"a": params["a"] + v, "b": params["b"]}, v, keep=2)
+  version, path = publish.latest(str(tmp_path))
+  assert version == 4
+  got = publish.load(path, params)
+  np.testing.assert_array_equal(got["a"], params["a"] + 4)
+  np.testing.assert_array_equal(got["b"]["c"], params["b"]["c"])
+  assert sorted(p.name for p in tmp_path.glob("v*.npz")) == ["v3.npz", "v4.npz"]
+  with pytest.raises(ValueError, match="shape"):
+    publish.load(path, {"a": np.zeros((3, 2)), "b": params["b"]})
+  with pytest.raises(ValueError, match="no leaf"):
+    publish.load(path, {"x": params["a"]})
+
+
+def test_rl_main_config_converts_and_typos_fail():
+  from experiments import rl_main
+  c = rl_configs.get_config("test,mode=sync")
+  cfg = rl_main.run_config(c, "/tmp/x")
+  assert cfg.mode == "sync" and cfg.max_staleness == 0 and cfg.rl.loss.kl_coef == c.rl.kl_coef
+  assert cfg.rl.router_replay is True
+  c.rl.unlock()
+  c.rl.klcoef = 0.1
+  with pytest.raises(ValueError, match="klcoef"):
+    rl_main.run_config(c, "/tmp/x")
+  with pytest.raises(ValueError, match="unknown rl variant"):
+    rl_configs.get_config("huge")
+
+
+def test_every_sweep_entry_builds_a_valid_run_config():
+  from experiments import rl_main
+  for overrides in rl_configs.get_sweep():
+    c = rl_configs.get_config("colab")
+    for k, v in overrides.items():
+      node = c
+      *path, leaf = k.split(".")
+      for p in path:
+        node = node[p]
+      node[leaf] = v
+    if c.mode == "sync":
+      c.max_staleness = 0
+    cfg = rl_main.run_config(c, "/tmp/x")
+    assert cfg.model.vocab_size == 512
