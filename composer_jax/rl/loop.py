@@ -283,3 +283,8 @@ def _plot(workdir: str) -> None:
 
 def replace(cfg: RunConfig, **kw) -> RunConfig:
   return dataclasses.replace(cfg, **kw)
+
+
+if __name__ == "__main__":
+  # `python -m composer_jax.rl.loop <workdir>`: (re)start the trainer of a run whose RunConfig is in the workdir.
+  train_rl(setup.load_run_config(sys.argv[1]))
