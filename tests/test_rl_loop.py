@@ -39,6 +39,8 @@ def test_sync_loop_trains_on_fresh_groups_only(tmp_path):
   assert all(r["staleness_mean"] == 0.0 and r["dropped_stale"] == 0.0 for r in m)
   # On-policy: the trainer's logprobs of the engine's tokens equal the engine's (router replay, same weights).
   assert m[0]["logprob_gap_replay"] < 1e-3 and m[0]["importance_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+  # Router replay wiring: the engine's recorded experts reach the batch, and equal the trainer's own choice.
+  assert m[0]["routing_mismatch_rate"] < 0.01
   for k in ("reward", "pass_rate", "length", "kl", "entropy", "clip_fraction", "queue_depth_groups",
             "trainer_idle_fraction", "importance_ratio_max"):
     assert k in m[-1]

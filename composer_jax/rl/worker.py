@@ -8,6 +8,7 @@ the same id running beside the restarted one's workers.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import sys
@@ -49,15 +50,31 @@ def main(workdir: str, worker_index: int) -> None:
     time.sleep(0.2)
   like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
   version, path = publish.latest(wdir)
-  engine = JaxEngine(jax.device_put(publish.load(path, like)), cfg.model, engine_config(cfg), policy_version=version)
+  # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
+  dev = jax.devices()[0]
+  engine = JaxEngine(jax.device_put(publish.load(path, like), dev), cfg.model, engine_config(cfg),
+                     policy_version=version)
+
+  # Throttle: at most this many groups per policy version, i.e. what the trainer can use before they go stale.
+  # Without it a fast worker floods the queue with groups that are then dropped as stale.
+  per_version = max(1, math.ceil(cfg.groups_per_step * (cfg.max_staleness + 1) / cfg.n_workers))
+  made = {"version": version, "groups": 0}
+  stop_file = os.path.join(workdir, "workers", "STOP")
 
   def refresh() -> None:
-    got = publish.latest(wdir)
-    if got is not None and got[0] > engine.policy_version:
-      try:
-        engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
-      except FileNotFoundError:
-        pass   # pruned between the pointer read and the load: a newer one is there, take it next group
+    while True:
+      got = publish.latest(wdir)
+      if got is not None and got[0] > engine.policy_version:
+        try:
+          engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
+        except FileNotFoundError:
+          continue   # pruned between the pointer read and the load: a newer one is there
+      if made["version"] != engine.policy_version:
+        made.update(version=engine.policy_version, groups=0)
+      if made["groups"] < per_version or os.getppid() != ppid or os.path.exists(stop_file):
+        made["groups"] += 1
+        return
+      time.sleep(0.05)
 
   wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=cfg.n_workers,
                               samples_per_prompt=cfg.samples_per_prompt)
