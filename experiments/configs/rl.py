@@ -4,9 +4,10 @@ r"""RL on procedural repair tasks: SFT warm start on oracle trajectories, then (
   python experiments/rl_main.py --config=experiments/configs/rl.py:colab,mode=sync --workdir=runs/rl_sync
   python experiments/rl_main.py --config=experiments/configs/rl.py:test --workdir=/tmp/rl_test   # seconds-scale
 
-Expected (colab, 2 CPU cores): SFT ~5 min, RL `steps` in the remaining budget, then held-out evaluation of the SFT
-start, the RL policy and an equal-wall-clock SFT control on `eval_tasks` held-out tasks, greedy and at T=1 (Wilson
-95% CIs) — last line JSON. Measured numbers are in the final report / README (the 20-point target is not yet met).
+Does: SFT warm start on oracle transcripts, RL for `steps`, then held-out evaluation of the SFT start, the RL
+policy and an equal-wall-clock SFT control on `eval_tasks` held-out tasks, greedy and at T=1 (Wilson 95% CIs); the
+last line is JSON. Runtime and the learning result of the colab default are NOT yet measured end to end (the
+2-core machine was shared by 4 jobs while this was written); `test` runs in ~5 min there, mostly compiles.
 Variants: `colab` (default), `test` (tiny model, few tasks, local workspaces; for tests). Overrides:
 `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`.
 Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt).
