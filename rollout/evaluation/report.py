@@ -30,22 +30,26 @@ def pareto_front(points: Mapping[str, tuple[float, float]]) -> list[str]:
   return sorted(front, key=lambda n: points[n][0])
 
 
-def pareto_plot(summaries: Mapping[str, Mapping[str, float]], path: str, title: str = "") -> list[str]:
+def pareto_plot(summaries: Mapping[str, Mapping[str, float]], path: str, title: str = "",
+                references: tuple[str, ...] = ("oracle",)) -> list[str]:
   """Writes a PNG of pass@1 (with its 95% interval) against mean inference cost per sample; returns the frontier.
 
   Cost is active parameters x output tokens; scripted baselines have cost 0, so the x axis is symlog (linear near 0).
+  `references` (the oracle: a validity check that reads the answer) are drawn but kept off the frontier.
   """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   points = {n: (s["cost"], s["pass@1"]) for n, s in summaries.items()}
-  front = pareto_front(points)
-  fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+  front = pareto_front({n: p for n, p in points.items() if n not in references})
+  fig, ax = plt.subplots(figsize=(7.5, 4), dpi=100)
+  seen: dict[tuple[float, float], int] = {}
   for n, s in summaries.items():
+    stack = seen[points[n]] = seen.get(points[n], -1) + 1  # labels of coinciding points are stacked, not overdrawn
     ax.errorbar([s["cost"]], [s["pass@1"]], yerr=[[s["pass@1"] - s["pass@1_lo"]], [s["pass@1_hi"] - s["pass@1"]]],
                 fmt="o", capsize=3, label=n)
-    ax.annotate(n, (s["cost"], s["pass@1"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.annotate(n, (s["cost"], s["pass@1"]), textcoords="offset points", xytext=(5, 5 + 10 * stack), fontsize=8)
   if len(front) > 1:
     ax.plot([points[n][0] for n in front], [points[n][1] for n in front], "k--", lw=0.8, label="Pareto front")
   max_cost = max(c for c, _ in points.values())
@@ -54,7 +58,7 @@ def pareto_plot(summaries: Mapping[str, Mapping[str, float]], path: str, title: 
   ax.set_ylabel("pass@1")
   ax.set_ylim(-0.05, 1.05)
   ax.set_title(title or "accuracy vs cost")
-  ax.legend(fontsize=7, loc="lower right")
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
