@@ -137,3 +137,26 @@ def test_tampered_set_file_is_rejected(tmp_path):
   (tmp_path / "s.json").write_text(json.dumps(task_set))
   with pytest.raises(ValueError, match="sha256"):
     builder.read_set(str(tmp_path / "s.json"))
+
+
+def test_swe_jsonl_set_gold_validated_oracle_noop(tmp_path, factory, repo, tok):
+  """A SWE-bench-style JSONL set against the local clone: a good instance and one whose FAIL_TO_PASS names a test
+  that does not exist (the gold patch cannot make it pass, so gold validation excludes it)."""
+  import os
+
+  def git(*a):
+    return subprocess.run(["git", "-C", repo, *a], capture_output=True, text=True, check=True).stdout
+  base, fix = git("rev-parse", "HEAD~3").strip(), git("rev-parse", "HEAD~2").strip()
+  inst = {"instance_id": "local__r-1", "repo": f"local/{os.path.basename(repo)}", "base_commit": base,
+          "patch": git("diff", base, fix, "--", "util.py", "api.py"),
+          "test_patch": git("diff", base, fix, "--", "tests/test_api.py"),
+          "FAIL_TO_PASS": ["tests/test_api.py::test_high"], "PASS_TO_PASS": ["tests/test_api.py::test_low"],
+          "problem_statement": "score caps at 100"}
+  bad = {**inst, "instance_id": "local__r-2", "FAIL_TO_PASS": json.dumps(["tests/test_api.py::test_missing"])}
+  path = tmp_path / "swe.jsonl"
+  path.write_text(json.dumps(inst) + "\n" + json.dumps(bad) + "\n")
+  envs = EnvironmentCache(factory)
+  tasks = suite.load_tasks(suite.SetSpec("swe", jsonl=str(path), repos_dir=os.path.dirname(repo)), envs)
+  out = suite.evaluate({"swe": tasks}, _baselines(tok), envs, CFG, str(tmp_path / "run"), log=lambda s: None)["swe"]
+  assert [i for i, _ in out["invalid"]] == ["swe/local__r-2"] and "test_missing" in out["invalid"][0][1]
+  assert out["summaries"]["oracle"]["pass@1"] == 1.0 and out["summaries"]["noop"]["pass@1"] == 0.0
