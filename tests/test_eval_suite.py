@@ -86,6 +86,7 @@ def test_procedural_set_oracle_100_noop_0_invalid_excluded(tmp_path, factory, to
   s = out["summaries"]
   assert s["oracle"]["pass@1"] == 1.0 and s["oracle"]["pass@2"] == 1.0 and s["oracle"]["pass@1_lo"] == 1.0
   assert s["noop"]["pass@1"] == 0.0 and s["noop"]["pass@2"] == 0.0
+  assert out["validity_failures"] == {"oracle": [], "noop": []}
   assert s["oracle"]["cost"] == 0.0 and s["oracle"]["turns"] >= 2 and s["noop"]["tool_calls"] == 1.0
   recs = [json.loads(x) for x in (tmp_path / "proc" / "oracle" / "results.jsonl").read_text().splitlines()]
   assert sorted(r["task_id"] for r in recs) == sorted(t.id for t in tasks)
@@ -160,3 +161,13 @@ def test_swe_jsonl_set_gold_validated_oracle_noop(tmp_path, factory, repo, tok):
   out = suite.evaluate({"swe": tasks}, _baselines(tok), envs, CFG, str(tmp_path / "run"), log=lambda s: None)["swe"]
   assert [i for i, _ in out["invalid"]] == ["swe/local__r-2"] and "test_missing" in out["invalid"][0][1]
   assert out["summaries"]["oracle"]["pass@1"] == 1.0 and out["summaries"]["noop"]["pass@1"] == 0.0
+
+
+def test_validity_check_catches_a_broken_oracle(tmp_path, tok):
+  """A policy named 'oracle' that does nothing is reported on every task (the check can fail)."""
+  from rollout.workspace import LocalFactory
+  tasks = procedural.generate(3, seed=1, split="heldout")
+  fake = {"oracle": suite.Policy(lambda ts: policies.baseline("noop", tok, ts), tok)}
+  out = suite.evaluate({"p": tasks}, fake, EnvironmentCache(LocalFactory(root=str(tmp_path / "ws"))), CFG,
+                       str(tmp_path / "out"), log=lambda s: None)["p"]
+  assert out["validity_failures"] == {"oracle": [t.id for t in tasks]}

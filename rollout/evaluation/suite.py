@@ -24,6 +24,7 @@ from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.task import Task
 
 SET_KINDS = ("procedural", "mined", "swe", "file")
+VALIDITY = {"oracle": 1.0, "noop": 0.0}  # policy -> the score it must get on every sample of every valid task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy],
 
   Returns:
     set name -> {"valid": n, "invalid": [(id, reason)], "contaminated": {id: frac}, "summaries": {policy: metrics},
-    "pareto_front": [policy names]}.
+    "pareto_front": [policy names], "validity_failures": {"oracle"/"noop": [task ids scoring other than 1 / 0]}}.
   """
   run_cfg = run_cfg or runner.RunConfig()
   os.makedirs(out_dir, exist_ok=True)
@@ -144,12 +145,17 @@ def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy],
     log(f"[{set_name}] {len(valid)}/{len(tasks)} tasks valid for evaluation")
     if not valid:
       raise ValueError(f"set {set_name!r} has no valid tasks; see {sdir}/gold.jsonl")
-    summaries = {}
+    summaries, validity = {}, {}
     for pname, pol in policies.items():
       cfg = dataclasses.replace(run_cfg, active_params=pol.active_params)
       recs = runner.run_policy(pname, pol.make(valid), pol.tokenizer, valid, envs, harness_cfg,
                                os.path.join(sdir, pname), cfg, log)
       summaries[pname] = metrics.summarize(recs, ks=(cfg.samples,))
+      if pname in VALIDITY:  # the harness's own check: the oracle solves every valid task, the no-op none
+        want = VALIDITY[pname]
+        validity[pname] = [r["task_id"] for r in recs if any(x["solved"] != want for x in r["samples"])]
+        log(f"[{set_name}] validity: {pname} " + (f"OK ({want:.0%} on every task)" if not validity[pname] else
+                                                 f"FAILED on {validity[pname][:10]}"))
     text = report.summary_table(summaries)
     log(f"[{set_name}]\n" + text)
     with open(os.path.join(sdir, "summary.txt"), "w") as f:
@@ -158,5 +164,6 @@ def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy],
       json.dump(summaries, f, indent=1)
     front = report.pareto_plot(summaries, os.path.join(sdir, "pareto.png"), title=f"{set_name}: pass@1 vs cost")
     out[set_name] = {"valid": len(valid), "invalid": [(c.task_id, c.reason) for c in checks if not c.valid],
-                     "contaminated": flagged, "summaries": summaries, "pareto_front": front}
+                     "contaminated": flagged, "summaries": summaries, "pareto_front": front,
+                     "validity_failures": validity}
   return out
