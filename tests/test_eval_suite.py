@@ -13,6 +13,7 @@ from rollout import harness
 from rollout.evaluation import builder, policies, runner, suite
 from rollout.tasks import miner, procedural
 from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks.task import Task
 
 CFG = harness.HarnessConfig(context_budget=2048, max_turn_tokens=768, observation_reserve=256, max_turns=8)
 FAST = miner.MinerConfig(test_command="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + miner.MinerConfig().test_command)
@@ -112,9 +113,11 @@ def test_mined_set_builder_contamination_oracle_noop(tmp_path, factory, repo, to
   built, excluded = builder.build_set([repo], envs, builder.SetFilters(min_files=1, min_lines=1, max_prompt_chars=50),
                                       FAST, name="tiny", version="1", log=lambda s: None)
   assert len(built["tasks"]) == 2 and any("no code file changed" in why for _, why in excluded)
-  multi, _ = builder.build_set([repo], envs, builder.SetFilters(min_files=2), FAST, name="multi", version="1",
-                               log=lambda s: None)
-  assert [t["prompt"] for t in multi["tasks"]] == ["score caps at 100"]  # the one multi-file change
+  mined = [Task.from_dict(t) for t in built["tasks"]]
+  multi = [t.prompt for t in mined if not builder.filter_reason(t, builder.SetFilters(min_files=2))]
+  assert multi == ["score caps at 100"]  # the one multi-file change
+  assert builder.filter_reason(mined[0], builder.SetFilters(max_prompt_chars=5)).startswith("prompt has")
+  assert "min_lines=99" in builder.filter_reason(mined[0], builder.SetFilters(min_lines=99))
   path = str(tmp_path / "tiny.json")
   builder.write_set(path, built)
   header, tasks = builder.read_set(path)
