@@ -37,12 +37,15 @@ def _policies(c, system: str) -> dict:
     from composer_jax import eval_policies
     from composer_jax.model.config import ModelConfig
     from experiments.configs import model as model_configs
-    if not c.checkpoint.workdir:
-      raise ValueError("policy 'checkpoint' needs checkpoint=<workdir with params/ and tokenizer/>")
+    workdirs = [w for w in c.checkpoint.workdir.split(":") if w]
+    if not workdirs:
+      raise ValueError("policy 'checkpoint' needs checkpoint=<workdir>[:<workdir>...] (params/ or weights/, "
+                       "and tokenizer/)")
     model_cfg = ModelConfig.from_dict(model_configs.get_config(c.checkpoint.model).to_dict())
-    engine, tok, active = eval_policies.checkpoint_policy(c.checkpoint.workdir, model_cfg)
-    label = "ckpt:" + os.path.basename(os.path.normpath(c.checkpoint.workdir))
-    out[label] = suite.Policy(lambda tasks: engine, tok, active)
+    for w in workdirs:  # several checkpoints of one model (e.g. SFT start and RL steps) share a tokenizer
+      engine, tok, active = eval_policies.checkpoint_policy(w, model_cfg)
+      label = f"ckpt:{os.path.basename(os.path.normpath(w))}@v{engine.policy_version}"
+      out[label] = suite.Policy(lambda tasks, engine=engine: engine, tok, active)
   tok = tok or _baseline_tokenizer(c, system)  # baselines speak the checkpoint's tokenizer when there is one
   for n in names:
     if n in policies.BASELINES:

@@ -1,6 +1,7 @@
 """experiments/eval_main.py as a user runs it: an interrupted run (process killed mid-set) resumes without re-running
-finished tasks; a checkpoint (tiny random model saved in the LM-stage layout) is evaluated through the embedded JAX
-engine next to its baselines and appears on the Pareto plot with cost = active params x tokens."""
+finished tasks; two checkpoints (a tiny random model in the LM-stage layout and in the RL-run published layout) are
+evaluated through the embedded JAX engine next to their baselines and appear on the Pareto plot with
+cost = active params x tokens."""
 
 import json
 import os
@@ -70,6 +71,15 @@ T.save_tokenizer(T.train_tokenizer(texts, tc), "{workdir}/tokenizer", tc)
 rng = np.random.default_rng(0)  # host-side random weights: no initialiser compile
 stages.export_params("{workdir}", jax.tree.map(lambda a: (0.02 * rng.standard_normal(a.shape)).astype(a.dtype),
                                                P.abstract_params(cfg)))
+# The same model as an RL run publishes it (composer_jax/rl/publish.py layout), other weights, version 5.
+import json, os, shutil
+rl = "{workdir}_rl"
+os.makedirs(rl + "/weights")
+shutil.copytree("{workdir}/tokenizer", rl + "/tokenizer")
+leaves = jax.tree_util.tree_leaves_with_path(P.abstract_params(cfg))
+np.savez(rl + "/weights/v5.npz", **{{jax.tree_util.keystr(p): (0.02 * rng.standard_normal(a.shape)).astype(a.dtype)
+                                    for p, a in leaves}})
+json.dump({{"version": 5, "path": "v5.npz"}}, open(rl + "/weights/latest.json", "w"))
 print(P.count_params(cfg)[1])
 """
   made = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
@@ -79,15 +89,16 @@ print(P.count_params(cfg)[1])
   out = tmp_path / "out"
   run = subprocess.run(MAIN + ["--config=experiments/configs/eval.py:procedural,n_tasks=2,samples=1,"
                                "policies=oracle+noop+checkpoint,model=tiny,backend=local",
-                               f"--config.checkpoint.workdir={workdir}", f"--config.out={out}",
+                               f"--config.checkpoint.workdir={workdir}:{workdir}_rl", f"--config.out={out}",
                                "--config.harness.max_turn_tokens=96", "--config.harness.max_turns=3",
                                "--config.harness.observation_reserve=128", "--config.harness.context_budget=1024"],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=500)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   summary = json.loads((out / "procedural" / "summary.json").read_text())
-  assert set(summary) == {"ckpt:ckpt", "oracle", "noop"}
-  ck = summary["ckpt:ckpt"]
-  assert ck["output_tokens"] > 0 and ck["cost"] == pytest.approx(active * ck["output_tokens"])
+  assert set(summary) == {"ckpt:ckpt@v0", "ckpt:ckpt_rl@v5", "oracle", "noop"}
+  for name in ("ckpt:ckpt@v0", "ckpt:ckpt_rl@v5"):
+    ck = summary[name]
+    assert ck["output_tokens"] > 0 and ck["cost"] == pytest.approx(active * ck["output_tokens"])
   assert summary["oracle"]["pass@1"] == 1.0 and summary["noop"]["pass@1"] == 0.0
   assert (out / "procedural" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
-  assert "ckpt:ckpt" in run.stdout
+  assert "ckpt:ckpt_rl@v5" in run.stdout

@@ -14,7 +14,8 @@ written by the set builder). `build_set=PATH` mines `repos` with the filters (`m
 `max_prompt_chars`) and writes a frozen, versioned set file instead of evaluating.
 
 Policies (`policies=a+b`): `oracle`, `noop`, `random` (scripted baselines, cost 0), `checkpoint` (an LM-stage workdir
-`checkpoint=` with params/ and tokenizer/, `model=` its model-config variant, through the embedded JAX engine),
+`checkpoint=` an LM-stage workdir (params/) or an RL-run workdir (weights/latest.json), both with tokenizer/;
+several joined by ':' appear side by side on the plot; `model=` their model-config variant; embedded JAX engine),
 `sglang` (`sglang_url=`). Re-running with the same `out` resumes: finished tasks are not re-run.
 
 Expected (procedural, 8 level-1 held-out tasks, k=2, oracle+noop+random, sandboxes): ~20-40 s on 2 busy cores;
