@@ -78,6 +78,10 @@ def test_load_save_bit_exact_and_sharded(tmp_path):
     cfg, params = hf.load(path)
     assert cfg == CFG
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, _params())
+  # Dropping the MTP modules on load is allowed (the trunk is unchanged).
+  cfg0, params0 = hf.load(str(tmp_path / "one"), num_nextn_predict_layers=0)
+  assert cfg0 == dataclasses.replace(CFG, num_nextn_predict_layers=0) and "mtp" not in params0
+  np.testing.assert_array_equal(np.asarray(params0["embed"]), np.asarray(_params()["embed"]))
   # bfloat16 params round-trip bit-exactly too (config.json records torch_dtype).
   cfg16 = dataclasses.replace(CFG, param_dtype="bfloat16")
   # Cast to the dtypes the description gives (router weight and bias stay float32).
