@@ -60,8 +60,8 @@ def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.nda
   return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
 
 
-def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int) -> tuple[float, dict]:
-  """Generated tokens per second (best of `repeats`, after a compile run) and the engine's last stats."""
+def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int):
+  """(generated tokens per second (best of `repeats`, after a compile run), the engine's last stats, tokens)."""
   reqs = [GenerateRequest(tuple(int(t) for t in p), SamplingParams(temperature=0.0, max_tokens=tokens))
           for p in prompts]
   engine.generate(reqs)  # compile
@@ -71,11 +71,11 @@ def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int
     out = engine.generate(reqs)
     best = min(best, time.perf_counter() - t0)
   assert all(len(r.output_ids) == tokens for r in out)
-  return len(reqs) * tokens / best, dict(engine.last_stats)
+  return len(reqs) * tokens / best, dict(engine.last_stats), np.stack([r.output_ids for r in out])
 
 
-def hf_decode(hf_dir: str, prompts: np.ndarray, tokens: int, repeats: int) -> float:
-  """transformers `generate` (greedy, KV cache) tokens per second, best of `repeats` after a warm-up."""
+def hf_decode(hf_dir: str, prompts: np.ndarray, tokens: int, repeats: int) -> tuple[float, np.ndarray]:
+  """transformers `generate` (greedy, KV cache): (tokens per second, best of `repeats` after a warm-up; tokens)."""
   import torch
   import transformers
   torch.set_num_threads(os.cpu_count() or 1)
@@ -90,7 +90,7 @@ def hf_decode(hf_dir: str, prompts: np.ndarray, tokens: int, repeats: int) -> fl
       out = hf_model.generate(ids, **kw)
       best = min(best, time.perf_counter() - t0)
   assert out.shape[1] == prompts.shape[1] + tokens
-  return prompts.shape[0] * tokens / best
+  return prompts.shape[0] * tokens / best, out[:, prompts.shape[1]:].numpy()
 
 
 def weight_sync(cfg: ModelConfig, out_dir: str) -> dict:
@@ -140,14 +140,17 @@ def main(argv=None) -> dict:
       hf.save(hf_dir, cfg, jax.device_get(params))
     for b in (1, 16):
       prompts = _prompts(cfg, b, args.prompt_len)
-      res[f"decode_tokens_per_s_jax_b{b}"], _ = jax_decode(plain, prompts, args.tokens, args.repeats)
+      res[f"decode_tokens_per_s_jax_b{b}"], _, jax_toks = jax_decode(plain, prompts, args.tokens, args.repeats)
       if not args.skip_hf:
-        res[f"decode_tokens_per_s_hf_b{b}"] = hf_decode(hf_dir, prompts, args.tokens, args.repeats)
+        res[f"decode_tokens_per_s_hf_b{b}"], hf_toks = hf_decode(hf_dir, prompts, args.tokens, args.repeats)
+        # Same weights, same greedy decoding: the tokens should agree (float32 near-ties aside).
+        res[f"hf_greedy_token_agreement_b{b}"] = float((hf_toks == jax_toks).mean())
         res[f"decode_speedup_vs_hf_b{b}"] = res[f"decode_tokens_per_s_jax_b{b}"] / res[f"decode_tokens_per_s_hf_b{b}"]
       print({k: v for k, v in res.items() if k.endswith(f"b{b}")}, flush=True)
     prompts = _prompts(cfg, 1, args.prompt_len, seed=1)
-    spec_tps, stats = jax_decode(spec, prompts, args.tokens, args.repeats)
-    plain_tps, _ = jax_decode(plain, prompts, args.tokens, args.repeats)
+    spec_tps, stats, spec_toks = jax_decode(spec, prompts, args.tokens, args.repeats)
+    plain_tps, _, plain_toks = jax_decode(plain, prompts, args.tokens, args.repeats)
+    res["mtp_greedy_equal"] = bool((spec_toks == plain_toks).all())
     res["decode_tokens_per_s_mtp_b1"] = spec_tps
     res["mtp_speedup_b1"] = spec_tps / plain_tps
     res["mtp_acceptance"] = stats["accepted"] / max(stats["drafted"], 1)
