@@ -22,7 +22,7 @@ def main(argv):
   from rollout.tasks import procedural
   from rollout.tasks.environment import EnvironmentCache
   from rollout.tools import ToolConfig
-  from rollout.workspace import LocalFactory
+  from rollout.workspace import make_factory
 
   c = _CONFIG.value
   tasks = procedural.generate(c.tasks.n, seed=c.tasks.seed, split=c.tasks.split, level=c.tasks.level)
@@ -50,7 +50,7 @@ def main(argv):
   unknown = [n for n in names if n not in available]
   if unknown:
     raise ValueError(f"unknown policies {unknown}; valid: {sorted(available)}")
-  factory = LocalFactory()
+  factory = make_factory(c.backend)
   try:
     evaluate.evaluate({n: available[n]() for n in names}, tok, tasks, EnvironmentCache(factory), cfg,
                       n_transcripts=c.n_transcripts)

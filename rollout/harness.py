@@ -26,6 +26,7 @@ from rollout import chat_format as cf
 from rollout import lint
 from rollout.engines.protocol import Engine, GenerateRequest, GenerateResult, SamplingParams
 from rollout.rewards import EpisodeStats, RewardConfig, compute_reward
+from rollout.tasks import autoinstall
 from rollout.tasks.environment import EnvironmentCache, grade
 from rollout.tasks.task import Task
 from rollout.tools import ToolBox, ToolConfig
@@ -85,6 +86,7 @@ class _Episode:
 
   def __init__(self, index: int, task: Task, envs: EnvironmentCache, tokenizer, cfg: HarnessConfig):
     self.index, self.task, self.tok, self.cfg = index, task, tokenizer, cfg
+    self.envs = envs
     self.ws = envs.fork(task)
     self.tools = ToolBox(self.ws, cfg.tools)
     self.bos = cf.special_id(tokenizer, cf.BEGIN_OF_TEXT)
@@ -150,6 +152,11 @@ class _Episode:
             "finish_reason": res.finish_reason, "tools": [], "tool_wall_s": [], "errors": 0}
     self.builder.turns.append(turn)
     self.turn += 1
+    if res.finish_reason == "abort":  # the engine gave up (e.g. shut down): end the episode, run nothing
+      self.messages.append({"role": "assistant", "content": self.tok.decode(out, skip_special_tokens=False)})
+      self.stop_reason = "abort"
+      turn["end"] = len(self.builder)
+      return
     if self.mode == "summary":
       text = cf.parse_generated_ids(self.tok, out).content
       self.messages.append({"role": "summary", "content": text})
@@ -220,7 +227,12 @@ class _Episode:
     """Grades the workspace, computes the reward and returns the finished trajectory."""
     self.segments.append(self.builder.build(ends_with_summary=False))
     t0 = time.perf_counter()
-    report = grade(self.ws, self.task.tests)
+    setup_reason = None
+    if self.task.metadata.get("kind") == "env_setup":  # replayed in a fresh fork, not graded in place
+      setup = autoinstall.validate_setup(self.envs, self.task, autoinstall.plan_from_workspace(self.ws))
+      report, setup_reason = setup.report, setup.reason
+    else:
+      report = grade(self.ws, self.task.tests)
     grade_s = time.perf_counter() - t0
     lint_new = 0
     if self.cfg.rewards.lint_weight and self.tools.originals:
@@ -236,8 +248,8 @@ class _Episode:
                "turns": self.turn, "segments": len(self.segments), "finished": float(self.finished),
                "tool_wall_s": self.tool_wall_s, "grade_wall_s": grade_s, "new_lint_findings": lint_new,
                **{k: float(v) for k, v in self.stats.items()}}
-    if report.error:
-      metrics["grade_error"] = report.error
+    if report.error or setup_reason:
+      metrics["grade_error"] = report.error or setup_reason
     return Trajectory(self.task.id, self.segments, reward, breakdown, metrics, self.messages, self.stop_reason)
 
 

@@ -75,9 +75,15 @@ class Trajectory:
   def n_generated(self) -> int:
     return sum(s.n_generated for s in self.segments)
 
+  def training_rows(self) -> list[dict[str, Any]]:
+    """One row per segment for a trainer: its arrays plus the trajectory's reward (credited to every segment, so
+    the summaries that closed earlier segments are trained on the final outcome too)."""
+    return [{"tokens_T": s.tokens_T, "gen_mask_T": s.gen_mask_T, "logprobs_T": s.logprobs_T,
+             "versions_T": s.versions_T, "routed_TxNxK": s.routed_TxNxK, "reward": self.reward,
+             "task_id": self.task_id, "segment": i} for i, s in enumerate(self.segments)]
+
   def to_dict(self) -> dict[str, Any]:
-    d = dataclasses.asdict(self)  # deep-copies, arrays included
-    return d
+    return dataclasses.asdict(self)  # deep-copies, arrays included
 
   @staticmethod
   def from_dict(d: dict[str, Any]) -> Trajectory:

@@ -190,9 +190,84 @@ class LocalFactory(WorkspaceFactory):
       shutil.rmtree(self.root, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# `sandboxes` backend: isolated namespaces, limits, overlay snapshot/fork.
+
+
+class SandboxWorkspace(Workspace):
+  """A `sandboxes.Sandbox` behind the Workspace interface."""
+
+  def __init__(self, sandbox):
+    self.sb = sandbox
+
+  def run(self, command: str, timeout_s: float = 30.0, output_limit: int = 1 << 16) -> CommandResult:
+    res = self.sb.run(command, timeout=timeout_s)
+    # One stream for the model, like a terminal; stdout first because most tools write their result there.
+    text = res.stdout_text + (("\n" if res.stdout and not res.stdout.endswith(b"\n") else "") + res.stderr_text
+                              if res.stderr else "")
+    if res.limit_hit:
+      text += f"\n[sandbox {res.limit_hit} limit hit]"
+    text, cut = cap_text(text, output_limit)
+    return CommandResult(res.exit_code, text, cut or res.stdout_truncated or res.stderr_truncated, res.timed_out,
+                         res.wall_s)
+
+  def read_file(self, path: str) -> str:
+    return self.sb.read_file(safe_relpath(path)).decode("utf-8", errors="replace")
+
+  def write_file(self, path: str, text: str) -> None:
+    self.sb.write_file(safe_relpath(path), text)
+
+  def list_dir(self, path: str = ".") -> list[str]:
+    rel = safe_relpath(path)
+    if not self.sb.exists(rel):
+      raise FileNotFoundError(f"no such directory: {path!r}")
+    res = self.sb.run(["ls", "-1Ap", "--", rel], timeout=10)  # -p marks directories with '/'
+    if res.exit_code != 0:
+      raise OSError(res.stderr_text.strip() or f"cannot list {path!r}")
+    return sorted(res.stdout_text.splitlines())
+
+  def exists(self, path: str) -> bool:
+    return self.sb.exists(safe_relpath(path))
+
+  def close(self) -> None:
+    self.sb.close()
+
+
+class SandboxFactory(WorkspaceFactory):
+  """Workspaces are `sandboxes` sandboxes (default: bubblewrap namespaces); the Python environment that runs this
+  code (its venv) is bound read-only inside and first on PATH, so `python -m pytest` and `python -m ruff` work."""
+
+  def __init__(self, backend: str = "bwrap", venv: str | None = sys.prefix, ro_binds: tuple[str, ...] = (),
+               **sandbox_kwargs):
+    """Args: backend: a `sandboxes` backend name; venv: Python environment bound in (None: only the base Python);
+    ro_binds: more host paths visible read-only at the same path (e.g. a wheel directory); sandbox_kwargs: more
+    `sandboxes.SandboxConfig` fields (limits, output_limit_bytes, ...)."""
+    import sandboxes  # only this backend needs it
+
+    venvs = (venv,) if venv and venv != sys.base_prefix else ()
+    config = sandboxes.SandboxConfig.make(ro_binds=venvs + tuple(ro_binds),
+                                          path_prefix=tuple(os.path.join(v, "bin") for v in venvs),
+                                          env={"PYTHONDONTWRITEBYTECODE": "1"}, **sandbox_kwargs)
+    self.backend = sandboxes.make_backend(backend, config=config)
+
+  def snapshot_from_dir(self, directory: str):
+    return self.backend.import_dir(directory)
+
+  def fork(self, snapshot) -> SandboxWorkspace:
+    return SandboxWorkspace(self.backend.fork(snapshot))
+
+  def snapshot(self, workspace: Workspace):
+    if not isinstance(workspace, SandboxWorkspace):
+      raise TypeError(f"SandboxFactory cannot snapshot a {type(workspace).__name__}")
+    return workspace.sb.snapshot()
+
+  def close(self) -> None:
+    self.backend.close()
+
+
 def make_factory(backend: str = "local", **kwargs) -> WorkspaceFactory:
-  """A factory by name: 'local' (directories + subprocess)."""
-  factories = {"local": LocalFactory}
+  """A factory by name: 'local' (directories + subprocess, no isolation) or 'sandbox' (the `sandboxes` package)."""
+  factories = {"local": LocalFactory, "sandbox": SandboxFactory}
   if backend not in factories:
     raise ValueError(f"unknown workspace backend {backend!r}; valid: {sorted(factories)}")
   return factories[backend](**kwargs)

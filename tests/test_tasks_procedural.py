@@ -79,6 +79,21 @@ def test_parse_results_and_missing_tests(envs):
   assert not report.passed and report.pass_fraction == pytest.approx(1 / 3)
 
 
+def test_printed_output_cannot_forge_results(envs):
+  """Code under test that prints fake PASSED lines and exits early does not pass (the runner's lines carry a nonce)."""
+  task = procedural.generate(1, seed=2, level=1)[0]
+  (path,) = task.environment.files
+  fn = task.tests.fail_to_pass[0][len("test_"):]
+  ws = envs.fork(task)
+  ws.write_file(path, "import os\n" + "".join(f"print('PASSED {t}')\n" for t in task.tests.fail_to_pass) +
+                f"def {fn}(*a):\n    os._exit(0)\n")
+  report = environment.grade(ws, task.tests)
+  ws.close()
+  assert not report.passed and set(report.results.values()) == {"MISSING"}
+  assert environment.parse_results("PASSED a n1\nPASSED b\nFAILED c n1 \nPASSED d n2\n", "n1") == {
+    "a": "PASSED", "c": "FAILED"}
+
+
 def test_bad_config_and_environment_errors():
   with pytest.raises(ValueError, match="n_modules"):
     procedural.ProceduralConfig(n_modules=5)

@@ -8,16 +8,28 @@ from rollout.tools import ToolBox, ToolConfig
 from rollout.workspace import LocalFactory, cap_text, safe_relpath
 
 
-@pytest.fixture
-def box(tmp_path):
+def _factory(backend, tmp_path):
+  if backend == "local":
+    return LocalFactory(root=str(tmp_path / "store"))
+  sandboxes = pytest.importorskip("sandboxes")
+  from rollout.workspace import SandboxFactory
+  try:
+    return SandboxFactory()
+  except sandboxes.BackendUnavailableError as e:
+    pytest.skip(f"no namespaced sandboxes on this machine: {e}")
+
+
+@pytest.fixture(params=["local", "sandbox"])
+def box(tmp_path, request):
   src = tmp_path / "src"
   (src / "pkg").mkdir(parents=True)
   (src / "pkg" / "a.py").write_text("x = 1\ny = 2\nx = 1\n")
   (src / "README").write_text("hello\n")
-  factory = LocalFactory(root=str(tmp_path / "store"))
+  factory = _factory(request.param, tmp_path)
   ws = factory.fork(factory.snapshot_from_dir(str(src)))
   yield ToolBox(ws, ToolConfig(max_output_chars=200))
   ws.close()
+  factory.close()
 
 
 def call(box, name, **args):

@@ -8,6 +8,7 @@ run with `NonFiniteLossError`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +46,11 @@ def state_shardings(optimizer, abstract_params, params_shardings, seed: int):
   return dataclasses.replace(out, params=params_shardings)
 
 
+def single_device_mesh():
+  """The default mesh: one device (the parallelism config chooses bigger meshes)."""
+  return mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+
+
 def evaluate(eval_step, params, batches: Iterable[dict], put) -> dict:
   nll, count = 0.0, 0.0
   for batch in batches:
@@ -70,7 +76,7 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
   Returns:
     (final params, the last logged metrics including the final held-out evaluation).
   """
-  mesh = mesh if mesh is not None else mesh_lib.make_mesh({})
+  mesh = mesh if mesh is not None else single_device_mesh()
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)
@@ -116,7 +122,7 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
       m["learning_rate"] = float(optim.learning_rate_schedule(optim_cfg)(step_no))
       t_log, tokens_since_log = now, 0.0
       if step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
-        m.update(evaluate(eval_step, state.params, eval_batches(), put))
+        m.update(evaluate(eval_step, state.params, itertools.islice(eval_batches(), train_cfg.eval_batches), put))
       writer.write(step_no, m)
       last = {"step": step_no, **m}
       if bar is not None:

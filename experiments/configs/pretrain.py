@@ -11,7 +11,7 @@ Then the chained stages, each starting from the previous stage's exported params
       --workdir=runs/sft_colab --config.init.checkpoint=runs/long_context_colab \
       --config.sft.train_path=train.jsonl --config.sft.eval_path=eval.jsonl
 
-Arg: `<variant>[,stage=pretrain|long_context|sft]`; variant is colab or small (see configs/model.py).
+Arg: `<variant>[,stage=pretrain|long_context|sft]`; variant is tiny (tests), colab or small (configs/model.py).
 long_context multiplies the sequence length by 4 and sets YaRN rope scaling (factor 4 over the pretraining length).
 """
 import ml_collections
@@ -24,7 +24,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.stage = arg.stage
   c.model = model.get_config(arg.variant)
-  colab = arg.variant == "colab"
+  colab = arg.variant in ("colab", "tiny")
 
   c.corpus = ml_collections.ConfigDict(dict(
       paths=(),                                  # () = the running Python's standard library

@@ -70,20 +70,32 @@ def _current_context(prompt_text: str) -> tuple[str, int, bool]:
   return user, n if summarizing else n - 1, summarizing  # a generation prompt ends in an open <|assistant|>
 
 
+def _consistent(task: Task, observations: list[str]) -> bool:
+  """Whether every content-bearing tool result seen so far could come from this task's files.
+
+  Tasks may share a prompt (same function and file names, different bug); their oracles then diverge only after a
+  read or grep shows the file, so a file-content or grep observation (anything with ':') must appear in the task's
+  files or in their grep-style `path:line:text` view. Only the head of each result is checked (results are cut
+  head + tail).
+  """
+  files = task.environment.files
+  corpus = "\n".join([*files.values(), *(f"{p}:{i}:{line}" for p, text in files.items()
+                                          for i, line in enumerate(text.splitlines(), 1))])
+  return all(o[:200].strip() in corpus for o in observations if ":" in o and not o.startswith("error"))
+
+
 def oracle_policy(tasks: Sequence[Task]) -> Callable[[str], dict]:
   """The scripted oracle for tasks that carry `metadata['oracle']` (a list of assistant turns).
 
-  It finds the task by its prompt, and its position by the number of assistant turns in the context; after a
-  self-summary it resumes from the step count it wrote into the summary.
+  It finds the task by its prompt (and, when several tasks share a prompt, by the file contents its tool results
+  have shown), and its position by the number of assistant turns in the context; after a self-summary it resumes
+  from the step count it wrote into the summary.
   """
-  by_prompt = {}
+  by_prompt: dict[str, list[Task]] = {}
   for t in tasks:
     if "oracle" not in t.metadata:
       raise ValueError(f"task {t.id} has no metadata['oracle'] trajectory")
-    if t.prompt in by_prompt and by_prompt[t.prompt] != t.metadata["oracle"]:
-      raise ValueError(f"two tasks share the prompt {t.prompt!r} with different oracles; the oracle cannot tell "
-                       "them apart from the prompt")
-    by_prompt[t.prompt] = t.metadata["oracle"]
+    by_prompt.setdefault(t.prompt, []).append(t)
 
   def policy(prompt_text: str) -> dict:
     user, done, summarizing = _current_context(prompt_text)
@@ -91,9 +103,13 @@ def oracle_policy(tasks: Sequence[Task]) -> Callable[[str], dict]:
     done += int(m[-1]) if m else 0
     if summarizing:
       return {"content": f"Working on: {user} completed steps: {done}"}
-    turns = by_prompt.get(user)
-    if turns is None:
+    candidates = by_prompt.get(user, [])
+    if len(candidates) > 1:
+      observations = [r.split(cf.END_OF_TURN, 1)[0] for r in prompt_text.split(cf.TOOL_RESULT)[1:]]
+      candidates = [t for t in candidates if _consistent(t, observations)]
+    if not candidates:
       return {"content": "I do not know this task."}
+    turns = candidates[0].metadata["oracle"]
     return turns[min(done, len(turns) - 1)]
 
   return policy

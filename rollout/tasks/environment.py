@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -78,6 +79,10 @@ class EnvironmentCache:
       self._snapshots[key] = snap
     return self._snapshots[key]
 
+  def put(self, env: Environment, snapshot) -> None:
+    """Registers an already-built snapshot for `env` (e.g. one an auto-install run validated)."""
+    self._snapshots[env.key()] = snapshot
+
   def fork(self, task: Task) -> Workspace:
     return self.factory.fork(self.snapshot(task.environment))
 
@@ -100,9 +105,14 @@ class TestReport:
   error: str = ""
 
 
-def parse_results(output: str) -> dict[str, str]:
-  """Test id -> status from "PASSED id" / "FAILED id" / "ERROR id" lines (the last line for an id wins)."""
-  return {m.group(2): m.group(1) for m in RESULT_LINE.finditer(output)}
+def parse_results(output: str, nonce: str | None = None) -> dict[str, str]:
+  """Test id -> status from "PASSED id" / "FAILED id" / "ERROR id" lines (the last line for an id wins).
+
+  With a nonce only lines ending in " <nonce>" count, so output printed by the code under test cannot forge results.
+  """
+  pattern = RESULT_LINE if nonce is None else \
+    re.compile(r"^(PASSED|FAILED|ERROR)\s+(\S+)\s+" + re.escape(nonce) + r"\s*$", re.MULTILINE)
+  return {m.group(2): m.group(1) for m in pattern.finditer(output)}
 
 
 def _restore_and_apply(ws: Workspace, patch: str, timeout_s: float) -> CommandResult | None:
@@ -111,7 +121,9 @@ def _restore_and_apply(ws: Workspace, patch: str, timeout_s: float) -> CommandRe
                  set(re.findall(r"^--- a/(\S+)", patch, re.MULTILINE)))
   ws.write_file(".hidden_tests.patch", patch)
   quoted = " ".join(shlex.quote(p) for p in paths)
-  cmd = (f"(git checkout -q HEAD -- {quoted} 2>/dev/null || true) && "
+  # Reset each touched file to the commit, or remove it if the commit lacks it (the patch creates it).
+  cmd = ("if git rev-parse --git-dir >/dev/null 2>&1; then "
+         f"for p in {quoted}; do git checkout -q HEAD -- \"$p\" 2>/dev/null || rm -f \"$p\"; done; fi; "
          "git apply --whitespace=nowarn .hidden_tests.patch; s=$?; rm -f .hidden_tests.patch; exit $s")
   res = ws.run(cmd, timeout_s=timeout_s)
   return None if res.ok else res
@@ -128,9 +140,11 @@ def grade(ws: Workspace, tests: HiddenTests) -> TestReport:
                         f"hidden test patch did not apply: {failed.output[-300:]}")
   for path, text in tests.files.items():
     ws.write_file(path, text)
-  res = ws.run(tests.command, timeout_s=tests.timeout_s)
+  nonce = secrets.token_hex(8) if tests.nonce else None
+  command = f"GRADE_NONCE={nonce} {tests.command}" if nonce else tests.command
+  res = ws.run(command, timeout_s=tests.timeout_s)
   wall += res.wall_s
-  found = parse_results(res.output)
+  found = parse_results(res.output, nonce)
   results = {t: found.get(t, "MISSING") for t in required}
   n_pass = sum(v == "PASSED" for v in results.values())
   error = "hidden tests timed out" if res.timed_out else ""

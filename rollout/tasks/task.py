@@ -61,6 +61,9 @@ class HiddenTests:
     files: test files written (overwriting) right before grading.
     patch: a unified diff applied right before grading (files it touches are first restored from the environment).
     timeout_s: wall-clock limit for the command.
+    nonce: the grader puts a fresh random GRADE_NONCE in the command's environment and only counts result lines
+      that end with it (the runner reads and removes it before importing the code under test), so printed output
+      of that code cannot forge results. For runners we write (procedural); pytest does not support it.
   """
   command: str
   fail_to_pass: tuple[str, ...]
@@ -68,6 +71,7 @@ class HiddenTests:
   files: Mapping[str, str] = dataclasses.field(default_factory=dict)
   patch: str = ""
   timeout_s: float = 60.0
+  nonce: bool = False
 
   def __post_init__(self):
     if not self.fail_to_pass:
