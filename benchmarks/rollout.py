@@ -5,7 +5,8 @@
 Measures, for the embedded JAX engine (composer_jax.sampling):
   * decode tokens/s at batch 1 and 16 (greedy, fixed prompt, every row generates `--tokens` tokens), against
     transformers' `generate` (KV cache on, float32) on the same weights (exported with `composer_jax.interop.hf`);
-  * MTP speculative decoding at batch 1: speedup over plain decoding and draft acceptance rate. Trained MTP heads
+  * MTP speculative decoding at batch 1: speedup over plain decoding and draft acceptance rate, greedy and at
+    temperature 1 (`mtp_speedup_b1_t1`, `mtp_acceptance_t1`). Trained MTP heads
     come from `--pretrain_workdir` (the pretraining run exports `<workdir>/params`); without one the heads are
     random and the MTP figures are reported as such (`mtp_heads: "random"`), not as a result;
   * weight sync: the embedded engine's in-place update (`JaxEngine.update_weights`) and the Hugging Face export
@@ -60,10 +61,10 @@ def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.nda
   return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
 
 
-def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int):
+def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int, temperature: float = 0.0):
   """(generated tokens per second (best of `repeats`, after a compile run), the engine's last stats, tokens)."""
-  reqs = [GenerateRequest(tuple(int(t) for t in p), SamplingParams(temperature=0.0, max_tokens=tokens))
-          for p in prompts]
+  reqs = [GenerateRequest(tuple(int(t) for t in p), SamplingParams(temperature=temperature, max_tokens=tokens,
+                                                                   seed=i)) for i, p in enumerate(prompts)]
   engine.generate(reqs)  # compile
   best = float("inf")
   for _ in range(repeats):
@@ -155,7 +156,12 @@ def main(argv=None) -> dict:
     res["mtp_speedup_b1"] = spec_tps / plain_tps
     res["mtp_acceptance"] = stats["accepted"] / max(stats["drafted"], 1)
     res["mtp_tokens_per_step"] = args.tokens / max(stats["steps"], 1)
-    print({k: res[k] for k in ("mtp_speedup_b1", "mtp_acceptance", "mtp_tokens_per_step")}, flush=True)
+    # Sampled at T=1 (as RL rollouts are), where greedy near-degenerate outputs cannot inflate acceptance.
+    spec_tps, stats, _ = jax_decode(spec, prompts, args.tokens, args.repeats, temperature=1.0)
+    plain_tps, _, _ = jax_decode(plain, prompts, args.tokens, args.repeats, temperature=1.0)
+    res["mtp_speedup_b1_t1"] = spec_tps / plain_tps
+    res["mtp_acceptance_t1"] = stats["accepted"] / max(stats["drafted"], 1)
+    print({k: v for k, v in res.items() if k.startswith("mtp")}, flush=True)
     syncs = {}
     for variant in args.sync_configs.split(","):
       syncs[variant] = weight_sync(model_config(variant), os.path.join(tmp, f"sync_{variant}"))
