@@ -1,0 +1,1 @@
+"""The embedded JAX rollout engine: MLA latent KV cache, batched prefill + decode, MTP speculative decoding."""

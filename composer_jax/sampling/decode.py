@@ -1,0 +1,116 @@
+"""Jitted batched generation: prefill each unique prompt once, copy its cache to its samples, decode in a
+`lax.while_loop` that stops when every row has finished (stop token or its own max_tokens).
+
+All shapes are fixed per (U, P, B, T) bucket, so a new batch of the same bucket reuses the compiled program.
+Row b samples from prompt `row_prompt_B[b]`; the while loop keeps feeding tokens until each row's last output
+token has itself been fed through the model, so its routed experts are recorded too.
+
+Letters: U unique prompts, P padded prompt width, B rows (samples), T output buffer length, V vocab, D hidden,
+Lm MoE layers, K experts per token, S stop ids per row.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from composer_jax.model.config import ModelConfig
+from composer_jax.sampling import cached_model as cm
+from composer_jax.sampling import sampler
+
+EXTRA = 3  # output-buffer slack: speculative steps write two tokens past a row's pointer
+
+
+class Batch(NamedTuple):
+  """Device inputs of one generation call (all int32/float32 arrays; see the module docstring for letters)."""
+  prompts_UxP: jax.Array      # left-padded unique prompts
+  pad_U: jax.Array            # padding slots per unique prompt
+  row_prompt_B: jax.Array     # which unique prompt row b continues
+  temperature_B: jax.Array
+  top_k_B: jax.Array
+  top_p_B: jax.Array
+  max_tokens_B: jax.Array
+  stop_BxS: jax.Array         # stop token ids, -1 padded
+  seeds_B: jax.Array          # uint32 per-row seed
+
+
+class Output(NamedTuple):
+  """Per-row outputs; entries at index >= length_B are junk."""
+  tokens_BxT: jax.Array
+  logprobs_BxT: jax.Array     # policy logprob of each token (sampler.policy_logprobs)
+  experts_BxTxLmxK: jax.Array
+  length_B: jax.Array
+  prompt_experts_LmxUxPxK: jax.Array
+  stats: dict                 # speculative decoding: steps, drafted, accepted (scalars)
+
+
+def is_stop(tok_B: jax.Array, stop_BxS: jax.Array) -> jax.Array:
+  return (tok_B[:, None] == stop_BxS).any(-1)
+
+
+def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool = False):
+  """Prefills the unique prompts and copies each to its rows.
+
+  Returns:
+    (cache [.., B, slots, ..], last-position logits [B, V], hiddens [B, P, D], prompt experts [Lm, U, P, K]).
+  """
+  U, P = batch.prompts_UxP.shape
+  cache_U = cm.init_cache(params, cfg, U, slots)
+  zeros_U = jnp.zeros((U,), jnp.int32)
+  logits_UxPxV, h_UxPxD, experts, cache_U = cm.forward_cached(params, batch.prompts_UxP, cache_U, zeros_U,
+                                                              batch.pad_U, cfg, fresh=True)
+  if mtp:  # module 0 over slots 0..P-1; the last slot's next token is not sampled yet (the first step redoes it)
+    nxt_1xUxP = jnp.pad(batch.prompts_UxP[:, 1:], ((0, 0), (0, 1)))[None]
+    _, cache_U = cm.mtp_cached(params, h_UxPxD, nxt_1xUxP, cache_U, zeros_U, batch.pad_U, cfg, fresh=True)
+  rows = batch.row_prompt_B
+  cache_B = jax.tree.map(lambda a: a[:, rows], cache_U)
+  return cache_B, logits_UxPxV[rows, -1], h_UxPxD[rows], experts
+
+
+def _first_token(logits_BxV: jax.Array, batch: Batch, keys_B):
+  B = logits_BxV.shape[0]
+  slp = sampler.sampling_logprobs(logits_BxV, batch.temperature_B, batch.top_k_B, batch.top_p_B)
+  tok_B = sampler.draw(sampler.step_keys(keys_B, jnp.zeros((B,), jnp.int32)), slp)
+  lp_B = jnp.take_along_axis(sampler.policy_logprobs(logits_BxV, batch.temperature_B), tok_B[:, None], 1)[:, 0]
+  return tok_B, lp_B
+
+
+def _out_buffers(B: int, T: int, cfg: ModelConfig):
+  n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+  return (jnp.zeros((B, T + EXTRA), jnp.int32), jnp.zeros((B, T + EXTRA), jnp.float32),
+          jnp.zeros((B, T + EXTRA, n_moe, cfg.num_experts_per_tok), jnp.int32))
+
+
+def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Output:
+  """Plain (non-speculative) batched generation of up to `max_len` tokens per row (jit with cfg, max_len static)."""
+  U, P = batch.prompts_UxP.shape
+  B, T = batch.row_prompt_B.shape[0], max_len
+  keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
+  cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + T + EXTRA)
+  pad_B = batch.pad_U[batch.row_prompt_B]
+  tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
+  toks, lps, routes = _out_buffers(B, T, cfg)
+  toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
+
+  def cond(state):
+    i, _, _, _, _, _, end_B = state
+    return (i < end_B).any()
+
+  def body(state):
+    i, tok_B, cache, toks, lps, routes, end_B = state
+    start_B = jnp.full((B,), P, jnp.int32) + i
+    logits, _, experts, cache = cm.forward_cached(params, tok_B[:, None], cache, start_B, pad_B, cfg)
+    routes = jax.lax.dynamic_update_slice_in_dim(routes, jnp.transpose(experts, (1, 2, 0, 3)), i, axis=1)
+    end_B = jnp.where(is_stop(tok_B, batch.stop_BxS) & (i < end_B), i + 1, end_B)
+    slp = sampler.sampling_logprobs(logits[:, 0], batch.temperature_B, batch.top_k_B, batch.top_p_B)
+    nxt_B = sampler.draw(sampler.step_keys(keys_B, jnp.full((B,), i + 1)), slp)
+    lp_B = jnp.take_along_axis(sampler.policy_logprobs(logits[:, 0], batch.temperature_B), nxt_B[:, None], 1)[:, 0]
+    toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt_B[:, None], i + 1, axis=1)
+    lps = jax.lax.dynamic_update_slice_in_dim(lps, lp_B[:, None], i + 1, axis=1)
+    return i + 1, nxt_B, cache, toks, lps, routes, end_B
+
+  state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, routes, batch.max_tokens_B.astype(jnp.int32))
+  i, _, _, toks, lps, routes, end_B = jax.lax.while_loop(cond, body, state)
+  stats = {"steps": i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
+  return Output(toks[:, :T], lps[:, :T], routes[:, :T], end_B, prompt_experts, stats)

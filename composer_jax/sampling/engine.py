@@ -1,0 +1,173 @@
+"""`JaxEngine`: the embedded engine behind rollout's `Engine` protocol, plus a notebook-friendly `sample`.
+
+Requests are grouped into fixed-shape buckets (powers of two for the unique-prompt count, prompt width, row count
+and output length) so a rollout loop compiles a handful of programs and then reuses them. Identical prompts in a
+call are prefilled once and their cache copied to every sample. Weights are swapped in place (`update_weights`),
+each set tagged with the policy version that `GenerateResult.policy_version` reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from composer_jax.model.config import ModelConfig
+from composer_jax.sampling.decode import Batch, Output, generate
+from composer_jax.sampling.speculative import generate_speculative
+from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+
+
+def bucket(n: int, minimum: int) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  return 1 << max(math.ceil(math.log2(max(n, 1))), math.ceil(math.log2(minimum)))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Engine knobs.
+
+  Attributes:
+    speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
+    max_batch: most rows per compiled call (larger requests are split).
+    min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
+      batch so every call reuses one compiled program.
+    min_prompt_bucket: smallest padded prompt width (prompts are left-padded to a power of two >= this).
+    min_len_bucket: smallest output buffer length.
+    moe_impl: override of cfg.moe_impl for generation (None: keep; 'capacity' is always replaced by 'ragged',
+      since dropping depends on the batch and would break equality with the trainer's forward).
+    seed: seed of the engine's own stream for requests without a seed.
+  """
+  speculative: bool = False
+  max_batch: int = 64
+  min_batch_bucket: int = 1
+  min_prompt_bucket: int = 16
+  min_len_bucket: int = 16
+  moe_impl: str | None = None
+  seed: int = 0
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "speculative"))
+def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, speculative: bool) -> Output:
+  return (generate_speculative if speculative else generate)(params, batch, cfg, max_len)
+
+
+class JaxEngine:
+  """Batched, jitted generation with an MLA latent KV cache; implements `rollout.engines.protocol.Engine`."""
+
+  def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig(),
+               policy_version: int = 0):
+    impl = engine_cfg.moe_impl or cfg.moe_impl
+    self.cfg = dataclasses.replace(cfg, moe_impl="ragged" if impl == "capacity" else impl)
+    self.engine_cfg = engine_cfg
+    if engine_cfg.speculative and cfg.num_nextn_predict_layers < 1:
+      raise ValueError("EngineConfig(speculative=True) needs a model with MTP modules (num_nextn_predict_layers >= 1)")
+    self.params = params
+    self.policy_version = policy_version
+    self._calls = 0
+    self.last_stats: dict[str, int] = {}
+
+  def update_weights(self, params: dict, policy_version: int) -> None:
+    """Swaps in new weights (same structure and shapes; placed on the current weights' devices)."""
+    old_struct = jax.tree.structure(self.params)
+    if jax.tree.structure(params) != old_struct:
+      raise ValueError("update_weights: the new params have a different tree structure than the current ones")
+    for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)):
+      if a.shape != b.shape:
+        raise ValueError(f"update_weights: a leaf changed shape {a.shape} -> {b.shape}")
+    shardings = jax.tree.map(lambda a: a.sharding, self.params)
+    self.params = jax.device_put(params, shardings)
+    self.policy_version = policy_version
+
+  def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+    """Completes every request; results are in request order."""
+    results: list[GenerateResult] = []
+    n = self.engine_cfg.max_batch
+    for i in range(0, len(requests), n):
+      results.extend(self._generate_chunk(list(requests[i:i + n])))
+    return results
+
+  def _batch(self, requests: list[GenerateRequest]) -> tuple[Batch, int]:
+    cfg, ecfg = self.cfg, self.engine_cfg
+    for r in requests:
+      if not r.prompt_ids:
+        raise ValueError(f"request {r.request_id!r} has an empty prompt")
+      if max(r.prompt_ids) >= cfg.vocab_size or min(r.prompt_ids) < 0:
+        raise ValueError(f"request {r.request_id!r} has token ids outside [0, vocab_size={cfg.vocab_size})")
+    uniq: dict[tuple[int, ...], int] = {}
+    rows = [uniq.setdefault(tuple(r.prompt_ids), len(uniq)) for r in requests]
+    B = bucket(len(requests), ecfg.min_batch_bucket)
+    U = min(bucket(len(uniq), ecfg.min_batch_bucket), B)
+    P = bucket(max(len(p) for p in uniq), ecfg.min_prompt_bucket)
+    T = bucket(max(r.params.max_tokens for r in requests), ecfg.min_len_bucket)
+    if P + T > cfg.max_position_embeddings:
+      raise ValueError(f"prompt bucket {P} + output bucket {T} exceed max_position_embeddings="
+                       f"{cfg.max_position_embeddings}")
+    prompts = np.zeros((U, P), np.int32)
+    pad = np.full((U,), P - 1, np.int32)  # filler prompts: one token
+    for p, u in uniq.items():
+      prompts[u, P - len(p):] = p
+      pad[u] = P - len(p)
+    n_stop = max([1] + [len(r.params.stop_token_ids) for r in requests])
+    stop = np.full((B, n_stop), -1, np.int32)
+    params = [r.params for r in requests] + [SamplingParams(max_tokens=1)] * (B - len(requests))
+    for b, sp in enumerate(params):
+      stop[b, :len(sp.stop_token_ids)] = sp.stop_token_ids
+    self._calls += 1
+    own = np.random.default_rng([self.engine_cfg.seed, self._calls]).integers(0, 2**32, size=B, dtype=np.uint64)
+    seeds = np.array([own[b] if sp.seed is None else sp.seed % 2**32 for b, sp in enumerate(params)], np.uint32)
+    batch = Batch(prompts_UxP=jnp.asarray(prompts), pad_U=jnp.asarray(pad),
+                  row_prompt_B=jnp.asarray(rows + [0] * (B - len(requests)), jnp.int32),
+                  temperature_B=jnp.asarray([sp.temperature for sp in params], jnp.float32),
+                  top_k_B=jnp.asarray([sp.top_k for sp in params], jnp.int32),
+                  top_p_B=jnp.asarray([sp.top_p for sp in params], jnp.float32),
+                  max_tokens_B=jnp.asarray([sp.max_tokens for sp in params], jnp.int32),
+                  stop_BxS=jnp.asarray(stop), seeds_B=jnp.asarray(seeds))
+    return batch, T
+
+  def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    batch, T = self._batch(requests)
+    out = jax.device_get(_run(self.params, batch, self.cfg, T, self.engine_cfg.speculative))
+    self.last_stats = {k: int(v) for k, v in out.stats.items()}
+    results = []
+    for b, r in enumerate(requests):
+      n = int(out.length_B[b])
+      toks = np.asarray(out.tokens_BxT[b, :n], np.int32)
+      stopped = n > 0 and int(toks[-1]) in r.params.stop_token_ids
+      results.append(GenerateResult(output_ids=toks, logprobs=np.asarray(out.logprobs_BxT[b, :n], np.float32),
+                                    routed_experts=np.asarray(out.experts_BxTxLmxK[b, :n], np.int32),
+                                    policy_version=self.policy_version,
+                                    finish_reason="stop" if stopped else "length"))
+    return results
+
+
+def sample(params: dict, prompts: Sequence[Sequence[int]], cfg: ModelConfig, *, max_tokens: int = 64,
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+           seed: int | None = 0, speculative: bool = False,
+           engine_cfg: EngineConfig | None = None) -> list[GenerateResult]:
+  """Samples one completion per prompt (notebook entry point; same sampling params for every prompt).
+
+  Args:
+    params: model params.
+    prompts: token-id lists.
+    cfg: model config.
+    max_tokens, temperature, top_p, top_k, stop_token_ids: as `SamplingParams`.
+    seed: base seed; prompt i uses seed + i (None: the engine's own stream).
+    speculative: use MTP speculative decoding.
+    engine_cfg: bucket sizes etc. (its `speculative` is overridden by the argument).
+
+  Returns:
+    One `GenerateResult` per prompt (output_ids, logprobs, routed_experts, finish_reason).
+  """
+  engine_cfg = dataclasses.replace(engine_cfg or EngineConfig(), speculative=speculative)
+  engine = JaxEngine(params, cfg, engine_cfg)
+  reqs = [GenerateRequest(tuple(int(t) for t in p),
+                          SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                         stop_token_ids=tuple(stop_token_ids),
+                                         seed=None if seed is None else seed + i))
+          for i, p in enumerate(prompts)]
+  return engine.generate(reqs)
