@@ -12,9 +12,10 @@ Per-format inner step (f32 accumulation throughout):
 * bf16: `dot(a, b)` over `block_k` columns.
 * MXFP8: one 32-wide scale block per step: `dot_fp8(qa, qb) * sa[:, None] * sb[None, :]` (the fine-grained scaling
   form of DeepGEMM-style FP8 GEMMs on Hopper).
-* NVFP4: 64 elements (32 packed bytes, 4 scale blocks) per step. Both operands are packed along K with the same
-  pairing, so `sum_k a_k b_k = dot(a_even, b_even) + dot(a_odd, b_odd)` and the nibbles never need interleaving;
-  they are decoded arithmetically, multiplied by their E4M3 block scales (exact in bf16) and fed to bf16 dots.
+* NVFP4: 32 elements (16 packed bytes, 2 scale blocks; Triton dots need K >= 16) per step. Both operands are
+  packed along K with the same pairing, so `sum_k a_k b_k = dot(a_even, b_even) + dot(a_odd, b_odd)` and the
+  nibbles never need interleaving; they are decoded arithmetically, multiplied by their E4M3 block scales (exact
+  in bf16) and fed to bf16 dots.
   The FP32 second-level scales multiply the tile after the K loop.
 
 Letters: T tokens (sorted by expert), K contraction, N output columns, E experts (groups), M row tiles.
@@ -31,14 +32,14 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import formats
 
-_STEP_K = {"mxfp8": formats.MXFP8_BLOCK, "nvfp4": 4 * formats.NVFP4_BLOCK}
+_STEP_K = {"mxfp8": formats.MXFP8_BLOCK, "nvfp4": 2 * formats.NVFP4_BLOCK}
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes (powers of two, >= 16 for Triton dots) and Triton launch parameters.
 
-  `block_k` is the bf16 K step; MXFP8 steps one 32-wide scale block and NVFP4 64 elements at a time.
+  `block_k` is the bf16 K step; MXFP8 and NVFP4 step 32 elements (one MXFP8 block, two NVFP4 blocks) at a time.
   """
   block_m: int = 64
   block_n: int = 64
@@ -148,11 +149,11 @@ def _kernel(offsets_ref, lo_ref, hi_ref, *refs, fmt: str, block_m: int, block_n:
 
     def k_loop(g):
       def body(i, acc):
-        pa = lp_ref[rows, pl.ds(i * nb * pb, nb * pb)]                    # [bm, 32] uint8
-        sa = lbs_ref[rows, pl.ds(i * nb, nb)].astype(jnp.float32)         # [bm, 4]
+        pa = lp_ref[rows, pl.ds(i * nb * pb, nb * pb)]                    # [bm, 16] uint8
+        sa = lbs_ref[rows, pl.ds(i * nb, nb)].astype(jnp.float32)         # [bm, 2]
         sa = jnp.broadcast_to(sa[:, :, None], (block_m, nb, pb)).reshape(block_m, nb * pb)
-        pbt = rp_ref[g, pl.ds(i * nb * pb, nb * pb), cols]                # [32, bn] uint8
-        sb = rbs_ref[g, pl.ds(i * nb, nb), cols].astype(jnp.float32)      # [4, bn]
+        pbt = rp_ref[g, pl.ds(i * nb * pb, nb * pb), cols]                # [16, bn] uint8
+        sb = rbs_ref[g, pl.ds(i * nb, nb), cols].astype(jnp.float32)      # [2, bn]
         sb = jnp.broadcast_to(sb[:, None, :], (nb, pb, block_n)).reshape(nb * pb, block_n)
         # E2M1 x E4M3 products have <= 5 significant bits: exact in bf16.
         dec = lambda c, s: (formats.decode_e2m1(c) * s).astype(jnp.bfloat16)
