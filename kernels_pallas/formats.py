@@ -26,6 +26,7 @@ Letters: T tokens (rows), K contraction, N columns, E experts, G scale blocks al
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,7 @@ def _from_blocks(x: jax.Array, axis: int) -> jax.Array:
   return jnp.moveaxis(x, -1, axis)
 
 
+@functools.partial(jax.jit, static_argnames=("axis",))
 def quantize_mxfp8(x: jax.Array, axis: int = -1) -> MXFP8Array:
   """Quantises `x` to MXFP8 with blocks of 32 along `axis` (the contraction axis)."""
   xb = _to_blocks(x.astype(jnp.float32), axis, MXFP8_BLOCK)
@@ -98,6 +100,7 @@ def quantize_mxfp8(x: jax.Array, axis: int = -1) -> MXFP8Array:
   return MXFP8Array(q=_from_blocks(q, axis), scale=jnp.moveaxis(scale[..., 0], -1, axis), axis=axis)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_mxfp8(a: MXFP8Array, dtype=jnp.float32) -> jax.Array:
   """Returns elements times their block scale."""
   qb = _to_blocks(a.q.astype(jnp.float32), a.axis, MXFP8_BLOCK)
@@ -136,6 +139,7 @@ def unpack_fp4(packed: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.moveaxis(codes, -1, axis)
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "second_level", "batch_dims"))
 def quantize_nvfp4(x: jax.Array, axis: int = -1, second_level: str = "per_token", batch_dims: int = 0) -> NVFP4Array:
   """Quantises `x` to NVFP4 with blocks of 16 along `axis`.
 
@@ -174,6 +178,7 @@ def quantize_nvfp4(x: jax.Array, axis: int = -1, second_level: str = "per_token"
   return NVFP4Array(packed=packed, block_scale=jnp.moveaxis(bscale[..., 0], -1, axis), global_scale=gscale, axis=axis)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_nvfp4(a: NVFP4Array, dtype=jnp.float32) -> jax.Array:
   """Returns elements times block scale times second-level scale."""
   vals = decode_e2m1(unpack_fp4(a.packed, a.axis))
