@@ -38,6 +38,7 @@ class ModelConfig:
   v_head_dim: int = 16
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling | None = None
+  rope_interleave: bool = True            # DeepSeek's rope layout: rotate pairs (x0, x1), (x2, x3), ... (HF default)
   max_position_embeddings: int = 4096
   rms_norm_eps: float = 1e-6
   # MoE

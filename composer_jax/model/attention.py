@@ -1,0 +1,78 @@
+"""Multi-head latent attention (MLA) as in DeepSeek-V3, with packed-sequence masking.
+
+The projections are split so a KV cache can reuse them: `latent_kv` returns what MLA caches (the normed latent `c`
+and the rotated shared rope key `kr`), `expand_kv` turns cached latents into per-head keys/values, `queries` builds
+the queries, and `attend` is plain masked softmax attention.
+
+Letters: B batch, L query length, S key length, D hidden, H heads, Qn nope head dim, R rope head dim,
+Q = Qn + R, Dv value head dim, C kv_lora_rank.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from composer_jax.model.config import ModelConfig
+from composer_jax.model.layers import rms_norm
+from composer_jax.model.rope import apply_rope, softmax_scale
+
+
+def queries(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Queries [B, L, H, Q]: nope part then rotated rope part (low-rank through q_a/q_b when q_lora_rank is set)."""
+  dt = x_BxLxD.dtype
+  if "q" in p:
+    q_BxLxHxQ = jnp.einsum("bld,dhq->blhq", x_BxLxD, p["q"].astype(dt))
+  else:
+    cq_BxLxRq = rms_norm(x_BxLxD @ p["q_a"].astype(dt), p["q_a_norm"], cfg.rms_norm_eps)
+    q_BxLxHxQ = jnp.einsum("blr,rhq->blhq", cq_BxLxRq, p["q_b"].astype(dt))
+  q_nope, q_rope = q_BxLxHxQ[..., :cfg.qk_nope_head_dim], q_BxLxHxQ[..., cfg.qk_nope_head_dim:]
+  return jnp.concatenate([q_nope, apply_rope(q_rope, cos, sin, cfg.rope_interleave)], axis=-1)
+
+
+def latent_kv(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array,
+              cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """What MLA caches: the normed KV latent c [B, L, C] and the rotated shared rope key kr [B, L, R]."""
+  dt = x_BxLxD.dtype
+  c_BxLxC = rms_norm(x_BxLxD @ p["kv_a"].astype(dt), p["kv_a_norm"], cfg.rms_norm_eps)
+  kr_BxLxR = apply_rope(x_BxLxD @ p["k_rope"].astype(dt), cos, sin, cfg.rope_interleave)
+  return c_BxLxC, kr_BxLxR
+
+
+def expand_kv(p: dict, c_BxSxC: jax.Array, kr_BxSxR: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-head keys [B, S, H, Q] (nope from the latent, rope key shared by all heads) and values [B, S, H, Dv]."""
+  dt = c_BxSxC.dtype
+  k_nope_BxSxHxQn = jnp.einsum("bsc,chn->bshn", c_BxSxC, p["k_b"].astype(dt))
+  v_BxSxHxDv = jnp.einsum("bsc,chv->bshv", c_BxSxC, p["v_b"].astype(dt))
+  H = k_nope_BxSxHxQn.shape[2]
+  kr_BxSxHxR = jnp.broadcast_to(kr_BxSxR[:, :, None, :], kr_BxSxR.shape[:2] + (H, kr_BxSxR.shape[-1]))
+  return jnp.concatenate([k_nope_BxSxHxQn, kr_BxSxHxR], axis=-1), v_BxSxHxDv
+
+
+def segment_causal_mask(q_segment_ids_BxL: jax.Array, kv_segment_ids_BxS: jax.Array,
+                        q_offset: int = 0) -> jax.Array:
+  """[B, L, S] bool: key s is visible to query l iff s <= l + q_offset and both lie in the same segment."""
+  L, S = q_segment_ids_BxL.shape[1], kv_segment_ids_BxS.shape[1]
+  causal_LxS = jnp.arange(S)[None, :] <= (jnp.arange(L) + q_offset)[:, None]
+  same_BxLxS = q_segment_ids_BxL[:, :, None] == kv_segment_ids_BxS[:, None, :]
+  return same_BxLxS & causal_LxS[None]
+
+
+def attend(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, mask_BxLxS: jax.Array,
+           scale: float) -> jax.Array:
+  """Masked softmax attention (float32 softmax) → [B, L, H, Dv]. A fully masked row gives zeros, not NaN."""
+  logits_BxHxLxS = jnp.einsum("blhq,bshq->bhls", q_BxLxHxQ, k_BxSxHxQ,
+                              preferred_element_type=jnp.float32) * scale
+  logits_BxHxLxS = jnp.where(mask_BxLxS[:, None], logits_BxHxLxS, -jnp.inf)
+  probs = jax.nn.softmax(logits_BxHxLxS, axis=-1, where=mask_BxLxS[:, None])
+  probs = jnp.where(mask_BxLxS[:, None], probs, 0.0).astype(v_BxSxHxDv.dtype)
+  return jnp.einsum("bhls,bshv->blhv", probs, v_BxSxHxDv)
+
+
+def attention(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array, mask_BxLxS: jax.Array,
+              cfg: ModelConfig) -> jax.Array:
+  """Full MLA self-attention over x (no cache) → [B, L, D]."""
+  q_BxLxHxQ = queries(p, x_BxLxD, cos, sin, cfg)
+  c_BxLxC, kr_BxLxR = latent_kv(p, x_BxLxD, cos, sin, cfg)
+  k_BxLxHxQ, v_BxLxHxDv = expand_kv(p, c_BxLxC, kr_BxLxR)
+  out_BxLxHxDv = attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxS, softmax_scale(cfg))
+  return jnp.einsum("blhv,hvd->bld", out_BxLxHxDv, p["o"].astype(x_BxLxD.dtype))

@@ -1,0 +1,155 @@
+"""The decoder: embeddings, scanned dense and MoE layer stacks, final norm, LM head, MTP modules.
+
+Letters: B batch, L length, D hidden, V vocab, E routed experts, K experts per token, N MTP modules,
+Lm MoE layers (trunk).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from composer_jax.model.attention import attention, segment_causal_mask
+from composer_jax.model.config import ModelConfig
+from composer_jax.model.layers import mlp, rms_norm
+from composer_jax.model.moe import moe_block
+from composer_jax.model.rope import rope_cos_sin
+
+
+def block(p: dict, x_BxLxD: jax.Array, rope: tuple[jax.Array, jax.Array], mask_BxLxS: jax.Array,
+          valid_BxL: jax.Array, cfg: ModelConfig, routing_BxLxK: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """One pre-norm decoder layer (attention, then dense MLP or MoE); aux is {} for dense layers."""
+  cos, sin = rope
+  h = x_BxLxD + attention(p["attn"], rms_norm(x_BxLxD, p["attn_norm"], cfg.rms_norm_eps), cos, sin, mask_BxLxS, cfg)
+  y = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
+  if "moe" in p:
+    out, aux = moe_block(p["moe"], y, valid_BxL, cfg, routing_BxLxK)
+  else:
+    out, aux = mlp(p["mlp"], y), {}
+  return h + out, aux
+
+
+def _run_stack(stack: dict, x_BxLxD, rope, mask, valid, cfg: ModelConfig, routing_NxBxLxK=None):
+  """Applies a stacked layer group, with lax.scan (cfg.scan_layers) or a Python loop; aux leaves are stacked."""
+  def body(x, xs):
+    p, r = xs
+    return block(p, x, rope, mask, valid, cfg, r)
+
+  if cfg.remat:
+    body = jax.checkpoint(body)
+  if cfg.scan_layers:
+    return jax.lax.scan(body, x_BxLxD, (stack, routing_NxBxLxK))
+  n = jax.tree.leaves(stack)[0].shape[0]
+  auxes = []
+  for i in range(n):
+    sl = jax.tree.map(lambda a, i=i: a[i], stack)
+    r = None if routing_NxBxLxK is None else routing_NxBxLxK[i]
+    x_BxLxD, aux = body(x_BxLxD, (sl, r))
+    auxes.append(aux)
+  return x_BxLxD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+
+def _lm_head(params: dict, cfg: ModelConfig, detach: bool = False) -> jax.Array:
+  w_DxV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+  return jax.lax.stop_gradient(w_DxV) if detach else w_DxV
+
+
+def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, mask, valid, cfg: ModelConfig,
+                detach_trunk: bool = False) -> jax.Array:
+  """DeepSeek-V3 NextN modules; returns logits [N, B, L, V] (entry j at position t predicts token t+2+j).
+
+  Module j combines its input hidden h^{j-1}_t (h^{-1} = the trunk's last hidden state before the final norm)
+  with the embedding of token t+1+j: h' = eh_proj([enorm(emb), hnorm(h)]), then one MoE decoder block, its own
+  norm (`shared_head.norm`) and the shared LM head. Embeddings past the end are of token 0 (their logits have
+  no target; see `mtp_targets`).
+  """
+  dt = jnp.dtype(cfg.compute_dtype)
+  embed_VxD = jax.lax.stop_gradient(params["embed"]) if detach_trunk else params["embed"]
+  head_DxV = _lm_head(params, cfg, detach_trunk).astype(dt)
+  h = jax.lax.stop_gradient(h_BxLxD) if detach_trunk else h_BxLxD
+  L = tokens_BxL.shape[1]
+  logits = []
+  for j in range(cfg.num_nextn_predict_layers):
+    p = jax.tree.map(lambda a, j=j: a[j], params["mtp"])
+    shifted_BxL = jnp.pad(tokens_BxL[:, j + 1:], ((0, 0), (0, min(j + 1, L))))[:, :L]
+    e_BxLxD = embed_VxD[shifted_BxL].astype(dt)
+    cat_BxLx2D = jnp.concatenate([rms_norm(e_BxLxD, p["enorm"], cfg.rms_norm_eps),
+                                  rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
+    h = cat_BxLx2D @ p["eh_proj"].astype(dt)
+    h, _ = block(p["block"], h, rope, mask, valid, cfg)
+    logits.append((rms_norm(h, p["norm"], cfg.rms_norm_eps) @ head_DxV).astype(jnp.float32))
+  return jnp.stack(logits) if logits else jnp.zeros((0, *tokens_BxL.shape, cfg.vocab_size), jnp.float32)
+
+
+def mtp_targets(tokens_BxL: jax.Array, n_mtp: int, segment_ids_BxL: jax.Array | None = None):
+  """Targets and mask [N, B, L] for `aux['mtp_logits']`: entry j at t targets token t+2+j, within one segment."""
+  B, L = tokens_BxL.shape
+  seg = jnp.ones_like(tokens_BxL) if segment_ids_BxL is None else segment_ids_BxL
+  targets, masks = [], []
+  for j in range(n_mtp):
+    s = j + 2
+    tgt = jnp.pad(tokens_BxL[:, s:], ((0, 0), (0, min(s, L))))[:, :L]
+    seg_t = jnp.pad(seg[:, s:], ((0, 0), (0, min(s, L))), constant_values=-1)[:, :L]
+    targets.append(tgt)
+    masks.append((seg_t == seg) & (seg != 0))
+  if not targets:
+    return jnp.zeros((0, B, L), tokens_BxL.dtype), jnp.zeros((0, B, L), bool)
+  return jnp.stack(targets), jnp.stack(masks)
+
+
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None, routing: jax.Array | None = None,
+            mtp_detach_trunk: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+  """Runs the model.
+
+  Args:
+    params: from `init` (or `interop.hf.load`).
+    tokens: int [B, L].
+    cfg: model config.
+    segment_ids: int [B, L] for packed rows: tokens attend only within their segment; 0 marks padding (it is
+      excluded from expert load, balance loss and capacity). Default: one segment per row.
+    positions: int [B, L] RoPE positions (restarting per document when packed). Default: 0..L-1.
+    routing: optional int32 [Lm, B, L, K] expert indices to replay (e.g. from the inference engine); gate weights
+      are recomputed from the current router scores at those indices, so the router still gets gradients.
+    mtp_detach_trunk: stop gradients from the MTP logits into the trunk hidden states, embedding and LM head.
+
+  Returns:
+    (logits [B, L, V] float32, aux) with aux: router_scores f32 [Lm, B, L, E], experts int32 [Lm, B, L, K],
+    expert_load f32 [Lm, E], balance_loss (seq_aux_loss_coef * sum over layers), balance_loss_unweighted,
+    dropped_fraction (mean over layers; 0 unless moe_impl='capacity'), mtp_logits f32 [N, B, L, V].
+  """
+  B, L = tokens.shape
+  dt = jnp.dtype(cfg.compute_dtype)
+  n_dense = cfg.first_k_dense_replace
+  n_moe = cfg.num_hidden_layers - n_dense
+  K, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+  if segment_ids is None:
+    segment_ids = jnp.ones((B, L), jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
+  for name, a in (("segment_ids", segment_ids), ("positions", positions)):
+    if a.shape != (B, L):
+      raise ValueError(f"{name} has shape {a.shape}, expected tokens' shape {(B, L)}")
+  if routing is not None and routing.shape != (n_moe, B, L, K):
+    raise ValueError(f"routing has shape {routing.shape}, expected (n_moe_layers, B, L, K) = {(n_moe, B, L, K)}")
+  mask_BxLxL = segment_causal_mask(segment_ids, segment_ids)
+  valid_BxL = segment_ids != 0
+  rope = rope_cos_sin(positions, cfg)
+  x = params["embed"][tokens].astype(dt)
+  if n_dense:
+    x, _ = _run_stack(params["dense_layers"], x, rope, mask_BxLxL, valid_BxL, cfg)
+  if n_moe:
+    x, moe_aux = _run_stack(params["moe_layers"], x, rope, mask_BxLxL, valid_BxL, cfg, routing)
+  else:
+    moe_aux = {"router_scores": jnp.zeros((0, B, L, E), jnp.float32), "experts": jnp.zeros((0, B, L, K), jnp.int32),
+               "expert_load": jnp.zeros((0, E), jnp.float32), "balance_loss": jnp.zeros((0,), jnp.float32),
+               "dropped_fraction": jnp.zeros((0,), jnp.float32)}
+  logits = (rms_norm(x, params["final_norm"], cfg.rms_norm_eps) @ _lm_head(params, cfg).astype(dt))
+  aux = {"router_scores": moe_aux["router_scores"], "experts": moe_aux["experts"],
+         "expert_load": moe_aux["expert_load"],
+         "balance_loss": cfg.seq_aux_loss_coef * moe_aux["balance_loss"].sum(),
+         "balance_loss_unweighted": moe_aux["balance_loss"].sum(),
+         "dropped_fraction": moe_aux["dropped_fraction"].mean() if n_moe else jnp.zeros((), jnp.float32),
+         "mtp_logits": mtp_forward(params, x, tokens, rope, mask_BxLxL, valid_BxL, cfg, mtp_detach_trunk)}
+  return logits.astype(jnp.float32), aux

@@ -1,0 +1,99 @@
+"""Logical axis names → mesh axes: the one table an ablation edits (STYLE.md §2).
+
+Every param and activation names its dimensions with the logical names below; `logical_to_spec` turns such a
+tuple into a `PartitionSpec`. A logical name mapped to None is replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """Maps each logical axis name to a mesh axis (or tuple of mesh axes, or None = replicated).
+
+  The defaults are FSDP-on-`data` for weights' `embed` dim, tensor parallelism over heads/ffw/vocab, expert
+  parallelism over `experts`, and batch over `data`; sequence (`seq`) goes on `context`.
+  """
+  # activations
+  batch: MeshAxes = "data"
+  seq: MeshAxes = "context"
+  act_embed: MeshAxes = None
+  act_heads: MeshAxes = "tensor"
+  act_vocab: MeshAxes = "tensor"
+  # weights
+  embed: MeshAxes = "data"
+  vocab: MeshAxes = "tensor"
+  heads: MeshAxes = "tensor"
+  head_dim: MeshAxes = None
+  qk_rope: MeshAxes = None
+  q_lora: MeshAxes = None
+  kv_lora: MeshAxes = None
+  ffw: MeshAxes = "tensor"
+  experts: MeshAxes = "expert"
+  expert_ffw: MeshAxes = "tensor"
+  expert_embed: MeshAxes = None   # the D dim of expert weights (experts already carry `expert`)
+  shared_ffw: MeshAxes = "tensor"
+  router_experts: MeshAxes = None  # router weight / bias: small, replicated
+  layers: MeshAxes = None         # the stacked-layer axis scanned over
+  mtp: MeshAxes = None            # the stacked MTP-module axis
+  norm: MeshAxes = None           # RMSNorm scales
+  concat_embed: MeshAxes = None   # the 2D input of MTP's eh_proj
+
+  def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+    """Returns the mesh axes one logical name maps to (empty tuple: replicated)."""
+    if logical is None:
+      return ()
+    names = {f.name for f in dataclasses.fields(self)}
+    if logical not in names:
+      raise ValueError(f"Unknown logical axis {logical!r}; ShardingRules knows {sorted(names)}")
+    m = getattr(self, logical)
+    if m is None:
+      return ()
+    return (m,) if isinstance(m, str) else tuple(m)
+
+
+def logical_to_spec(logical_axes: tuple[str | None, ...], rules: ShardingRules) -> PartitionSpec:
+  """Turns logical axis names into a PartitionSpec, refusing two dims on one mesh axis.
+
+  Args:
+    logical_axes: one logical name (or None) per array dimension.
+    rules: the table.
+
+  Returns:
+    The PartitionSpec.
+
+  Raises:
+    ValueError: if two dimensions of the array map to the same mesh axis (naming both logical axes).
+  """
+  used: dict[str, str] = {}
+  spec = []
+  for name in logical_axes:
+    axes = rules.mesh_axes(name)
+    for a in axes:
+      if a in used:
+        raise ValueError(f"Logical axes {used[a]!r} and {name!r} of one array {tuple(logical_axes)} both map to "
+                         f"mesh axis {a!r}; change ShardingRules so they differ")
+      used[a] = name
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*spec)
+
+
+def logical_to_sharding(logical_axes: tuple[str | None, ...], mesh: Mesh, rules: ShardingRules,
+                        shape: tuple[int, ...] | None = None) -> NamedSharding:
+  """NamedSharding for `logical_axes` on `mesh`; with `shape`, dims a mesh axis does not divide are replicated."""
+  spec = logical_to_spec(logical_axes, rules)
+  if shape is not None:
+    fixed = []
+    for dim, s in zip(shape, spec):
+      axes = () if s is None else (s,) if isinstance(s, str) else s
+      n = 1
+      for a in axes:
+        n *= mesh.shape[a]
+      fixed.append(s if dim % n == 0 else None)
+    spec = PartitionSpec(*fixed)
+  return NamedSharding(mesh, spec)

@@ -1,0 +1,57 @@
+"""orbax checkpoints of the whole training state and the data iterator, saved together.
+
+Resume order (STYLE.md §9): build the abstract state and its shardings → `restore` onto them (params, optimizer
+state, step, RNG) → restore the grain iterator in place → continue from `step`. A checkpoint is written to a
+temporary directory and renamed when complete, so a run killed mid-save resumes from the previous one.
+"""
+from __future__ import annotations
+
+import os
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  """Async orbax CheckpointManager for (train state, data iterator) pairs in `workdir/checkpoints`."""
+
+  def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True):
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self._mgr = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                             cleanup_tmp_directories=True),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()})
+
+  def latest_step(self) -> int | None:
+    return self._mgr.latest_step()
+
+  def save(self, step: int, state, data_iter=None, *, force: bool = False) -> None:
+    items = {"state": ocp.args.StandardSave(state)}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    self._mgr.save(step, args=ocp.args.Composite(**items), force=force)
+
+  def restore(self, abstract_state, data_iter=None, step: int | None = None):
+    """Restores onto `abstract_state` (ShapeDtypeStructs with shardings); the iterator is restored in place."""
+    step = self._mgr.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint in {self.directory}")
+    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    restored = self._mgr.restore(step, args=ocp.args.Composite(**items))
+    return restored["state"]
+
+  def wait(self) -> None:
+    self._mgr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mgr.wait_until_finished()
+    self._mgr.close()
+
+
+def abstract_like(tree, shardings):
+  """ShapeDtypeStructs carrying `shardings`, the restore target for a state shaped like `tree`."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

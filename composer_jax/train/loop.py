@@ -1,0 +1,143 @@
+"""The host-side training loop shared by every language-model stage.
+
+Order per step: dispatch step t, then fetch step t−1's metrics (so the host never idles the device), log every
+`log_every` steps, evaluate held-out perplexity every `eval_every`, checkpoint every `ckpt_every` — only after the
+host has seen that step's loss finite, so the newest checkpoint is always a good one. A non-finite loss stops the
+run with `NonFiniteLossError`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax import model
+from composer_jax.model.config import ModelConfig
+from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.train import checkpoint as ckpt_lib
+from composer_jax.train import metrics as metrics_lib
+from composer_jax.train import optim
+from composer_jax.train import step as step_lib
+from composer_jax.train.config import OptimConfig, TrainConfig
+
+
+class NonFiniteLossError(RuntimeError):
+  pass
+
+
+def state_shardings(optimizer, abstract_params, params_shardings, mesh):
+  """Shardings of a TrainState: optimizer moments follow their params, everything else is replicated."""
+  replicated = NamedSharding(mesh, P())
+  abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+  opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, params_shardings,
+                                        transform_non_params=lambda _: replicated)
+  return step_lib.TrainState(step=replicated, params=params_shardings, opt_state=opt_shardings, rng=replicated)
+
+
+def evaluate(eval_step, params, batches: Iterable[dict], put) -> dict:
+  nll, count = 0.0, 0.0
+  for batch in batches:
+    out = jax.device_get(eval_step(params, put(batch)))
+    nll += float(out["nll_sum"])
+    count += float(out["count"])
+  if count == 0:
+    raise ValueError("The held-out set produced no target tokens; check the corpus split and eval_batches")
+  return {"eval_loss": nll / count, "eval_perplexity": math.exp(min(nll / count, 50.0)), "eval_tokens": count}
+
+
+def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimConfig, workdir: str,
+          train_iter: Iterator[dict], eval_batches: Callable[[], Iterable[dict]], init_params=None,
+          mesh=None, rules=None, log_fn: Callable[[str], None] = print) -> tuple[dict, dict]:
+  """Trains until `train_cfg.steps`, resuming from `workdir` if it holds a checkpoint.
+
+  Args:
+    train_iter: a checkpointable grain iterator of numpy batches (`tokens`, `segment_ids`, `positions`,
+      `loss_mask`), saved and restored with the state.
+    eval_batches: returns a fresh, finite, deterministic iterable of held-out batches.
+    init_params: start from these (e.g. a previous stage or a Hugging Face checkpoint) instead of random init;
+      ignored when resuming.
+  Returns:
+    (final params, the last logged metrics including the final held-out evaluation).
+  """
+  mesh = mesh if mesh is not None else mesh_lib.make_mesh({})
+  params_shardings = model.shardings(model_cfg, mesh, rules)
+  abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
+  optimizer = optim.make_optimizer(optim_cfg, abstract_params)
+  shardings = state_shardings(optimizer, abstract_params, params_shardings, mesh)
+  batch_sharding = NamedSharding(mesh, P(tuple(a for a in ("data",) if a in mesh.axis_names) or None))
+  put = lambda b: jax.device_put({k: jnp.asarray(v) for k, v in b.items()}, batch_sharding)
+
+  checkpointer = ckpt_lib.Checkpointer(workdir, keep=train_cfg.ckpt_keep)
+  if checkpointer.latest_step() is not None:
+    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, train_cfg.seed))
+    state = checkpointer.restore(ckpt_lib.abstract_like(abstract_state, shardings), train_iter)
+    log_fn(f"Resumed from {checkpointer.directory} at step {int(state.step)}")
+  else:
+    if init_params is None:
+      init_params = model.init(jax.random.key(train_cfg.seed), model_cfg, mesh, rules)
+    init = jax.jit(lambda p: step_lib.init_state(p, optimizer, train_cfg.seed), out_shardings=shardings)
+    state = init(init_params)
+  train_step = step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding)
+  eval_step = step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding)
+
+  writer = metrics_lib.MetricWriter(workdir)
+  start = int(state.step)
+  bar = None
+  if train_cfg.progress_bar:
+    from tqdm import tqdm
+    bar = tqdm(total=train_cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+  last: dict = {}
+  pending = None                                    # (step, metrics on device) of the previous step
+  t_log, tokens_since_log = time.perf_counter(), 0.0
+
+  def finish_step(step_no: int, dev_metrics) -> None:
+    nonlocal last, t_log, tokens_since_log
+    m = jax.device_get(dev_metrics)
+    if not np.isfinite(m["loss"]):
+      raise NonFiniteLossError(
+          f"Non-finite loss {m['loss']} at step {step_no}; stopping. The last good checkpoint is step "
+          f"{checkpointer.latest_step()} in {checkpointer.directory}.")
+    tokens_since_log += float(m["target_tokens"])
+    if step_no % train_cfg.log_every == 0 or step_no == train_cfg.steps:
+      now = time.perf_counter()
+      m = {k: float(v) for k, v in m.items()}
+      m["tokens_per_s"] = tokens_since_log / max(now - t_log, 1e-9)
+      m["learning_rate"] = float(optim.learning_rate_schedule(optim_cfg)(step_no))
+      t_log, tokens_since_log = now, 0.0
+      if step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
+        m.update(evaluate(eval_step, state.params, eval_batches(), put))
+      writer.write(step_no, m)
+      last = {"step": step_no, **m}
+      if bar is not None:
+        bar.set_postfix(loss=f"{m['loss']:.3f}", ppl=f"{last.get('eval_perplexity', float('nan')):.1f}")
+    if step_no % train_cfg.ckpt_every == 0 or step_no == train_cfg.steps:
+      checkpointer.save(step_no, state, train_iter)
+
+  try:
+    for step_no in range(start + 1, train_cfg.steps + 1):
+      batch = put(next(train_iter))
+      state, metrics = train_step(state, batch)
+      if pending is not None:
+        finish_step(*pending)
+      pending = (step_no, metrics)
+      # Checkpoint and eval steps need the state of exactly that step: finish them before dispatching more.
+      if step_no % train_cfg.ckpt_every == 0 or step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
+        finish_step(*pending)
+        pending = None
+      if bar is not None:
+        bar.update(1)
+    if pending is not None:
+      finish_step(*pending)
+  finally:
+    checkpointer.close()
+    writer.close()
+    if bar is not None:
+      bar.close()
+  return state.params, last

@@ -1,0 +1,64 @@
+"""Metric writers: JSONL (the source of truth, plotted by `plot_metrics`) and TensorBoard event files."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+
+class MetricWriter:
+  """Appends `{"step": s, **scalars}` to workdir/metrics.jsonl and mirrors scalars to TensorBoard."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._f = open(self.path, "a")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, scalars: dict) -> None:
+    row = {"step": int(step)}
+    for k, v in scalars.items():
+      row[k] = float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v).tolist()
+    self._f.write(json.dumps(row) + "\n")
+    self._f.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != "step" and isinstance(v, float) and math.isfinite(v):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+
+  def close(self) -> None:
+    self._f.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str = "") -> None:
+  """Plots each key of the JSONL file against step (one panel per key) into a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = read_metrics(path)
+  fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    pts = [(r["step"], r[key]) for r in rows if key in r]
+    if pts:
+      ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
+    ax.set_xlabel("step")
+    ax.set_title(key)
+    ax.grid(alpha=0.3)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)

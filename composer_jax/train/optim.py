@@ -1,0 +1,45 @@
+"""AdamW with warmup + cosine, clipping, and the parameter masks a MoE needs.
+
+Weight decay skips vectors (norm scales, biases). The router's `e_score_correction_bias` is not trained by the
+optimizer at all: DeepSeek-V3 updates it outside the gradient from the expert load (see `step.update_router_bias`).
+"""
+from __future__ import annotations
+
+import jax
+import optax
+
+from composer_jax.train.config import OptimConfig
+
+ROUTER_BIAS = "e_score_correction_bias"
+
+
+def _path_str(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def is_router_bias(path) -> bool:
+  return _path_str(path).endswith(ROUTER_BIAS)
+
+
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+      decay_steps=cfg.warmup_steps + cfg.decay_steps, end_value=cfg.learning_rate * cfg.final_lr_fraction)
+
+
+def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
+  """AdamW over all trainable params; router correction biases are frozen to the optimizer.
+
+  Stacked layers carry a leading `layers` axis, so "a vector" means the last axis alone is meaningful: we decay
+  only leaves whose name marks them as a matrix (no `norm`/`bias` in their path) and of rank ≥ 2.
+  """
+  def decay_mask(p):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.ndim >= 2 and "norm" not in _path_str(path) and "bias" not in _path_str(path), p)
+
+  labels = jax.tree_util.tree_map_with_path(lambda path, _: "frozen" if is_router_bias(path) else "train", params)
+  adamw = optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                  weight_decay=cfg.weight_decay, mask=decay_mask))
+  return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)

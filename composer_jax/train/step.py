@@ -1,0 +1,113 @@
+"""The pure language-model training step (pretraining, long-context and SFT stages share it).
+
+`train_step(state, batch) -> (state, metrics)` is built by `make_train_step`, jitted with explicit shardings and
+the state donated. Shapes: B batch, L length, V vocab, E experts, M MoE layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from composer_jax import model
+from composer_jax.model.config import ModelConfig
+from composer_jax.train import losses, optim
+from composer_jax.train.config import TrainConfig
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "rng"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array
+  params: dict
+  opt_state: optax.OptState
+  rng: jax.Array
+
+
+def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                    rng=jax.random.key_data(jax.random.key(seed)))
+
+
+def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
+  """Total loss and its parts. The MTP modules see a detached trunk in self-distillation mode."""
+  tokens, seg, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
+  logits, aux = model.forward(params, tokens, model_cfg, segment_ids=seg, positions=batch["positions"],
+                              mtp_detach_trunk=train_cfg.mtp_loss == "self_distill")
+  targets, tmask = losses.shifted_targets(tokens, seg, mask, 1)
+  ce, n_tokens = losses.cross_entropy(logits, targets, tmask)
+  total = ce + aux["balance_loss"]
+  metrics = {"ce": ce, "balance_loss": aux["balance_loss"], "target_tokens": n_tokens}
+  n_mtp = aux["mtp_logits"].shape[0]
+  if n_mtp and train_cfg.mtp_loss != "none":
+    mtp, agree = losses.mtp_losses(logits, aux["mtp_logits"], tokens, seg, mask, train_cfg.mtp_loss)
+    total = total + train_cfg.mtp_weight * jnp.mean(mtp)
+    for k in range(n_mtp):
+      metrics[f"mtp{k + 1}_loss"] = mtp[k]
+      metrics[f"mtp{k + 1}_agreement"] = agree[k]
+  metrics["loss"] = total
+  return total, (metrics, aux)
+
+
+def update_router_bias(params, expert_load_MxE, rate: float):
+  """DeepSeek-V3 aux-loss-free balancing: b_i += γ·sign(mean load − load_i), outside the gradient.
+
+  `expert_load_MxE` holds tokens per expert for each MoE layer of the trunk stack, in the layout of the
+  `e_score_correction_bias` leaf it updates ([M, E]). Experts never chosen are pushed up, overloaded ones down.
+  """
+  if rate == 0.0:
+    return params
+  mean = jnp.mean(expert_load_MxE, axis=-1, keepdims=True)
+  delta = rate * jnp.sign(mean - expert_load_MxE)
+
+  def upd(path, x):
+    if optim.is_router_bias(path) and x.shape == delta.shape:
+      return x + delta.astype(x.dtype)
+    return x
+  return jax.tree_util.tree_map_with_path(upd, params)
+
+
+def _global_norm(tree):
+  return optax.global_norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+
+
+def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
+  """One optimizer step; returns the new state and scalar metrics."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  (_, (metrics, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  load = aux["expert_load"]
+  params = update_router_bias(params, load, train_cfg.bias_update_rate)
+  if load.shape[0]:
+    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)   # per-layer max/mean expert load
+    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
+  metrics.update(grad_norm=_global_norm(grads), param_norm=_global_norm(params),
+                 update_norm=_global_norm(updates), dropped_fraction=aux["dropped_fraction"])
+  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
+  return new_state, metrics
+
+
+def eval_step(params, batch, *, model_cfg):
+  """Summed next-token NLL and target count on a held-out batch (perplexity = exp(sum / count))."""
+  logits, _ = model.forward(params, batch["tokens"], model_cfg, segment_ids=batch["segment_ids"],
+                            positions=batch["positions"])
+  targets, tmask = losses.shifted_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], 1)
+  ce, n = losses.cross_entropy(logits, targets, tmask)
+  return {"nll_sum": ce * n, "count": n}
+
+
+def make_train_step(model_cfg, train_cfg, optimizer, state_shardings, batch_sharding):
+  """`train_step` jitted with explicit in/out shardings and the state donated."""
+  fn = functools.partial(train_step, model_cfg=model_cfg, train_cfg=train_cfg, optimizer=optimizer)
+  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+                 donate_argnums=0)
+
+
+def make_eval_step(model_cfg, params_shardings, batch_sharding):
+  fn = functools.partial(eval_step, model_cfg=model_cfg)
+  return jax.jit(fn, in_shardings=(params_shardings, batch_sharding))

@@ -1,0 +1,150 @@
+"""A byte-level BPE tokenizer trained locally on the corpus, saved so Hugging Face / SGLang load it unchanged.
+
+The special tokens and the chat format come from `rollout.chat_format` (the single source of truth); `CHAT_TEMPLATE`
+below is its Jinja twin and tests check that both render identically. `save_tokenizer` writes
+
+  tokenizer.json          the `tokenizers` model (byte-level BPE, GPT-2 pre-tokenizer regex, special tokens first,
+                          so <|pad|> is id 0)
+  tokenizer_config.json   PreTrainedTokenizerFast class, bos/eos/pad tokens, chat_template, no cleanup of spaces
+                          (decode(encode(text)) == text exactly)
+
+so `transformers.AutoTokenizer.from_pretrained(dir)` (and therefore an SGLang server) loads it. eos is <|end_of_turn|>
+because this tokenizer serves a chat/agent model; a document in pretraining ends with <|end_of_text|>; both are in
+`chat_format.STOP_TOKENS`. No post-processor adds BOS automatically: the data pipeline and the chat format place it.
+
+`load_tokenizer` returns a tokenizer with `encode_special_tokens = True`: plain `encode` of any text (a source file,
+tool output) never yields a special id; special ids are placed by id only (see `chat_format.encode_messages`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from rollout import chat_format as cf
+
+# The Jinja twin of chat_format.render (transformers' `tojson` is json.dumps(x, ensure_ascii=False)).
+CHAT_TEMPLATE = (
+  "{{- '" + cf.BEGIN_OF_TEXT + "' -}}"
+  "{%- for message in messages -%}"
+  "{%- set role = message['role'] -%}"
+  "{%- if role == 'system' -%}{{- '" + cf.SYSTEM + "' -}}"
+  "{%- elif role == 'user' -%}{{- '" + cf.USER + "' -}}"
+  "{%- elif role == 'assistant' -%}{{- '" + cf.ASSISTANT + "' -}}"
+  "{%- elif role == 'tool' -%}{{- '" + cf.TOOL_RESULT + "' -}}"
+  "{%- elif role == 'summary' -%}{{- '" + cf.SUMMARY + "' -}}"
+  "{%- else -%}{{- raise_exception('unknown role: ' + role) -}}{%- endif -%}"
+  "{%- if message['content'] -%}{{- message['content'] -}}{%- endif -%}"
+  "{%- if message['tool_calls'] and role != 'assistant' -%}"
+  "{{- raise_exception('only assistant messages may have tool_calls') -}}{%- endif -%}"
+  "{%- for tool_call in (message['tool_calls'] or []) -%}"
+  "{%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call -%}"
+  "{%- set args = call['arguments'] if call['arguments'] is defined else {} -%}"
+  "{{- '" + cf.TOOL_CALL + "{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' + "
+  "(args if args is string else (args | tojson)) + '}" + cf.TOOL_CALL_END + "' -}}"
+  "{%- endfor -%}"
+  "{{- '" + cf.END_OF_TURN + "' -}}"
+  "{%- endfor -%}"
+  "{%- if add_generation_prompt -%}{{- '" + cf.ASSISTANT + "' -}}{%- endif -%}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+  """How to train the BPE.
+
+  Attributes:
+    vocab_size: total vocabulary including the 256 byte tokens and the special tokens.
+    min_frequency: a pair must occur this often to be merged.
+    max_token_length: longest merged token in characters (caps runs of spaces / long identifiers).
+    model_max_length: written to tokenizer_config.json (the context length the model is trained for).
+  """
+  vocab_size: int = 8192
+  min_frequency: int = 2
+  max_token_length: int = 24
+  model_max_length: int = 4096
+
+
+def _empty_tokenizer() -> tokenizers.Tokenizer:
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.decoder = decoders.ByteLevel()
+  return tok
+
+
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig = TokenizerConfig()) -> tokenizers.Tokenizer:
+  """Trains a byte-level BPE with `chat_format.SPECIAL_TOKENS` on `texts`.
+
+  Args:
+    texts: training documents (e.g. `[d.text for d in corpus.train]`); only the training split, so held-out
+      perplexity is not measured on text the merges were fitted to.
+    cfg: vocabulary size and merge limits.
+
+  Returns:
+    A `tokenizers.Tokenizer` with `encode_special_tokens = True` (plain text never yields special ids).
+  """
+  min_vocab = 256 + len(cf.SPECIAL_TOKENS)
+  if cfg.vocab_size < min_vocab:
+    raise ValueError(f"vocab_size={cfg.vocab_size} must be at least {min_vocab} (256 bytes + special tokens)")
+  tok = _empty_tokenizer()
+  trainer = trainers.BpeTrainer(
+    vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, special_tokens=list(cf.SPECIAL_TOKENS),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), max_token_length=cfg.max_token_length,
+    show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer)
+  got = [tok.token_to_id(t) for t in cf.SPECIAL_TOKENS]
+  if got != list(range(len(cf.SPECIAL_TOKENS))):  # The trainer puts them first; pad = 0 is relied on by packing.
+    raise RuntimeError(f"special tokens got ids {got}, expected 0..{len(got) - 1}")
+  tok.encode_special_tokens = True
+  return tok
+
+
+def tokenizer_config(cfg: TokenizerConfig = TokenizerConfig()) -> dict:
+  """The tokenizer_config.json contents transformers needs (special tokens, chat template)."""
+  added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                    "special": True} for i, t in enumerate(cf.SPECIAL_TOKENS)}
+  return {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": cf.BEGIN_OF_TEXT,
+    "eos_token": cf.END_OF_TURN,
+    "pad_token": cf.PAD,
+    "unk_token": None,
+    "additional_special_tokens": [t for t in cf.SPECIAL_TOKENS if t not in (cf.BEGIN_OF_TEXT, cf.END_OF_TURN, cf.PAD)],
+    "added_tokens_decoder": added,
+    "clean_up_tokenization_spaces": False,
+    "add_bos_token": False,
+    "add_eos_token": False,
+    "model_max_length": cfg.model_max_length,
+    "chat_template": CHAT_TEMPLATE,
+  }
+
+
+def save_tokenizer(tok: tokenizers.Tokenizer, directory: str, cfg: TokenizerConfig = TokenizerConfig()) -> None:
+  """Writes tokenizer.json and tokenizer_config.json into `directory` (created if missing)."""
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(tokenizer_config(cfg), f, indent=2, ensure_ascii=False)
+
+
+def load_tokenizer(directory: str) -> tokenizers.Tokenizer:
+  """Loads tokenizer.json from `directory`, with special-token parsing of plain text disabled."""
+  path = os.path.join(directory, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no tokenizer.json in {directory!r}; train one with train_tokenizer + save_tokenizer")
+  tok = tokenizers.Tokenizer.from_file(path)
+  missing = [t for t in cf.SPECIAL_TOKENS if tok.token_to_id(t) is None]
+  if missing:
+    raise ValueError(f"tokenizer in {directory!r} lacks special tokens {missing}")
+  tok.encode_special_tokens = True
+  return tok
+
+
+def padded_vocab_size(tok: tokenizers.Tokenizer, multiple: int = 128) -> int:
+  """The model's embedding size: the vocabulary rounded up to `multiple` (for efficient matmuls / sharding)."""
+  return -(-tok.get_vocab_size() // multiple) * multiple

@@ -1,0 +1,38 @@
+"""Shared helpers for `get_config(arg)` files (big_vision `configs/common.py` style)."""
+from __future__ import annotations
+
+import ml_collections
+
+
+def parse_arg(arg: str | None, *, lazy: bool = False, **spec) -> ml_collections.ConfigDict:
+  """Parses `"colab,steps=100"`-style config args into a ConfigDict typed by `spec`.
+
+  A bare word sets the boolean of that name (`colab` → colab=True) or, when `variant` is in spec, the variant.
+  Unknown names are an error that lists the valid ones.
+
+  Args:
+    arg: the string after ':' in `--config=file.py:arg` (None or "" for defaults).
+    lazy: accept names not in `spec` (as strings).
+    **spec: name → default value; its type casts the parsed value.
+  """
+  res = ml_collections.ConfigDict(spec)
+  for part in (arg or "").split(","):
+    part = part.strip()
+    if not part:
+      continue
+    if "=" in part:
+      name, value = part.split("=", 1)
+    elif "variant" in spec and part not in spec:
+      name, value = "variant", part
+    else:
+      name, value = part, "True"
+    if name not in spec and not lazy:
+      raise ValueError(f"Unknown config arg {name!r} in {arg!r}; valid: {sorted(spec)}")
+    default = spec.get(name, "")
+    if isinstance(default, bool):
+      if value not in ("True", "False", "true", "false", "1", "0"):
+        raise ValueError(f"Config arg {name!r} expects a boolean, got {value!r}")
+      res[name] = value in ("True", "true", "1")
+    else:
+      res[name] = type(default)(value)
+  return res

@@ -1,0 +1,59 @@
+"""Model shapes of the DeepSeek-V3 / Kimi-K2 family, by variant.
+
+Used by the other config files (`model.get_config("colab")`), and on its own to inspect a shape:
+  python -c "from experiments.configs import model; print(model.get_config('kimi_k2'))"
+
+Variants:
+  colab:   ~3M parameters; trains on one CPU core in minutes.
+  small:   ~60M parameters; a real small MoE for a workstation or one GPU.
+  kimi_k2: the published Kimi K2 shape (1.04T total / 32B active). Build it abstractly only (`jax.eval_shape`).
+"""
+import ml_collections
+
+from experiments.configs import common
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = common.parse_arg(arg, variant="colab")
+  c = ml_collections.ConfigDict()
+  # Fields common to all variants (names follow HF DeepseekV3Config; see composer_jax/model/config.py).
+  c.rope_theta = 10000.0
+  c.rope_scaling = None
+  c.rms_norm_eps = 1e-6
+  c.norm_topk_prob = True
+  c.moe_layer_freq = 1
+  c.seq_aux_loss_coef = 0.0
+  c.moe_impl = "ragged"
+  c.capacity_factor = 1.25
+  c.tie_word_embeddings = False
+  c.initializer_range = 0.02
+  c.param_dtype = "float32"
+  c.compute_dtype = "float32"
+  c.scan_layers = True
+  c.remat = False
+  if arg.variant == "colab":
+    c.update(vocab_size=4096, hidden_size=128, intermediate_size=384, moe_intermediate_size=96,
+             num_hidden_layers=4, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=64,
+             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=4096,
+             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+             routed_scaling_factor=1.0, first_k_dense_replace=1, num_nextn_predict_layers=1)
+  elif arg.variant == "small":
+    c.update(vocab_size=16384, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
+             num_hidden_layers=8, num_attention_heads=8, q_lora_rank=256, kv_lora_rank=128,
+             qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, max_position_embeddings=16384,
+             n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+             routed_scaling_factor=2.5, first_k_dense_replace=1, num_nextn_predict_layers=1)
+  elif arg.variant == "kimi_k2":
+    # https://huggingface.co/moonshotai/Kimi-K2-Base config.json (the published shape).
+    c.update(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+             num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=131072,
+             n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+             routed_scaling_factor=2.827, first_k_dense_replace=1, num_nextn_predict_layers=0,
+             rope_theta=50000.0, param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+    c.rope_scaling = ml_collections.ConfigDict(dict(
+        type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
+        mscale=1.0, mscale_all_dim=1.0))
+  else:
+    raise ValueError(f"Unknown model variant {arg.variant!r}; valid: colab, small, kimi_k2")
+  return c

@@ -1,0 +1,29 @@
+r"""Language-model training stages (pretrain / long_context / sft) from an ml-collections config.
+
+  python experiments/pretrain_main.py --config=experiments/configs/pretrain.py:colab --workdir=runs/pretrain_colab
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from experiments import config_convert  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the tokenizer.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  from composer_jax.train import stages
+  kwargs = config_convert.stage_kwargs(_CONFIG.value)
+  last = stages.run(workdir=_WORKDIR.value, **kwargs)
+  print({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()})
+
+
+if __name__ == "__main__":
+  app.run(main)

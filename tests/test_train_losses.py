@@ -1,0 +1,72 @@
+"""Loss pieces of the LM trainer against hand-computed values."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from composer_jax.train import losses, optim, step
+from composer_jax.train.config import OptimConfig
+
+
+def test_shifted_targets_respect_segments_padding_and_mask():
+  tokens = jnp.array([[5, 6, 7, 8, 9, 0]])
+  seg = jnp.array([[1, 1, 1, 2, 2, 0]])        # two packed documents, then padding
+  mask = jnp.array([[1, 1, 0, 1, 1, 0]])       # token 7 is not a target (e.g. a prompt token in SFT)
+  targets, tmask = losses.shifted_targets(tokens, seg, mask, 1)
+  np.testing.assert_array_equal(targets, [[6, 7, 8, 9, 0, 0]])
+  # t=0 → 6 ok; t=1 → 7 masked; t=2 → 8 crosses documents; t=3 → 9 ok; t=4 → padding; t=5 padding.
+  np.testing.assert_array_equal(tmask, [[1, 0, 0, 1, 0, 0]])
+  _, tmask2 = losses.shifted_targets(tokens, seg, mask, 2)
+  np.testing.assert_array_equal(tmask2, [[0, 0, 0, 0, 0, 0]])   # t=0 → 7 masked, t=1 → 8 other doc, ...
+
+
+def test_cross_entropy_hand_computed():
+  logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))
+  targets = jnp.array([[0, 2]])
+  ce, n = losses.cross_entropy(logits, targets, jnp.array([[1.0, 1.0]]))
+  np.testing.assert_allclose(ce, (np.log(2) + np.log(10)) / 2, rtol=1e-6)
+  assert float(n) == 2
+  ce, n = losses.cross_entropy(logits, targets, jnp.array([[0.0, 1.0]]))
+  np.testing.assert_allclose(ce, np.log(10), rtol=1e-6)
+
+
+def test_mtp_self_distillation_targets_main_head_at_next_position():
+  rng = np.random.default_rng(0)
+  B, L, V = 1, 5, 4
+  main = jnp.asarray(rng.normal(size=(B, L, V)), jnp.float32)
+  mtp = jnp.asarray(rng.normal(size=(1, B, L, V)), jnp.float32)
+  tokens = jnp.array([[1, 2, 3, 0, 1]])
+  seg = jnp.ones((B, L), jnp.int32)
+  mask = jnp.ones((B, L), jnp.int32)
+  loss, agree = losses.mtp_losses(main, mtp, tokens, seg, mask, "self_distill")
+  # MTP module 1 at t predicts token t+2, which the main head predicts at t+1; valid t = 0, 1, 2.
+  p = jax.nn.softmax(main[0, 1:4], -1)
+  logq = jax.nn.log_softmax(mtp[0, 0, 0:3], -1)
+  expected = float(jnp.mean(-jnp.sum(p * logq, -1)))
+  np.testing.assert_allclose(loss[0], expected, rtol=1e-6)
+  expected_agree = np.mean(np.argmax(mtp[0, 0, 0:3], -1) == np.argmax(main[0, 1:4], -1))
+  np.testing.assert_allclose(agree[0], expected_agree)
+  ce_loss, _ = losses.mtp_losses(main, mtp, tokens, seg, mask, "cross_entropy")
+  logq_t = jax.nn.log_softmax(mtp[0, 0], -1)
+  np.testing.assert_allclose(ce_loss[0], -np.mean([logq_t[0, 3], logq_t[1, 0], logq_t[2, 1]]), rtol=1e-6)
+
+
+def test_router_bias_update_rule():
+  params = {"moe": {"router": {"e_score_correction_bias": jnp.zeros((1, 4)), "kernel": jnp.ones((1, 4))}}}
+  load = jnp.array([[3.0, 1.0, 0.0, 4.0]])                    # mean 2: experts 0 and 3 overloaded
+  new = step.update_router_bias(params, load, rate=0.01)
+  np.testing.assert_allclose(new["moe"]["router"]["e_score_correction_bias"], [[-0.01, 0.01, 0.01, -0.01]])
+  np.testing.assert_array_equal(new["moe"]["router"]["kernel"], params["moe"]["router"]["kernel"])
+
+
+def test_optimizer_never_moves_router_bias_and_decays_only_matrices():
+  params = {"w": jnp.ones((2, 3)), "norm": {"scale": jnp.ones((2, 3))},
+            "router": {"e_score_correction_bias": jnp.ones((2, 3))}}
+  grads = jax.tree.map(jnp.ones_like, params)
+  opt = optim.make_optimizer(OptimConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.5), params)
+  state = opt.init(params)
+  for _ in range(3):
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(params["router"]["e_score_correction_bias"], 1.0)
+  assert float(params["w"][0, 0]) < float(params["norm"]["scale"][0, 0]) < 1.0   # decay pulls w further
