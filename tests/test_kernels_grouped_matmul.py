@@ -82,12 +82,22 @@ class GroupedMatmulTest:
     assert_close(got, transposed_grouped_matmul_reference(a, b, gs), tolerances(fmt, jnp.float32))
     np.testing.assert_array_equal(np.asarray(got[np.asarray(gs) == 0]), 0.0)    # empty groups: zero gradient
 
-  def test_reference_equals_ragged_dot(self):
-    # The masked-einsum reference is itself checked against XLA's ragged_dot (an independent implementation).
+  def test_references_equal_ragged_dot_and_a_per_expert_loop(self):
+    # The one-hot einsum references are checked against XLA's ragged_dot and a plain per-expert loop (STYLE §12).
     x, w = _inputs()
-    gs = jnp.array(GROUP_PATTERNS["mixed_with_empty"], jnp.int32)
-    want = jax.lax.ragged_dot(x, w, gs, precision=jax.lax.Precision.HIGHEST)
-    assert_close(grouped_matmul_reference(x, w, gs), want, tolerances("bf16", jnp.float32))
+    y = jax.random.normal(jax.random.key(3), (40, 32))
+    sizes = GROUP_PATTERNS["short_sum"]
+    gs = jnp.array(sizes, jnp.int32)
+    loop_out, loop_t, start = np.zeros((40, 32), np.float32), np.zeros((4, 64, 32), np.float32), 0
+    for e, size in enumerate(sizes):
+      rows = slice(start, start + size)
+      loop_out[rows] = np.asarray(x[rows]) @ np.asarray(w[e])
+      loop_t[e] = np.asarray(x[rows]).T @ np.asarray(y[rows])
+      start += size
+    tol = tolerances("bf16", jnp.float32)
+    assert_close(grouped_matmul_reference(x, w, gs), loop_out, tol)
+    assert_close(grouped_matmul_reference(x, w, gs), jax.lax.ragged_dot(x, w, gs, precision="highest"), tol)
+    assert_close(transposed_grouped_matmul_reference(x, y, gs), loop_t, tol)
 
   @pytest.mark.parametrize("fmt", formats.FORMATS)
   def test_gradients_match_reference_vjp(self, fmt):
