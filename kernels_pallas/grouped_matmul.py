@@ -39,7 +39,8 @@ _STEP_K = {"mxfp8": formats.MXFP8_BLOCK, "nvfp4": 2 * formats.NVFP4_BLOCK}
 class BlockSizes:
   """Tile sizes (powers of two, >= 16 for Triton dots) and Triton launch parameters.
 
-  `block_k` is the bf16 K step; MXFP8 and NVFP4 step 32 elements (one MXFP8 block, two NVFP4 blocks) at a time.
+  `block_k` is the K extent of one loop iteration; MXFP8 and NVFP4 split it into unrolled 32-element sub-steps (one
+  MXFP8 block, two NVFP4 blocks), so for them it must be a multiple of 32.
   """
   block_m: int = 64
   block_n: int = 64
@@ -51,14 +52,16 @@ class BlockSizes:
   def default(cls) -> BlockSizes:
     return cls()
 
-  def fit(self, t: int, k: int, n: int) -> BlockSizes:
-    """Shrinks blocks to the problem (keeping powers of two >= 16), so small shapes work with the defaults."""
+  def fit(self, t: int, k: int, n: int, min_k: int = 16) -> BlockSizes:
+    """Shrinks blocks to the problem (powers of two >= 16; block_k >= min_k and dividing k when it can)."""
     def shrink(b, d):
       while b > 16 and b // 2 >= d:
         b //= 2
       return b
-    return dataclasses.replace(self, block_m=shrink(self.block_m, t), block_n=shrink(self.block_n, n),
-                               block_k=shrink(self.block_k, k))
+    bk = max(shrink(self.block_k, k), min_k)
+    while k % bk and bk > min_k:
+      bk //= 2
+    return dataclasses.replace(self, block_m=shrink(self.block_m, t), block_n=shrink(self.block_n, n), block_k=bk)
 
 
 def _format_of(x) -> str:
@@ -92,7 +95,9 @@ def _validate(lhs, rhs, group_sizes, bs: BlockSizes) -> tuple[str, int, int, int
     _check_pow2(name, getattr(bs, name))
   step_k = _STEP_K.get(fmt, bs.block_k)
   if k % step_k:
-    raise ValueError(f"{fmt} K step {step_k} must divide {k=}" + (" (set block_k)." if fmt == "bf16" else "."))
+    raise ValueError(f"{fmt} K step {step_k} must divide {k=}.")
+  if bs.block_k % step_k or k % bs.block_k:
+    raise ValueError(f"block_k={bs.block_k} must divide {k=} and be a multiple of the {fmt} K step {step_k}.")
   if n % bs.block_n:
     raise ValueError(f"block_n={bs.block_n} must divide {n=}.")
   return fmt, t, k, n, e
@@ -110,6 +115,15 @@ def _tile_groups(group_sizes: jax.Array, t_pad: int, block_m: int) -> tuple[jax.
   hi = jnp.searchsorted(ends, last, side="right").astype(jnp.int32) + 1
   hi = jnp.where(row0 < total, hi, lo)              # tiles past the last token visit no group
   return offsets, lo, hi
+
+
+def _unrolled(step_body, n_sub: int):
+  """One loop iteration = `n_sub` unrolled sub-steps (longer straight-line code for Triton to pipeline)."""
+  def body(i, acc):
+    for j in range(n_sub):
+      acc = step_body(i * n_sub + j, acc)
+    return acc
+  return body
 
 
 def _kernel(offsets_ref, lo_ref, hi_ref, *refs, fmt: str, block_m: int, block_n: int, block_k: int, k: int):
@@ -140,7 +154,8 @@ def _kernel(offsets_ref, lo_ref, hi_ref, *refs, fmt: str, block_m: int, block_n:
         sa = ls_ref[rows, pl.ds(i, 1)]                 # [bm, 1]
         sb = rs_ref[g, pl.ds(i, 1), cols]               # [1, bn]
         return acc + jnp.dot(a, b, preferred_element_type=jnp.float32) * sa * sb
-      return jax.lax.fori_loop(0, k // step, body, jnp.zeros((block_m, block_n), jnp.float32))
+      return jax.lax.fori_loop(0, k // block_k, _unrolled(body, block_k // step), jnp.zeros((block_m, block_n),
+                                                                                             jnp.float32))
 
   else:
     lp_ref, lbs_ref, lg_ref, rp_ref, rbs_ref, rg_ref = in_refs
@@ -160,7 +175,8 @@ def _kernel(offsets_ref, lo_ref, hi_ref, *refs, fmt: str, block_m: int, block_n:
         lo = jnp.dot(dec(pa & 15, sa), dec(pbt & 15, sb), preferred_element_type=jnp.float32)
         hi = jnp.dot(dec(pa >> 4, sa), dec(pbt >> 4, sb), preferred_element_type=jnp.float32)
         return acc + lo + hi
-      part = jax.lax.fori_loop(0, k // _STEP_K["nvfp4"], body, jnp.zeros((block_m, block_n), jnp.float32))
+      sub = block_k // _STEP_K["nvfp4"]
+      part = jax.lax.fori_loop(0, k // block_k, _unrolled(body, sub), jnp.zeros((block_m, block_n), jnp.float32))
       return part * lg_ref[rows, pl.ds(0, 1)] * rg_ref[g, pl.ds(0, 1), cols]
 
   def group_body(g, acc):
@@ -202,7 +218,8 @@ def grouped_matmul(lhs, rhs, group_sizes: jax.Array, *, out_dtype=jnp.bfloat16,
   Returns:
     [T, N] in `out_dtype`.
   """
-  bs = (block_sizes or BlockSizes.default()).fit(lhs.shape[0], lhs.shape[1], rhs.shape[2])
+  bs = (block_sizes or BlockSizes.default()).fit(lhs.shape[0], lhs.shape[1], rhs.shape[2],
+                                                 min_k=_STEP_K.get(_format_of(lhs), 16))
   fmt, t, k, n, _ = _validate(lhs, rhs, group_sizes, bs)
   t_pad = pl.cdiv(t, bs.block_m) * bs.block_m
   offsets, lo, hi = _tile_groups(group_sizes, t_pad, bs.block_m)

@@ -70,6 +70,17 @@ class GroupedMatmulTest:
     total = int(gs.sum())
     np.testing.assert_array_equal(np.asarray(got[total:], np.float32), 0.0)
 
+  @pytest.mark.parametrize("fmt,k", [("bf16", 96), ("mxfp8", 128), ("nvfp4", 128)])
+  def test_forward_with_k_substeps(self, fmt, k):
+    # block_k=64 over K=128: two unrolled 32-wide sub-steps per iteration (quantised formats); for bf16, K=96 makes
+    # `fit` shrink block_k to 32 so that it divides K.
+    x, w = _inputs(k=k)
+    gs = jnp.array(GROUP_PATTERNS["mixed_with_empty"], jnp.int32)
+    a, b = formats.quantize(x, fmt, axis=1), formats.quantize(w, fmt, axis=1, batch_dims=1)
+    bs = BlockSizes(block_m=16, block_n=32, block_k=64)
+    got = grouped_matmul(a, b, gs, out_dtype=jnp.float32, block_sizes=bs, interpret=self.INTERPRET)
+    assert_close(got, grouped_matmul_reference(a, b, gs), tolerances(fmt, jnp.float32))
+
   @pytest.mark.parametrize("fmt", formats.FORMATS)
   @pytest.mark.parametrize("pattern", ["mixed_with_empty", "short_sum"])
   def test_transposed_forward_matches_reference(self, fmt, pattern):
