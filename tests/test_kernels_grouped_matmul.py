@@ -168,13 +168,15 @@ def test_gpu_lowering(fmt):
   assert "grouped_matmul" in jax.jit(f).trace(a, b, gs).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_gpu_lowering_of_training_step():
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_gpu_lowering_of_training_step(fmt):
   """Forward + both gradients of `moe_matmul` (custom_vjp, quantised backward) lower for CUDA."""
   x, w = _inputs(t=64)
   gs = jnp.array([20, 0, 30, 14], jnp.int32)
-  f = jax.grad(lambda x, w: jnp.sum(moe_matmul(x, w, gs, matmul="mxfp8", impl="pallas", interpret=False,
+  f = jax.grad(lambda x, w: jnp.sum(moe_matmul(x, w, gs, matmul=fmt, impl="pallas", interpret=False,
                                                block_sizes=BLOCKS)), (0, 1))
-  jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",))
+  text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("grouped_matmul") >= 3        # forward, dx (grouped) and dw (transposed) kernels
 
 
 def test_bad_inputs_are_clear_errors():
