@@ -170,8 +170,11 @@ def run(cfg: AblationConfig, workdir: str) -> dict:
 
   os.makedirs(workdir, exist_ok=True)
   sweep = error_sweep(cfg)
-  curves = {(label, m): train_curve(cfg, matmul, scale, m)
-            for label, matmul, scale in MODES for m in cfg.train_multipliers}
+  curves = {}
+  for label, matmul, scale in MODES:
+    for m in cfg.train_multipliers:
+      curves[(label, m)] = train_curve(cfg, matmul, scale, m)
+      print(f"{label} BOS x{m:g}: final loss {np.mean(curves[(label, m)][-20:]):.4f}", flush=True)
   fig, axes = plt.subplots(1, 1 + len(cfg.train_multipliers), figsize=(5 * (1 + len(cfg.train_multipliers)), 4))
   for label, errs in sweep.items():
     axes[0].loglog(cfg.multipliers, errs, marker="o", label=label)
