@@ -1,6 +1,6 @@
 r"""Per-token vs per-tensor second-level scaling for MXFP8/NVFP4 MoE matmuls (issue 5 ablation).
 
-Run (colab: ~10 min on 2 shared CPU cores; writes quant_ablation.{png,md,json} to the workdir):
+Run (colab: ~5 min of CPU, 20+ min on 2 busy shared cores; writes quant_ablation.{png,md,json} to the workdir):
   python experiments/quant_ablation_main.py --config=experiments/configs/quant_ablation.py:colab \
       --workdir=runs/quant_ablation
 Smoke run (~3 min): `--config=experiments/configs/quant_ablation.py:quick`.
