@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from experiments import config_convert  # noqa: E402
@@ -19,6 +19,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   from composer_jax.train import stages
   kwargs = config_convert.stage_kwargs(_CONFIG.value)
   last = stages.run(workdir=_WORKDIR.value, **kwargs)

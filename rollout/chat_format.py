@@ -24,9 +24,10 @@ and belongs to exactly one message — that is what makes the loss mask exact):
   <|assistant|>Let me look.<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}<|/tool_call|>
   <|end_of_turn|><|tool_result|>x = 1<|end_of_turn|><|assistant|>
 
-(one line here, wrapped for the page; the final `<|assistant|>` is the generation prompt). A tool call is the JSON
-object `{"name": ..., "arguments": {...}}` written by `json.dumps(..., ensure_ascii=False)` between <|tool_call|> and
-<|/tool_call|>. Generation stops at <|end_of_turn|> (or <|end_of_text|>): see `STOP_TOKENS`.
+(one line here, wrapped for the page; the final `<|assistant|>` is the generation prompt; to ask for a self-summary
+instead, the harness appends the <|summary|> id to a transcript encoded without a generation prompt). A tool call is
+the JSON object `{"name": ..., "arguments": {...}}` written by `json.dumps(..., ensure_ascii=False)` between
+<|tool_call|> and <|/tool_call|>. Generation stops at <|end_of_turn|> (or <|end_of_text|>): see `STOP_TOKENS`.
 
 Injection safety: text inside messages (file contents, tool output, user text) is encoded with special-token parsing
 disabled, so a file containing the string "<|tool_call|>" yields ordinary byte-level tokens, never the special id.

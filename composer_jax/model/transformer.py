@@ -56,8 +56,10 @@ def _lm_head(params: dict, cfg: ModelConfig, detach: bool = False) -> jax.Array:
 
 
 def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, mask, valid, cfg: ModelConfig,
-                detach_trunk: bool = False) -> jax.Array:
-  """DeepSeek-V3 NextN modules; returns logits [N, B, L, V] (entry j at position t predicts token t+2+j).
+                detach_trunk: bool = False) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V3 NextN modules; returns (logits [N, B, L, V], expert load [N, E]).
+
+  Entry j at position t predicts token t+2+j.
 
   Module j combines its input hidden h^{j-1}_t (h^{-1} = the trunk's last hidden state before the final norm)
   with the embedding of token t+1+j: h' = eh_proj([enorm(emb), hnorm(h)]), then one MoE decoder block, its own
@@ -69,7 +71,7 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
   head_DxV = _lm_head(params, cfg, detach_trunk).astype(dt)
   h = jax.lax.stop_gradient(h_BxLxD) if detach_trunk else h_BxLxD
   L = tokens_BxL.shape[1]
-  logits = []
+  logits, loads = [], []
   for j in range(cfg.num_nextn_predict_layers):
     p = jax.tree.map(lambda a, j=j: a[j], params["mtp"])
     shifted_BxL = jnp.pad(tokens_BxL[:, j + 1:], ((0, 0), (0, min(j + 1, L))))[:, :L]
@@ -77,9 +79,13 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
     cat_BxLx2D = jnp.concatenate([rms_norm(e_BxLxD, p["enorm"], cfg.rms_norm_eps),
                                   rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
     h = cat_BxLx2D @ p["eh_proj"].astype(dt)
-    h, _ = block(p["block"], h, rope, mask, valid, cfg)
+    h, aux = block(p["block"], h, rope, mask, valid, cfg)
     logits.append((rms_norm(h, p["norm"], cfg.rms_norm_eps) @ head_DxV).astype(jnp.float32))
-  return jnp.stack(logits) if logits else jnp.zeros((0, *tokens_BxL.shape, cfg.vocab_size), jnp.float32)
+    loads.append(aux["expert_load"])
+  if not logits:
+    return (jnp.zeros((0, *tokens_BxL.shape, cfg.vocab_size), jnp.float32),
+            jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
+  return jnp.stack(logits), jnp.stack(loads)
 
 
 def mtp_targets(tokens_BxL: jax.Array, n_mtp: int, segment_ids_BxL: jax.Array | None = None):
@@ -117,7 +123,9 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
   Returns:
     (logits [B, L, V] float32, aux) with aux: router_scores f32 [Lm, B, L, E], experts int32 [Lm, B, L, K],
     expert_load f32 [Lm, E], balance_loss (seq_aux_loss_coef * sum over layers), balance_loss_unweighted,
-    dropped_fraction (mean over layers; 0 unless moe_impl='capacity'), mtp_logits f32 [N, B, L, V].
+    dropped_fraction (mean over layers; 0 unless moe_impl='capacity'), mtp_logits f32 [N, B, L, V] (entry j at
+    position t predicts token t+2+j; see `mtp_targets`), mtp_expert_load f32 [N, E] (for the MTP blocks' own
+    router-bias update; MTP routing is never replayed).
   """
   B, L = tokens.shape
   dt = jnp.dtype(cfg.compute_dtype)
@@ -150,6 +158,7 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
          "expert_load": moe_aux["expert_load"],
          "balance_loss": cfg.seq_aux_loss_coef * moe_aux["balance_loss"].sum(),
          "balance_loss_unweighted": moe_aux["balance_loss"].sum(),
-         "dropped_fraction": moe_aux["dropped_fraction"].mean() if n_moe else jnp.zeros((), jnp.float32),
-         "mtp_logits": mtp_forward(params, x, tokens, rope, mask_BxLxL, valid_BxL, cfg, mtp_detach_trunk)}
+         "dropped_fraction": moe_aux["dropped_fraction"].mean() if n_moe else jnp.zeros((), jnp.float32)}
+  aux["mtp_logits"], aux["mtp_expert_load"] = mtp_forward(params, x, tokens, rope, mask_BxLxL, valid_BxL, cfg,
+                                                          mtp_detach_trunk)
   return logits.astype(jnp.float32), aux

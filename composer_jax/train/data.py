@@ -69,7 +69,8 @@ class DataConfig:
     seed: shuffling and bin-shuffling seed.
     num_packing_bins: rows first-fit packing keeps open; more bins pack tighter but reorder more.
     split_long_examples: cut examples longer than L into overlapping chunks (True) or drop them (False).
-    shard_index / shard_count: this process's share of the examples (multi-host data parallelism).
+    shard_index / shard_count: this process's share of the examples (multi-host data parallelism); eval iterators
+      are sharded too, so sum eval losses and target counts over processes.
   """
   seq_len: int = 512
   batch_size: int = 8
@@ -94,12 +95,14 @@ def _example(tokens: Sequence[int], loss_mask: Sequence[float]) -> Example:
   return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(loss_mask, np.float32)}
 
 
-def pretrain_examples(tokenizer, texts: Sequence[str]) -> list[Example]:
+def pretrain_examples(tokenizer, texts: Sequence[str], docs_per_call: int = 256) -> list[Example]:
   """`<|begin_of_text|> text <|end_of_text|>` per document (batch-encoded, special parsing off), loss_mask all 1."""
   bos, eos = cf.special_id(tokenizer, cf.BEGIN_OF_TEXT), cf.special_id(tokenizer, cf.END_OF_TEXT)
   out = []
-  for ids in cf.encode_plain(tokenizer, texts):
-    out.append(_example([bos, *ids, eos], np.ones(len(ids) + 2)))
+  # Batches of documents: parallel encoding, without holding every document's Encoding (offsets, strings) at once.
+  for start in range(0, len(texts), docs_per_call):
+    for ids in cf.encode_plain(tokenizer, texts[start:start + docs_per_call]):
+      out.append(_example([bos, *ids, eos], np.ones(len(ids) + 2)))
   return out
 
 

@@ -7,6 +7,8 @@ run with `NonFiniteLossError`.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -14,7 +16,6 @@ from collections.abc import Callable, Iterable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,13 +33,22 @@ class NonFiniteLossError(RuntimeError):
   pass
 
 
-def state_shardings(optimizer, abstract_params, params_shardings, mesh):
-  """Shardings of a TrainState: optimizer moments follow their params, everything else is replicated."""
-  replicated = NamedSharding(mesh, P())
-  abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-  opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, params_shardings,
-                                        transform_non_params=lambda _: replicated)
-  return step_lib.TrainState(step=replicated, params=params_shardings, opt_state=opt_shardings, rng=replicated)
+def state_shardings(optimizer, abstract_params, params_shardings, seed: int):
+  """Shardings of a TrainState, read off the compiled initialiser (nothing is allocated).
+
+  Params keep `params_shardings`; the compiler propagates them to the optimizer moments (zeros_like of each param),
+  and scalars (step, counts, RNG) come out replicated.
+  """
+  sharded = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
+                         params_shardings)
+  init = jax.jit(lambda p: step_lib.init_state(p, optimizer, seed))
+  out = init.lower(sharded).compile().output_shardings
+  return dataclasses.replace(out, params=params_shardings)
+
+
+def single_device_mesh():
+  """The default mesh: one device (the parallelism config chooses bigger meshes)."""
+  return mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
 
 
 def evaluate(eval_step, params, batches: Iterable[dict], put) -> dict:
@@ -66,11 +76,11 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
   Returns:
     (final params, the last logged metrics including the final held-out evaluation).
   """
-  mesh = mesh if mesh is not None else mesh_lib.make_mesh({})
+  mesh = mesh if mesh is not None else single_device_mesh()
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)
-  shardings = state_shardings(optimizer, abstract_params, params_shardings, mesh)
+  shardings = state_shardings(optimizer, abstract_params, params_shardings, train_cfg.seed)
   batch_sharding = NamedSharding(mesh, P(tuple(a for a in ("data",) if a in mesh.axis_names) or None))
   put = lambda b: jax.device_put({k: jnp.asarray(v) for k, v in b.items()}, batch_sharding)
 
@@ -112,7 +122,7 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
       m["learning_rate"] = float(optim.learning_rate_schedule(optim_cfg)(step_no))
       t_log, tokens_since_log = now, 0.0
       if step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
-        m.update(evaluate(eval_step, state.params, eval_batches(), put))
+        m.update(evaluate(eval_step, state.params, itertools.islice(eval_batches(), train_cfg.eval_batches), put))
       writer.write(step_no, m)
       last = {"step": step_no, **m}
       if bar is not None:

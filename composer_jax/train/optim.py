@@ -1,7 +1,8 @@
 """AdamW with warmup + cosine, clipping, and the parameter masks a MoE needs.
 
-Weight decay skips vectors (norm scales, biases). The router's `e_score_correction_bias` is not trained by the
-optimizer at all: DeepSeek-V3 updates it outside the gradient from the expert load (see `step.update_router_bias`).
+Weight decay skips vectors (norm scales, biases). The router's correction bias (`moe/bias`, HF's
+`e_score_correction_bias`) is not trained by the optimizer at all: DeepSeek-V3 updates it outside the gradient from
+the expert load (see `step.update_router_bias`).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import optax
 
 from composer_jax.train.config import OptimConfig
 
-ROUTER_BIAS = "e_score_correction_bias"
+ROUTER_BIAS = "moe/bias"
 
 
 def _path_str(path) -> str:

@@ -61,7 +61,7 @@ def load_params(workdir: str, model_cfg: ModelConfig, mesh=None, rules=None):
   if not os.path.isdir(path):
     raise FileNotFoundError(f"{workdir!r} has no exported params ({path}); did that stage finish?")
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
-  shardings = model.shardings(model_cfg, mesh or loop.mesh_lib.make_mesh({}), rules)
+  shardings = model.shardings(model_cfg, mesh or loop.single_device_mesh(), rules)
   target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
   return ocp.StandardCheckpointer().restore(path, target)
 

@@ -4,6 +4,7 @@ Used by the other config files (`model.get_config("colab")`), and on its own to 
   python -c "from experiments.configs import model; print(model.get_config('kimi_k2'))"
 
 Variants:
+  tiny:    ~50k parameters; for tests and smoke runs (seconds).
   colab:   ~3M parameters; trains on one CPU core in minutes.
   small:   ~60M parameters; a real small MoE for a workstation or one GPU.
   kimi_k2: the published Kimi K2 shape (1.04T total / 32B active). Build it abstractly only (`jax.eval_shape`).
@@ -31,7 +32,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compute_dtype = "float32"
   c.scan_layers = True
   c.remat = False
-  if arg.variant == "colab":
+  if arg.variant == "tiny":
+    c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+             num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16,
+             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=1024,
+             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+             routed_scaling_factor=1.0, first_k_dense_replace=1, num_nextn_predict_layers=1)
+  elif arg.variant == "colab":
     c.update(vocab_size=4096, hidden_size=128, intermediate_size=384, moe_intermediate_size=96,
              num_hidden_layers=4, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=64,
              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=4096,
@@ -55,5 +62,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
         mscale=1.0, mscale_all_dim=1.0))
   else:
-    raise ValueError(f"Unknown model variant {arg.variant!r}; valid: colab, small, kimi_k2")
+    raise ValueError(f"Unknown model variant {arg.variant!r}; valid: tiny, colab, small, kimi_k2")
   return c

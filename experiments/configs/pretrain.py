@@ -11,7 +11,7 @@ Then the chained stages, each starting from the previous stage's exported params
       --workdir=runs/sft_colab --config.init.checkpoint=runs/long_context_colab \
       --config.sft.train_path=train.jsonl --config.sft.eval_path=eval.jsonl
 
-Arg: `<variant>[,stage=pretrain|long_context|sft]`; variant is colab or small (see configs/model.py).
+Arg: `<variant>[,stage=pretrain|long_context|sft]`; variant is tiny (tests), colab or small (configs/model.py).
 long_context multiplies the sequence length by 4 and sets YaRN rope scaling (factor 4 over the pretraining length).
 """
 import ml_collections
@@ -24,14 +24,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.stage = arg.stage
   c.model = model.get_config(arg.variant)
-  colab = arg.variant == "colab"
+  colab = arg.variant in ("colab", "tiny")
 
   c.corpus = ml_collections.ConfigDict(dict(
       paths=(),                                  # () = the running Python's standard library
       languages=("python",),
       min_file_bytes=64, max_file_bytes=256 * 1024,
       max_files=-1, max_total_bytes=4_000_000 if colab else -1,   # -1 = no cap
-      heldout_fraction=0.02, min_heldout_files=4))
+      heldout_fraction=0.05, min_heldout_files=4))
   c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=c.model.vocab_size, min_frequency=2, max_token_length=24))
   base_len = 256 if colab else 1024
   c.data = ml_collections.ConfigDict(dict(seq_len=base_len, batch_size=8 if colab else 32, seed=0,

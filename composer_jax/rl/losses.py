@@ -1,0 +1,146 @@
+"""Policy-gradient RL losses: group advantages, truncated importance weights, k1 KL to a reference policy.
+
+Letters: B rows (one row = one context segment of a trajectory), L length, V vocab.
+
+Per generated token t of a row i (mask m_t = 1 only on model-generated tokens):
+
+  ρ_t   = π_θ(y_t) / μ(y_t)                 μ = the inference engine's recorded logprob (rollout policy)
+  w_t   = sg(min(ρ_t, c_i))                  truncated importance weight (c_i = `is_cap_B[i]`; Yao et al. 2025 "TIS")
+  k1_t  = log π_θ(y_t) − log π_ref(y_t)      the k1 estimator of KL(π_θ ‖ π_ref) (= −log r, r = π_ref/π_θ)
+  A_t   = A_i − β · sg(k1_t)                 the KL enters as a per-token penalty on the advantage
+  ℓ_t   = −w_t · A_t · exp(log π_θ − sg(log π_θ))     value −w_t·A_t, gradient −w_t·A_t·∇log π_θ(y_t)
+
+Why the KL is a reward penalty: k1 used directly as a loss term has gradient ∇log π_θ, whose expectation under the
+sampling policy is zero — it would only add noise. As a stop-gradient penalty on the advantage it yields
+β·E[(log π_θ − log π_ref)·∇log π_θ], the exact gradient of the per-token KL at each context, while its value is
+still the unbiased k1 estimate that is logged as `kl` (the report's choice of k1 over k3, whose variance blows up
+when the policies drift apart). Tokens were sampled by μ, not π_θ, hence the same weight w_t on the KL part.
+
+Advantage A_i = reward − mean of the rewards of the trajectories in its group (optionally divided by their
+standard deviation, ddof = 0, + eps). Each trajectory counts once even when it spans several rows (segments of a
+self-summarization chain): all its rows carry the final reward and the same advantage.
+
+Normalisation (`LossConfig.normalize`):
+  'tokens'    Σ_t ℓ_t / (number of generated tokens in the batch) — the default. Every generated token has the
+              same weight, so a long trajectory's tokens are not down-weighted (per-sequence means favour
+              short answers when A > 0 and long ones when A < 0; DAPO, Dr. GRPO). The denominator varies from
+              batch to batch, which rescales the step a little.
+  'sequence'  mean over tokens of each row, then mean over rows with generated tokens (original GRPO).
+  'constant'  Σ_t ℓ_t / `norm_constant` (default B·L, fixed by the batch shape): an unbiased token sum with a
+              constant scale (Dr. GRPO).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NORMALIZATIONS = ("tokens", "sequence", "constant")
+IMPORTANCE = ("truncate", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Policy-gradient loss options (see the module docstring)."""
+  kl_coef: float = 1e-3             # β
+  is_cap: float = 2.0               # c: default truncation of ρ (the batch carries the per-row value)
+  importance: str = "truncate"      # 'none': w = 1 (treat every token as on-policy; an ablation)
+  normalize: str = "tokens"
+  norm_constant: float | None = None
+  adv_std: bool = False             # divide advantages by the group's reward std
+  adv_eps: float = 1e-6
+
+  def __post_init__(self):
+    if self.normalize not in NORMALIZATIONS:
+      raise ValueError(f"Unknown normalize {self.normalize!r}; valid: {NORMALIZATIONS}")
+    if self.importance not in IMPORTANCE:
+      raise ValueError(f"Unknown importance {self.importance!r}; valid: {IMPORTANCE}")
+    if self.is_cap <= 0 or self.kl_coef < 0:
+      raise ValueError(f"need is_cap > 0 and kl_coef >= 0, got {self.is_cap=} {self.kl_coef=}")
+
+
+def token_logprobs(logits_BxLxV: jax.Array, tokens_BxL: jax.Array) -> jax.Array:
+  """log p(token_t | tokens_<t) aligned to token positions, [B, L]; position 0 (no context) is 0."""
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV[:, :-1].astype(jnp.float32), axis=-1)
+  lp = jnp.take_along_axis(logp_BxLxV, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
+  return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def token_entropy(logits_BxLxV: jax.Array) -> jax.Array:
+  """Entropy of the distribution each token was drawn from, aligned like `token_logprobs`, [B, L]."""
+  logp = jax.nn.log_softmax(logits_BxLxV[:, :-1].astype(jnp.float32), axis=-1)
+  return jnp.pad(-jnp.sum(jnp.exp(logp) * logp, axis=-1), ((0, 0), (1, 0)))
+
+
+def group_advantages(reward_B: jax.Array, group_B: jax.Array, first_B: jax.Array, valid_B: jax.Array, *,
+                     scale_by_std: bool = False, eps: float = 1e-6) -> jax.Array:
+  """Reward minus its group's mean over trajectories, per row; 0 on padding rows.
+
+  Args:
+    reward_B: each row's trajectory reward.
+    group_B: int group index in [0, B) (batch-local).
+    first_B: 1 on exactly one row of each trajectory (so multi-segment trajectories count once).
+    valid_B: 1 on real rows, 0 on padding.
+    scale_by_std: also divide by the group's reward std (ddof 0) + eps.
+  """
+  B = reward_B.shape[0]
+  w_B = (first_B * valid_B).astype(jnp.float32)
+  r_B = reward_B.astype(jnp.float32)
+  n_G = jax.ops.segment_sum(w_B, group_B, num_segments=B)
+  mean_G = jax.ops.segment_sum(w_B * r_B, group_B, num_segments=B) / jnp.maximum(n_G, 1.0)
+  adv_B = r_B - mean_G[group_B]
+  if scale_by_std:
+    var_G = jax.ops.segment_sum(w_B * adv_B**2, group_B, num_segments=B) / jnp.maximum(n_G, 1.0)
+    adv_B = adv_B / (jnp.sqrt(var_G)[group_B] + eps)
+  return adv_B * valid_B.astype(jnp.float32)
+
+
+def _masked_mean(x, m):
+  return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.Array, adv_B: jax.Array,
+                mask_BxL: jax.Array, is_cap_B: jax.Array, cfg: LossConfig) -> tuple[jax.Array, dict]:
+  """The token-level policy-gradient loss and its statistics.
+
+  Args:
+    logp_BxL: log π_θ of each token (differentiated).
+    inf_logp_BxL: the rollout engine's logprobs μ (constants).
+    ref_logp_BxL: the frozen reference policy's logprobs (constants).
+    adv_B: per-row advantage (constants).
+    mask_BxL: 1 on model-generated tokens to train on.
+    is_cap_B: per-row truncation c of the importance ratio.
+    cfg: loss options.
+  Returns:
+    (loss, metrics): kl (mean k1), importance-ratio mean/min/max, clip_fraction (tokens with ρ > c),
+    logprob_gap (mean |log π_θ − log μ|), generated_tokens.
+  """
+  B, L = logp_BxL.shape
+  m = mask_BxL.astype(jnp.float32)
+  inf_logp, ref_logp = jax.lax.stop_gradient(inf_logp_BxL), jax.lax.stop_gradient(ref_logp_BxL)
+  adv_B = jax.lax.stop_gradient(adv_B)
+  lp_sg = jax.lax.stop_gradient(logp_BxL)
+  log_ratio = lp_sg - inf_logp
+  ratio = jnp.exp(log_ratio)
+  cap = is_cap_B.astype(jnp.float32)[:, None]
+  w = jnp.minimum(ratio, cap) if cfg.importance == "truncate" else jnp.ones_like(ratio)
+  k1 = lp_sg - ref_logp
+  a_tok = adv_B[:, None] - cfg.kl_coef * k1
+  per_tok = -w * a_tok * jnp.exp(logp_BxL - lp_sg)
+  n_tok = jnp.sum(m)
+  if cfg.normalize == "tokens":
+    loss = jnp.sum(per_tok * m) / jnp.maximum(n_tok, 1.0)
+  elif cfg.normalize == "sequence":
+    n_B = jnp.sum(m, axis=1)
+    row = jnp.sum(per_tok * m, axis=1) / jnp.maximum(n_B, 1.0)
+    loss = jnp.sum(row) / jnp.maximum(jnp.sum(n_B > 0), 1)
+  else:
+    loss = jnp.sum(per_tok * m) / (cfg.norm_constant if cfg.norm_constant is not None else B * L)
+  big = jnp.finfo(jnp.float32).max
+  metrics = {"kl": _masked_mean(k1, m), "importance_ratio_mean": _masked_mean(ratio, m),
+             "importance_ratio_max": jnp.max(jnp.where(m > 0, ratio, -big)),
+             "importance_ratio_min": jnp.min(jnp.where(m > 0, ratio, big)),
+             "clip_fraction": _masked_mean((ratio > cap).astype(jnp.float32), m),
+             "logprob_gap": _masked_mean(jnp.abs(log_ratio), m), "generated_tokens": n_tok}
+  return loss, metrics

@@ -1,0 +1,184 @@
+"""The jitted RL step: `rl_step(state, batch, ref_params) -> (state, metrics)`, one optimizer step per batch.
+
+Shapes: B rows, L length, V vocab, E experts, K experts per token, Lm MoE layers. The batch is
+`composer_jax.rl.batch.make_batch`'s; `state` is `composer_jax.train.step.TrainState` and the optimizer the
+pretraining one (`train.optim.make_optimizer`), so sharding, checkpointing and restore are the LM trainer's.
+
+Forward passes per step (router replay on, the default):
+  1. reference   π_ref(ref_params) with the replayed routing, no gradient           → k1 KL
+  2. unreplayed  π_θ with its own routing, no gradient                               → fills the positions the
+     engine did not report, and gives the train-vs-inference gap *without* replay
+  3. policy      π_θ with the replayed routing, differentiated                      → loss, gap *with* replay
+Pass 2 costs one forward (no backward) and runs only with replay on; without replay pass 3 *is* unreplayed.
+
+Routing mismatch: at every MoE layer of pass 3, the trainer's own top-k (from its router scores and bias, given
+the replayed upstream) is compared as a set with the replayed experts, on positions the engine reported:
+`routing_mismatch_rate` per (layer, token), `routing_mismatch_token_rate` per token (any layer differs). Without
+replay, pass 3 runs on the trainer's own routing and the mismatch is measured against the engine's record.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax import model
+from composer_jax.model.config import ModelConfig
+from composer_jax.model.moe import select_experts
+from composer_jax.rl import losses
+from composer_jax.train import losses as lm_losses
+from composer_jax.train import step as train_step_lib
+from composer_jax.train.step import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """What one RL step computes."""
+  loss: losses.LossConfig = losses.LossConfig()
+  router_replay: bool = True        # policy (and reference) forwards use the engine's experts
+  ref_router_replay: bool = True    # the reference forward replays them too (same routing on both sides of k1)
+  mtp_weight: float = 0.0           # > 0: keep training MTP heads by self-distillation on the rollout tokens
+  bias_update_rate: float = 0.0     # aux-loss-free router-bias update from the (replayed) expert load
+
+  def __post_init__(self):
+    if self.mtp_weight < 0 or self.bias_update_rate < 0:
+      raise ValueError(f"need mtp_weight, bias_update_rate >= 0, got {self.mtp_weight=} {self.bias_update_rate=}")
+
+
+def own_routing(params: dict, router_scores_LmxBxLxE: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """The top-k each MoE layer would pick from these router scores (with its correction bias), [Lm, B, L, K]."""
+  Lm, B, L, E = router_scores_LmxBxLxE.shape
+  if Lm == 0:
+    return jnp.zeros((0, B, L, cfg.num_experts_per_tok), jnp.int32)
+  bias_LmxE = jax.lax.stop_gradient(params["moe_layers"]["moe"]["bias"])
+  sel = jax.vmap(lambda s, b: select_experts(s.reshape(B * L, E), b, cfg))(router_scores_LmxBxLxE, bias_LmxE)
+  return sel.reshape(Lm, B, L, -1)
+
+
+def routing_mismatch(own_LmxBxLxK: jax.Array, replayed_LmxBxLxK: jax.Array, recorded_LmxBxL: jax.Array,
+                     valid_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(per layer-token, per token) fraction of recorded positions whose top-k *sets* differ."""
+  differ = jnp.any(jnp.sort(own_LmxBxLxK, -1) != jnp.sort(replayed_LmxBxLxK, -1), axis=-1)
+  m = recorded_LmxBxL & valid_BxL[None]
+  per_layer = jnp.sum(differ & m) / jnp.maximum(jnp.sum(m), 1)
+  tok_m = jnp.any(m, axis=0)
+  per_token = jnp.sum(jnp.any(differ & m, axis=0)) / jnp.maximum(jnp.sum(tok_m), 1)
+  return per_layer.astype(jnp.float32), per_token.astype(jnp.float32)
+
+
+def _forward(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
+  return model.forward(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"],
+                       positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
+
+
+def _masked_mean(x, m):
+  return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLConfig):
+  """The RL loss of `params` on `batch` and its metrics (see the module docstring for the passes)."""
+  cfg_no_mtp = dataclasses.replace(model_cfg, num_nextn_predict_layers=0)
+  fwd_cfg = model_cfg if rl_cfg.mtp_weight > 0 else cfg_no_mtp
+  tokens, mask = batch["tokens"], batch["gen_mask"]
+  valid_BxL = batch["segment_ids"] > 0
+  recorded = batch["routing"]                                  # −1: not reported by the engine
+  has_moe = recorded.shape[0] > 0
+  metrics = {}
+
+  replay = None
+  if has_moe and rl_cfg.router_replay:
+    logits_own, aux_own = _forward(jax.lax.stop_gradient(params), batch, cfg_no_mtp, None)
+    lp_own = losses.token_logprobs(logits_own, tokens)
+    metrics["logprob_gap_no_replay"] = _masked_mean(jnp.abs(lp_own - batch["inf_logprobs"]), mask)
+    replay = jnp.where(recorded >= 0, recorded, aux_own["experts"])
+
+  logits, aux = _forward(params, batch, fwd_cfg, replay, detach_mtp=True)
+  logp = losses.token_logprobs(logits, tokens)
+  ref_routing = replay if rl_cfg.ref_router_replay else None
+  ref_logits, _ = _forward(jax.lax.stop_gradient(ref_params), batch, cfg_no_mtp, ref_routing)
+  ref_logp = losses.token_logprobs(ref_logits, tokens)
+
+  adv_B = losses.group_advantages(batch["reward"], batch["group"], batch["first"], batch["valid"],
+                                  scale_by_std=rl_cfg.loss.adv_std, eps=rl_cfg.loss.adv_eps)
+  loss, loss_metrics = losses.policy_loss(logp, batch["inf_logprobs"], ref_logp, adv_B, mask, batch["is_cap"],
+                                          rl_cfg.loss)
+  metrics.update(loss_metrics)
+  metrics["pg_loss"] = loss
+  if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:
+    mtp, agree = lm_losses.mtp_losses(logits, aux["mtp_logits"], tokens, batch["segment_ids"],
+                                      valid_BxL.astype(jnp.float32), "self_distill")
+    loss = loss + rl_cfg.mtp_weight * jnp.mean(mtp)
+    metrics.update(mtp_loss=jnp.mean(mtp), mtp_agreement=jnp.mean(agree))
+
+  if has_moe:
+    own = own_routing(params, jax.lax.stop_gradient(aux["router_scores"]), model_cfg)
+    per_layer, per_token = routing_mismatch(own, recorded, jnp.all(recorded >= 0, -1), valid_BxL)
+    metrics.update(routing_mismatch_rate=per_layer, routing_mismatch_token_rate=per_token)
+  key = "logprob_gap_replay" if replay is not None else "logprob_gap_no_replay"
+  metrics[key] = loss_metrics["logprob_gap"]
+
+  first = batch["first"] * batch["valid"]
+  n_traj = jnp.maximum(jnp.sum(first), 1.0)
+  metrics.update(loss=loss, entropy=_masked_mean(jax.lax.stop_gradient(losses.token_entropy(logits)), mask),
+                 reward=jnp.sum(batch["reward"] * first) / n_traj, pass_rate=jnp.sum(batch["passed"] * first) / n_traj,
+                 length=jnp.sum(batch["traj_gen_tokens"] * first) / n_traj, trajectories=jnp.sum(first),
+                 advantage_abs_mean=jnp.sum(jnp.abs(adv_B) * first) / n_traj,
+                 staleness_mean=jnp.sum(batch["staleness"] * first) / n_traj)
+  return loss, (metrics, aux)
+
+
+def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: ModelConfig, rl_cfg: RLConfig,
+            optimizer: optax.GradientTransformation) -> tuple[TrainState, dict]:
+  """One optimizer step on one batch of whole groups; `ref_params` is frozen (no gradient, not updated)."""
+  grad_fn = jax.value_and_grad(rl_loss_fn, has_aux=True)
+  (_, (metrics, aux)), grads = grad_fn(state.params, batch, ref_params, model_cfg=model_cfg, rl_cfg=rl_cfg)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  params = train_step_lib.update_router_bias(params, aux["expert_load"], rl_cfg.bias_update_rate)
+  norm = lambda t: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), t))
+  metrics.update(grad_norm=norm(grads), update_norm=norm(updates), param_norm=norm(params))
+  load = aux["expert_load"]
+  if load.shape[0]:   # per-layer max/mean tokens per expert, as the LM step logs it
+    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)
+    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng), metrics
+
+
+def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shardings, batch_sharding,
+                 ref_shardings):
+  """`rl_step` jitted with explicit shardings (as `train.step.make_train_step`), the state donated.
+
+  `batch_sharding` may be a pytree of shardings matching the batch (e.g. `routing` sharded on its B axis, which
+  is axis 1) or one sharding for every leaf.
+  """
+  fn = functools.partial(rl_step, model_cfg=model_cfg, rl_cfg=rl_cfg, optimizer=optimizer)
+  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding, ref_shardings),
+                 out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def batch_shardings(mesh, batch_axis: str | tuple[str, ...] | None = "data") -> dict:
+  """NamedShardings for `make_batch`'s fields, rows split over `batch_axis` (routing's row axis is axis 1)."""
+  ax = batch_axis if batch_axis is None or isinstance(batch_axis, str) else tuple(batch_axis)
+  if isinstance(ax, str) and ax not in mesh.axis_names:
+    ax = None
+  rows = ("tokens", "segment_ids", "positions", "gen_mask", "inf_logprobs", "reward", "passed", "group", "first",
+          "valid", "is_cap", "staleness", "traj_gen_tokens")
+  out = {k: NamedSharding(mesh, P(ax)) for k in rows}
+  out["routing"] = NamedSharding(mesh, P(None, ax))
+  return out
+
+
+def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...] = ("mtp",)
+                    ) -> optax.GradientTransformation:
+  """`optimizer` with the top-level param subtrees `names` frozen (zero updates, so no weight decay either).
+
+  With `RLConfig.mtp_weight == 0` the MTP heads get no gradient; AdamW's decoupled weight decay would still shrink
+  them every step, so freeze them: `freeze_subtrees(optim.make_optimizer(cfg, params), params)`.
+  """
+  labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k in names else "train", v) for k, v in params.items()}
+  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)

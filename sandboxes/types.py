@@ -1,0 +1,152 @@
+"""Plain data shared by every backend: limits, sandbox config, run results, snapshots and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+WORKSPACE = "/workspace"  # where the workspace appears inside a namespaced sandbox
+
+MiB = 1 << 20
+
+
+class SandboxError(RuntimeError):
+  """Base class for errors raised by `sandboxes`."""
+
+
+class BackendUnavailableError(SandboxError):
+  """The requested backend cannot run on this machine (missing binary, no namespaces, not root, ...)."""
+
+
+class SandboxClosedError(SandboxError):
+  """An operation was attempted on a sandbox (or backend) that has been closed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Per-sandbox resource limits; `None` means unlimited.
+
+  Attributes:
+    memory_bytes: resident memory of the whole sandbox (cgroup memory controller; RLIMIT_AS backstop only
+      when no memory cgroup is available).
+    max_pids: processes + threads alive at once (cgroup pids controller; RLIMIT_NPROC backstop, which the
+      kernel ignores for uid 0).
+    cpu_seconds: total CPU time of the whole sandbox per run (cgroup cpuacct usage, polled; RLIMIT_CPU
+      per process as a backstop).
+    cpus: CPU bandwidth in cores (cgroup cfs quota / cpu.max), e.g. 0.5.
+    file_size_bytes: largest file any process may write (RLIMIT_FSIZE; cgroups have no such control).
+    disk_bytes: total size of what the sandbox changed in its workspace (the overlay upper dir; the snapshot
+      it started from does not count). Polled every `disk_poll_s` during a run, so a fast writer can overshoot
+      by what it writes in that time; the command is then killed.
+    disk_poll_s: how often `disk_bytes` is checked (each check walks the changed files).
+    tmp_bytes: size of the private tmpfs at /tmp.
+    open_files: RLIMIT_NOFILE.
+  """
+
+  memory_bytes: int | None = 1024 * MiB
+  max_pids: int | None = 256
+  cpu_seconds: float | None = None
+  cpus: float | None = None
+  file_size_bytes: int | None = 256 * MiB
+  disk_bytes: int | None = 4096 * MiB
+  disk_poll_s: float = 0.5
+  tmp_bytes: int = 256 * MiB
+  open_files: int = 1024
+
+  def __post_init__(self):
+    for name in ("memory_bytes", "max_pids", "cpu_seconds", "cpus", "file_size_bytes", "disk_bytes", "disk_poll_s"):
+      v = getattr(self, name)
+      if v is not None and v <= 0:
+        raise ValueError(f"Limits.{name} must be positive or None, got {v!r}")
+    if self.tmp_bytes <= 0 or self.open_files <= 0:
+      raise ValueError(f"Limits.tmp_bytes and open_files must be positive, got {self.tmp_bytes=} {self.open_files=}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+  """How a sandbox is set up; shared by all forks made with it.
+
+  Attributes:
+    limits: resource limits (per sandbox).
+    ro_binds: extra host paths made visible read-only at the same path inside (e.g. a venv). The host
+      Python's prefix (`sys.base_prefix`) is always added so `python3` works.
+    env: extra environment variables (added over the defaults HOME, PATH, LANG, TMPDIR, WORKSPACE).
+    path_prefix: directories put in front of the default PATH inside (e.g. a venv's `bin`).
+    output_limit_bytes: stdout and stderr are each cut to this many bytes (head and tail kept).
+    network: if True the sandbox keeps the host network (off by default; only for trusted commands).
+  """
+
+  limits: Limits = Limits()
+  ro_binds: tuple[str, ...] = ()
+  env: tuple[tuple[str, str], ...] = ()
+  path_prefix: tuple[str, ...] = ()
+  output_limit_bytes: int = 1 * MiB
+  network: bool = False
+
+  def __post_init__(self):
+    for p in self.ro_binds + self.path_prefix:
+      if not os.path.isabs(p):
+        raise ValueError(f"SandboxConfig paths must be absolute, got {p!r}")
+    for p in self.ro_binds:
+      if not os.path.exists(p):
+        raise FileNotFoundError(f"SandboxConfig.ro_binds: host path {p!r} does not exist")
+    if self.output_limit_bytes < 2:
+      raise ValueError(f"output_limit_bytes must be >= 2, got {self.output_limit_bytes}")
+
+  @staticmethod
+  def make(env: Mapping[str, str] | None = None, **kw) -> SandboxConfig:
+    """Like the constructor, but takes `env` as a dict."""
+    return SandboxConfig(env=tuple(sorted((env or {}).items())), **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What one command did.
+
+  Attributes:
+    exit_code: the command's exit status as a shell reports it (128+N when killed by signal N); None when
+      the sandbox itself was killed (timeout, CPU-time limit, or closed from another thread) before it exited.
+    stdout, stderr: captured bytes, each at most `output_limit_bytes` (head and tail kept when cut).
+    stdout_truncated, stderr_truncated: whether bytes were dropped.
+    wall_s: wall-clock seconds from launch to exit.
+    timed_out: the wall-clock timeout expired and the sandbox was killed.
+    limit_hit: which limit stopped or constrained the command: "memory", "pids", "cpu_time", "file_size",
+      "disk", or None.
+  """
+
+  exit_code: int | None
+  stdout: bytes
+  stderr: bytes
+  stdout_truncated: bool
+  stderr_truncated: bool
+  wall_s: float
+  timed_out: bool
+  limit_hit: str | None = None
+
+  @property
+  def ok(self) -> bool:
+    return self.exit_code == 0 and not self.timed_out and self.limit_hit is None
+
+  @property
+  def stdout_text(self) -> str:
+    return self.stdout.decode("utf-8", errors="replace")
+
+  @property
+  def stderr_text(self) -> str:
+    return self.stderr.decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """An immutable filesystem state that any number of sandboxes can `fork` from.
+
+  Attributes:
+    backend: name of the backend that made it (a snapshot only forks on that backend's instance).
+    layers: host directories, topmost first (overlay lower layers for bwrap; one full copy for local).
+    snapshot_id: unique id.
+  """
+
+  backend: str
+  layers: tuple[str, ...]
+  snapshot_id: str

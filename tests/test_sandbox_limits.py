@@ -1,0 +1,113 @@
+"""Resource limits and kills with real processes: fork bomb, memory hog, disk filler, CPU burner, escapees."""
+
+import os
+
+import pytest
+
+from sandboxes import BwrapBackend, Limits, SandboxConfig, limits
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+
+MiB = 1 << 20
+LIMITS = Limits(memory_bytes=64 * MiB, max_pids=32, file_size_bytes=1 * MiB, cpu_seconds=1.0, disk_bytes=20 * MiB,
+                disk_poll_s=0.1)
+
+
+# Both ways of putting bwrap into its cgroups/rlimits/uid must enforce the same limits.
+@pytest.fixture(scope="module", params=["exec", "preexec"])
+def backend(request, tmp_path_factory):
+  base = tmp_path_factory.mktemp("base")
+  (base / "a.txt").write_text("a")
+  be = BwrapBackend(config=SandboxConfig(limits=LIMITS), launcher=request.param)
+  if request.param == "exec":
+    assert limits.launcher_argv([], []) is not None, "util-linux prlimit/setpriv are expected on this machine"
+  be.test_snapshot = be.import_dir(str(base))
+  yield be
+  be.close()
+
+
+@pytest.fixture
+def sb(backend):
+  with backend.fork(backend.test_snapshot) as s:
+    yield s
+
+
+def _host_procs_with(marker: str) -> list[int]:
+  """Host pids whose command line contains `marker` (independent of the sandbox's own bookkeeping)."""
+  out = []
+  for pid in os.listdir("/proc"):
+    if pid.isdigit():
+      try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          if marker.encode() in f.read():
+            out.append(int(pid))
+      except OSError:
+        pass
+  return out
+
+
+def test_fork_bomb_is_bounded_by_pids_limit(sb):
+  # bash retries a failed fork with back-off, so the bomb may run until the timeout; either way it is reported and
+  # reaped.
+  r = sb.run("bomb() { bomb | bomb & }; bomb; sleep 1", timeout=3)
+  assert r.limit_hit == "pids"
+  assert r.wall_s < 10  # generous: other jobs may load the machine
+  assert sb.cgroup.pids() == set()  # nothing of the bomb is left
+  assert sb.run("echo ok").stdout == b"ok\n"  # and the sandbox is usable again
+
+
+def test_memory_hog_is_oom_killed(sb):
+  r = sb.run(["python3", "-c", "x = bytearray(256 << 20); print('allocated')"], timeout=20)
+  assert r.limit_hit == "memory"
+  assert r.exit_code == 128 + 9  # SIGKILL from the OOM killer
+  assert b"allocated" not in r.stdout
+
+
+def test_memory_under_limit_is_fine(sb):
+  r = sb.run(["python3", "-c", "x = bytearray(8 << 20); print(len(x))"], timeout=20)
+  assert r.ok and r.stdout == b"8388608\n"
+
+
+@pytest.mark.parametrize("cmd", ["head -c 5000000 /dev/zero > big; echo done", "dd if=/dev/zero of=big bs=1M count=5"])
+def test_disk_filler_stops_at_file_size_limit(sb, cmd):
+  r = sb.run(cmd, timeout=20)
+  assert r.limit_hit == "file_size", r
+  assert os.path.getsize(os.path.join(sb.merged, "big")) == 1 * MiB
+
+
+def test_many_small_files_are_stopped_at_disk_limit(sb):
+  # Each file is under file_size_bytes; only the total (20 MiB) stops this loop.
+  r = sb.run("i=0; while true; do head -c 900000 /dev/zero > f$i; i=$((i+1)); done", timeout=30)
+  assert r.limit_hit == "disk" and r.exit_code is None and not r.timed_out
+  n = len([f for f in sb.list_dir() if f.startswith("f")])
+  assert 20 <= n < 200  # stopped soon after passing the limit (the overshoot is bounded by the poll period)
+
+
+def test_cpu_burner_is_stopped_at_cpu_time_limit(sb):
+  # 1 s of CPU; the wall time depends on how loaded the machine is, so the timeout is far away.
+  r = sb.run(["python3", "-c", "while True: pass"], timeout=120)
+  assert r.limit_hit == "cpu_time"
+  assert not r.timed_out and r.exit_code is None
+
+
+def test_timeout_kills_sigterm_ignoring_command(sb):
+  r = sb.run("trap '' TERM INT HUP; echo started; sleep 100", timeout=1.0)
+  assert r.timed_out and r.exit_code is None and r.limit_hit is None
+  assert r.stdout == b"started\n"  # output before the kill is kept
+  assert 1.0 <= r.wall_s < 6.0
+
+
+@pytest.mark.parametrize("how", ["setsid", "nohup", "disown"])
+def test_background_processes_die_with_the_command(sb, how):
+  marker = f"7{os.getpid()}{len(how)}3.25"
+  launch = {"setsid": f"setsid sleep {marker} &", "nohup": f"nohup sleep {marker} >/dev/null 2>&1 &",
+            "disown": f"sleep {marker} & disown"}[how]
+  r = sb.run(launch + "\n echo launched", timeout=10)
+  assert r.ok and r.stdout == b"launched\n"
+  assert r.wall_s < 5  # the escapee does not hold the output pipes open
+  assert _host_procs_with(f"sleep {marker}") == []
+  assert sb.cgroup.pids() == set()
+
+
+def test_parent_survives_everything(backend):
+  assert os.getpid() == os.getpid() and backend.store.path  # got here: none of the above killed the test process
