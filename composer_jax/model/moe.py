@@ -110,8 +110,13 @@ def experts_capacity(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.A
   C = max(1, math.ceil(capacity_factor * T * K / E))
   expert_M = idx_TxK.reshape(-1)
   valid_M = jnp.repeat(valid_T, K)
-  onehot_MxE = jax.nn.one_hot(expert_M, E, dtype=jnp.int32) * valid_M[:, None].astype(jnp.int32)
-  pos_M = jnp.take_along_axis(jnp.cumsum(onehot_MxE, axis=0), expert_M[:, None], axis=1)[:, 0] - 1
+  # Slot = rank among the same expert's valid assignments, in token order: a stable sort by expert gives it in
+  # O(M log M) memory-light work (a cumsum over an [M, E] one-hot would not scale to many experts).
+  key_M = jnp.where(valid_M, expert_M, E)
+  order_M = jnp.argsort(key_M, stable=True)
+  sorted_M = key_M[order_M]
+  starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.bincount(key_M, length=E + 1))[:-1]])
+  pos_M = jnp.zeros_like(expert_M).at[order_M].set(jnp.arange(T * K, dtype=expert_M.dtype) - starts[sorted_M])
   keep_M = valid_M & (pos_M < C)
   slot_M = jnp.where(keep_M, expert_M * C + pos_M, E * C)  # E*C: a dump row that is never read back as output
   token_M = jnp.arange(T * K) // K
