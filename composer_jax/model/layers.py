@@ -9,7 +9,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   """RMSNorm computed in float32 and cast back before the scale (as HF DeepseekV3RMSNorm)."""
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return y.astype(x.dtype) * w.astype(x.dtype)
+  return y.astype(x.dtype) * w.astype(x.dtype).reshape((1,) * (x.ndim - 1) + w.shape)
 
 
 def mlp(p: dict, x_BxLxD: jax.Array) -> jax.Array:

@@ -206,11 +206,13 @@ def abstract_params(cfg: ModelConfig):
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
-  """Returns (total, active) parameter counts, from the abstract description.
+  """Returns (total, active) parameter counts, from the abstract description (nothing allocated).
 
-  Both include the embedding and the LM head (as the published DeepSeek-V3 / Kimi K2 figures do) and *exclude* the
-  MTP modules (serving-only; DeepSeek-V3 reports its 671B without them). `active` counts, per token, only
-  `num_experts_per_tok` routed experts plus the shared experts and all non-expert weights.
+  Both *exclude* the MTP modules (serving-only; DeepSeek-V3's published 671B excludes its 14B MTP module).
+  `total` includes the embedding table and the LM head. `active` (weights used per token) counts
+  `num_experts_per_tok` routed experts plus the shared experts and all other weights, including the LM head but not
+  the input embedding table (a token reads one row of it). With these conventions DeepSeek-V3 gives 671.0B / 36.6B
+  (published 671B / 37B) and Kimi K2 1.026T / 31.7B (published ~1.04T / 32B).
   """
   shapes = abstract_params(cfg)
   shapes = {k: v for k, v in shapes.items() if k != "mtp"}
@@ -219,4 +221,6 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
   if "moe_layers" in shapes:
     routed = sum(math.prod(shapes["moe_layers"]["moe"][k].shape) for k in ("gate", "up", "down"))
   active = total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+  if not cfg.tie_word_embeddings:  # a tied table is the LM head too, so it stays active
+    active -= math.prod(shapes["embed"].shape)
   return total, active

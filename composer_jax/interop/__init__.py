@@ -1,0 +1,1 @@
+"""Interop with other ecosystems' checkpoints (Hugging Face `DeepseekV3ForCausalLM`)."""
