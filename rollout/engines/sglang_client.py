@@ -73,7 +73,9 @@ class RoutingLayout:
 def to_payload(request: GenerateRequest, *, return_routed_experts: bool = True) -> dict[str, Any]:
   """SGLang `/generate` JSON for one protocol request.
 
-  Stopping is exactly the protocol's: `ignore_eos` so only `stop_token_ids` (and max_tokens) end a sample.
+  Stopping: without `stop_token_ids` only max_tokens ends a sample (`ignore_eos`), as the protocol says. SGLang
+  cannot honour stop ids while ignoring EOS, so with `stop_token_ids` the checkpoint's `eos_token_id` (config.json)
+  also ends a sample: export checkpoints whose eos_token_id is one of the harness's stop tokens.
   """
   p = request.params
   if not request.prompt_ids:
@@ -84,7 +86,7 @@ def to_payload(request: GenerateRequest, *, return_routed_experts: bool = True) 
     "top_k": int(p.top_k) if p.top_k > 0 else -1,  # SGLang's "off" is -1
     "max_new_tokens": int(p.max_tokens),
     "stop_token_ids": [int(t) for t in p.stop_token_ids],
-    "ignore_eos": True,
+    "ignore_eos": not p.stop_token_ids,  # SGLang skips *all* token stops (stop ids too) when ignore_eos is set
   }
   if p.seed is not None:
     sampling["sampling_seed"] = int(p.seed)
