@@ -104,6 +104,9 @@ def test_server_config_command_and_checks(tmp_path):
   assert gcmd[gcmd.index("--speculative-num-steps") + 1] == "2" and "SGLANG_USE_CPU_ENGINE" not in gpu.env()
   with pytest.raises(ValueError, match="GPU-only"):
     ServerConfig(str(tmp_path), speculative=SpeculativeConfig())
+  assert "--enable-deterministic-inference" in ServerConfig(str(tmp_path), device="cuda", deterministic=True).command(1)
+  with pytest.raises(ValueError, match="seeds are sent but not honoured"):
+    ServerConfig(str(tmp_path), deterministic=True)
   with pytest.raises(ValueError, match="no config.json"):
     ServerConfig(str(tmp_path / "missing"))
   with pytest.raises(ValueError, match="not in"):

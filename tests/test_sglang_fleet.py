@@ -70,19 +70,25 @@ def test_stop_token_ends_the_sample_and_is_kept(fleet):
   assert r.finish_reason == "stop" and r.routed_experts.shape[0] == cut + 1
 
 
-def test_seeded_top_k_sampling(fleet):
-  """Same seed → same sample; every sampled token is in our forward's top-k; logprobs are the sampling policy's."""
-  prompt, k = _prompts(1, seed=2)[0], 3
-  reqs = [GenerateRequest(prompt, SamplingParams(temperature=1.0, top_k=k, max_tokens=MAX_TOKENS, seed=s))
-          for s in (5, 5, 6)]
-  a, b, c = fleet.generate(reqs)
-  np.testing.assert_array_equal(a.output_ids, b.output_ids)
-  for r in (a, c):
-    _, logprobs, _, logp_TxV = lib.reference(0, prompt, r.output_ids)
+def test_top_k_sampling(fleet):
+  """Every sampled token is in our forward's top-k, and logprobs are our forward's (at temperature 1).
+
+  Per-request seeds are not checked: SGLang honours `sampling_seed` only with --enable-deterministic-inference,
+  which needs a GPU attention backend (see ServerConfig.deterministic).
+  """
+  k = 3
+  prompts = _prompts(4, seed=2)
+  results = fleet.generate([GenerateRequest(p, SamplingParams(temperature=1.0, top_k=k, max_tokens=MAX_TOKENS))
+                            for p in prompts])
+  greedy_like = 0
+  for prompt, r in zip(prompts, results, strict=True):
+    greedy, logprobs, _, logp_TxV = lib.reference(0, prompt, r.output_ids)
     topk = np.argsort(-logp_TxV, -1)[:, :k]
     assert all(t in row for t, row in zip(r.output_ids, topk, strict=True))
-    # SGLang reports logprobs of the unmodified distribution (before top-k renormalisation): compare to that.
+    greedy_like += int((greedy == r.output_ids).all())
+    # SGLang reports log-probs of the full distribution (before top-k renormalisation): what the trainer computes.
     np.testing.assert_allclose(r.logprobs, logprobs, atol=1e-2, rtol=0)
+  assert greedy_like < len(prompts)  # it really sampled (all-greedy by chance: < 1e-3 at these logits)
 
 
 def test_update_weights_then_version_and_outputs_follow(fleet, tmp_path):

@@ -63,6 +63,8 @@ class ServerConfig:
     weight_version: initial policy version reported with every sample.
     random_seed: server seed (sampling without a per-request seed).
     speculative: MTP/EAGLE speculative decoding (GPU only).
+    deterministic: `--enable-deterministic-inference`, which SGLang needs to honour per-request seeds
+      (`SamplingParams.seed`); GPU attention backends only (fa3, flashinfer, triton, ...), refused on CPU.
     torch_compile: keep SGLang's `torch.compile` decorators (off on CPU: slow compiles, no gain for tiny models).
     extra_args: appended verbatim to the command line.
     python: interpreter that has sglang installed.
@@ -77,6 +79,7 @@ class ServerConfig:
   weight_version: int = 0
   random_seed: int = 0
   speculative: SpeculativeConfig | None = None
+  deterministic: bool = False
   torch_compile: bool = False
   extra_args: tuple[str, ...] = ()
   python: str = sys.executable
@@ -87,6 +90,9 @@ class ServerConfig:
     if self.speculative is not None and self.device == "cpu":
       raise ValueError("SGLang's MTP/EAGLE speculative decoding is GPU-only (on CPU: 'EAGLE is not supported in "
                        "attention backend torch_native'); test speculative decoding in the JAX engine instead")
+    if self.deterministic and self.device == "cpu":
+      raise ValueError("SGLang's deterministic inference (needed for per-request seeds) has no CPU attention "
+                       "backend (torch_native is not among its choices); on CPU, seeds are sent but not honoured")
     if not os.path.isfile(os.path.join(self.model_path, "config.json")):
       raise ValueError(f"model_path {self.model_path!r} has no config.json (expected a Hugging Face checkpoint dir)")
 
@@ -107,6 +113,8 @@ class ServerConfig:
       cmd += ["--enable-return-routed-experts"]
     if self.speculative is not None:
       cmd += self.speculative.args()
+    if self.deterministic:
+      cmd += ["--enable-deterministic-inference"]
     return cmd + list(self.extra_args)
 
   def env(self) -> dict[str, str]:
