@@ -138,3 +138,73 @@ def test_rollout_sglang_modules_import_neither_jax_nor_composer_jax():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert out.stdout.strip() == "[]"
+
+
+class _FakeServer:
+  """A stdlib HTTP server answering /generate like SGLang (echoing the prompt), or a dead endpoint."""
+
+  def __init__(self, version: str, dead: bool = False):
+    import http.server
+    import threading
+
+    hits = self.hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def log_message(self, *args):
+        pass
+
+      def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+      def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        hits.append(self.path)
+        if self.path != "/generate":
+          out = {"success": True}
+        else:
+          P, T = len(body["input_ids"]), body["sampling_params"]["max_new_tokens"]
+          out = _body(P, body["input_ids"][:T], np.arange((P + T - 1) * 6).reshape(P + T - 1, 3, 2), (version,))
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+    if dead:  # the port is closed but the fleet has not noticed yet (alive() still says True)
+      self.httpd.server_close()
+    else:
+      threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    self.dead, self.stopped = dead, False
+
+  def alive(self):
+    return True
+
+  def stop(self):
+    if not (self.dead or self.stopped):
+      self.httpd.shutdown()
+    self.stopped = True
+
+
+def test_fleet_retries_a_dead_servers_requests_elsewhere(tmp_path):
+  from rollout.engines.sglang_fleet import SGLangFleet
+
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  (ckpt / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "first_k_dense_replace": 1,
+                                                "num_experts_per_tok": 2, "n_routed_experts": 8}))
+  dead, live = _FakeServer("0", dead=True), _FakeServer("0")
+  fleet = SGLangFleet(FleetConfig(ServerConfig(str(ckpt)), max_attempts=2), servers=[dead, live])
+  reqs = [GenerateRequest((5, 6, 7, i), SamplingParams(max_tokens=2), request_id=f"r{i}") for i in range(6)]
+  out = fleet.generate(reqs)
+  assert [r.output_ids.tolist() for r in out] == [[5, 6]] * 6  # all completed, in order
+  assert out[0].routed_experts.shape == (2, 2, 2)
+  assert live.hits.count("/generate") == 6
+  assert fleet.update_weights(str(ckpt), version=2) >= 0
+  assert dead.stopped and fleet.live_servers() == [live]  # unreachable during the update: retired
+  assert live.hits[-3:] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+  assert fleet.policy_version == 2
+  fleet.close()
+  assert live.stopped

@@ -12,6 +12,7 @@ router, and again by this client when the router itself gives up).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -26,6 +27,7 @@ from rollout.engines.sglang_client import RoutingLayout, SGLangError, SGLangUnav
 from rollout.engines.sglang_launcher import Process, ServerConfig, launch_router, launch_server
 
 log = logging.getLogger(__name__)
+_SUSPECT_S = 10.0  # after a failure, send new requests elsewhere for this long
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +70,14 @@ class FleetConfig:
 class SGLangFleet:
   """Owns N servers (+ router): health, generation with fail-over, weight updates. Use as a context manager."""
 
-  def __init__(self, cfg: FleetConfig, *, log_dir: str | None = None):
+  def __init__(self, cfg: FleetConfig, *, log_dir: str | None = None, servers: Sequence[Process] | None = None):
+    """Launches `cfg.n_servers` servers (and the router), or attaches to already running `servers` instead.
+
+    Args:
+      cfg: fleet configuration.
+      log_dir: where server and router logs go (default: a new temp dir).
+      servers: running servers to use (anything with `url`, `alive()` and `stop()`); `close()` stops them too.
+    """
     self.cfg = cfg
     self.layout = RoutingLayout.from_hf_config(cfg.server.model_path) if cfg.server.return_routed_experts else None
     self.policy_version = cfg.server.weight_version
@@ -76,10 +85,17 @@ class SGLangFleet:
     self.router: Process | None = None
     self._rr = itertools.count()
     self._lock = threading.Lock()
+    self._failed_at: dict[str, float] = {}
+    self._retired: set[str] = set()
+    atexit.register(self.close)  # servers run in their own sessions: never leave them behind a crashed caller
     try:
-      self.servers = [launch_server(cfg.server, log_dir=log_dir, name=f"sglang-{i}") for i in range(cfg.n_servers)]
-      for s in self.servers:
-        s.wait_ready(cfg.startup_timeout_s)
+      if servers is not None:
+        self.servers = list(servers)
+      else:
+        self.servers = [launch_server(cfg.server, log_dir=log_dir, name=f"sglang-{i}")
+                        for i in range(cfg.n_servers)]
+        for s in self.servers:
+          s.wait_ready(cfg.startup_timeout_s)
       if cfg.use_router:
         self.router = launch_router([s.url for s in self.servers], log_dir=log_dir, python=cfg.server.python)
         self.router.wait_ready(cfg.startup_timeout_s, path="/readiness")
@@ -92,6 +108,7 @@ class SGLangFleet:
     """Stops the router and every server (process groups); idempotent."""
     for p in ([self.router] if self.router else []) + self.servers:
       p.stop()
+    atexit.unregister(self.close)
 
   def __enter__(self) -> SGLangFleet:
     return self
@@ -113,34 +130,39 @@ class SGLangFleet:
     return out
 
   def live_servers(self) -> list[Process]:
-    return [s for s in self.servers if s.alive()]
+    """Servers whose process runs and that were not retired (unreachable during a weight update)."""
+    return [s for s in self.servers if s.url not in self._retired and s.alive()]
 
   # -- generation --------------------------------------------------------------------------------------------------
-  def _endpoints(self) -> list[str]:
-    """Where to send the next attempt: the router if it runs, then live servers in round-robin order."""
+  def _pick(self, tried: set[str]) -> str | None:
+    """Next endpoint for a request: the router if it runs, else live servers in round-robin order; skips endpoints
+    this request already failed on, and prefers ones that did not fail in the last `_SUSPECT_S` seconds."""
     live = [s.url for s in self.live_servers()]
     if live:
       k = next(self._rr) % len(live)
       live = live[k:] + live[:k]
-    if self.router is not None and self.router.alive():
-      return [self.router.url] + live
-    return live
+    order = ([self.router.url] if self.router is not None and self.router.alive() else []) + live
+    order = [u for u in order if u not in tried]
+    now = time.monotonic()
+    fresh = [u for u in order if now - self._failed_at.get(u, -1e9) > _SUSPECT_S]
+    return (fresh or order or [None])[0]
 
   def _generate_one(self, request: GenerateRequest) -> GenerateResult:
-    errors = []
+    errors, tried = [], set()
     for attempt in range(self.cfg.max_attempts):
-      endpoints = self._endpoints()
-      if not endpoints:
+      url = self._pick(tried)
+      if url is None:
         break
-      url = endpoints[attempt % len(endpoints)] if self.router is None else endpoints[min(attempt, len(endpoints) - 1)]
       try:
         return generate_one(url, request, self.layout, timeout=self.cfg.request_timeout_s)
-      except SGLangUnavailable as e:  # dead or failing endpoint: try the next one
+      except SGLangUnavailable as e:  # dead or failing endpoint: try another one
         log.warning("request %r failed on %s (attempt %d): %s", request.request_id, url, attempt + 1, e)
+        tried.add(url)
+        self._failed_at[url] = time.monotonic()
         errors.append(str(e))
-        time.sleep(min(0.2 * 2**attempt, 2.0))
-    raise SGLangUnavailable(f"request {request.request_id!r} failed on every endpoint after "
-                            f"{self.cfg.max_attempts} attempts: {errors}")
+        time.sleep(min(0.1 * 2**attempt, 2.0))
+    raise SGLangUnavailable(f"request {request.request_id!r} failed after {len(errors)} attempts on "
+                            f"{sorted(tried)} (no other live endpoint): {errors}")
 
   def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
     """Completes every request (concurrently, so the servers batch them); results are in request order."""
@@ -154,28 +176,36 @@ class SGLangFleet:
   def update_weights(self, model_path: str, version: int) -> float:
     """Loads a new checkpoint directory on every live server as policy `version`; returns the seconds it took.
 
-    Each server is paused (`pause_mode`), loads the path with `/update_weights_from_disk` (which also flushes the
-    prefix cache), and continues. The new checkpoint must have the same architecture as the served one.
+    Each server in turn is paused (`pause_mode`), loads the path with `/update_weights_from_disk` (which also
+    flushes the prefix cache), and continues, so the others keep serving meanwhile. A server that cannot be reached
+    is retired (stopped and never used again) rather than left to come back with stale weights. The new checkpoint
+    must have the same architecture as the served one.
     """
     if version < self.policy_version:
       raise ValueError(f"policy version must not go back: serving {self.policy_version}, asked for {version}")
     t0 = time.perf_counter()
     with self._lock:
-      live = self.live_servers()
-      if not live:
-        raise SGLangUnavailable("no live server to update")
-      for s in live:
-        post_json(s.url + "/pause_generation", {"mode": self.cfg.pause_mode}, timeout=60.0)
-      try:
-        for s in live:
-          out = post_json(s.url + "/update_weights_from_disk",
-                          {"model_path": model_path, "weight_version": str(version)},
-                          timeout=self.cfg.request_timeout_s)
-          if not out or not out.get("success"):
-            raise SGLangError(f"{s.url} failed to load {model_path}: {out}")
-      finally:
-        for s in live:
-          with contextlib.suppress(SGLangError):
-            post_json(s.url + "/continue_generation", {}, timeout=60.0)
+      updated = []
+      for s in self.live_servers():
+        try:
+          post_json(s.url + "/pause_generation", {"mode": self.cfg.pause_mode}, timeout=60.0)
+          try:
+            out = post_json(s.url + "/update_weights_from_disk",
+                            {"model_path": model_path, "weight_version": str(version)},
+                            timeout=self.cfg.request_timeout_s)
+          finally:
+            with contextlib.suppress(SGLangError):
+              post_json(s.url + "/continue_generation", {}, timeout=60.0)
+        except SGLangUnavailable as e:
+          # It would come back with stale weights: take it out of the fleet for good.
+          log.warning("retiring %s: unreachable during the update to version %d: %s", s.url, version, e)
+          self._retired.add(s.url)
+          s.stop()
+          continue
+        if not out or not out.get("success"):
+          raise SGLangError(f"{s.url} failed to load {model_path}: {out}")
+        updated.append(s.url)
+      if not updated:
+        raise SGLangUnavailable(f"no server could load {model_path}")
       self.policy_version = version
     return time.perf_counter() - t0
