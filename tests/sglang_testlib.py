@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from composer_jax.interop import hf
-from composer_jax.model import ModelConfig, forward, init
+from composer_jax.model import ModelConfig, forward
+from composer_jax.model.params import ArrayInfo, param_specs
 
 # MLA with q-LoRA, 1 dense + 2 MoE layers, sigmoid routing with bias, group-limited top-2 of 8, shared expert.
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -31,10 +32,22 @@ def require_sglang():
 
 @functools.cache
 def params(seed: int = 0) -> dict:
-  p = init(jax.random.key(seed), CFG)
-  # A non-zero routing bias, so SGLang must apply it (selection uses score + bias, weights use the score).
+  """Random params with `init`'s structure, drawn in numpy (`init` re-jits per call: ~1 min on a loaded machine).
+
+  Norm scales are ones, everything else N(0, initializer_range); the routing bias is non-zero so SGLang must apply
+  it (selection uses score + bias, gate weights the score).
+  """
+  rng = np.random.default_rng(seed)
+  specs = param_specs(CFG)
+
+  def leaf(a):
+    if "norm" in a.logical_axes:
+      return jnp.ones(a.shape, a.dtype)
+    return jnp.asarray(CFG.initializer_range * rng.standard_normal(a.shape), a.dtype)
+
+  p = jax.tree.map(leaf, specs, is_leaf=lambda x: isinstance(x, ArrayInfo))
   bias = p["moe_layers"]["moe"]["bias"]
-  p["moe_layers"]["moe"]["bias"] = 0.1 * jax.random.normal(jax.random.key(seed + 100), bias.shape)
+  p["moe_layers"]["moe"]["bias"] = jnp.asarray(0.1 * rng.standard_normal(bias.shape), bias.dtype)
   return p
 
 
