@@ -1,7 +1,7 @@
 """Two real SGLang servers: a dead server's requests go elsewhere, weight updates reach the survivors, and
 sglang-router balances (and, in 0.3.2, drops the routing log — a canary for lifting `FleetConfig`'s refusal).
 
-Slow: two server starts (~1 min idle, ~4 min on a loaded 2-core machine) plus the router.
+Slow: two server starts plus the router; 164 s on a loaded 2-core machine (426 s when it was overloaded).
 """
 import os
 import signal
