@@ -10,6 +10,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The lean CPU SGLang (real servers in the engine tests; ~1.4 GB): pinned packages installed with --no-deps.
+SGLANG_STAMP := $(VENV)/.sglang-installed
+$(SGLANG_STAMP): $(STAMP) rollout/engines/sglang-cpu-requirements.txt
+	bash rollout/engines/install_sglang_cpu.sh $(BIN)/python
+	touch $(SGLANG_STAMP)
+
 .PHONY: install run test test-slow lint
 install: $(STAMP)
 
@@ -20,8 +26,8 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: lint
+test: lint $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -5,7 +5,8 @@
 Measures, for the embedded JAX engine (composer_jax.sampling):
   * decode tokens/s at batch 1 and 16 (greedy, fixed prompt, every row generates `--tokens` tokens), against
     transformers' `generate` (KV cache on, float32) on the same weights (exported with `composer_jax.interop.hf`);
-  * MTP speculative decoding at batch 1: speedup over plain decoding and draft acceptance rate. Trained MTP heads
+  * MTP speculative decoding at batch 1: speedup over plain decoding and draft acceptance rate, greedy and at
+    temperature 1 (`mtp_speedup_b1_t1`, `mtp_acceptance_t1`). Trained MTP heads
     come from `--pretrain_workdir` (the pretraining run exports `<workdir>/params`); without one the heads are
     random and the MTP figures are reported as such (`mtp_heads: "random"`), not as a result;
   * weight sync: the embedded engine's in-place update (`JaxEngine.update_weights`) and the Hugging Face export
@@ -60,10 +61,10 @@ def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.nda
   return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
 
 
-def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int) -> tuple[float, dict]:
-  """Generated tokens per second (best of `repeats`, after a compile run) and the engine's last stats."""
-  reqs = [GenerateRequest(tuple(int(t) for t in p), SamplingParams(temperature=0.0, max_tokens=tokens))
-          for p in prompts]
+def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int, temperature: float = 0.0):
+  """(generated tokens per second (best of `repeats`, after a compile run), the engine's last stats, tokens)."""
+  reqs = [GenerateRequest(tuple(int(t) for t in p), SamplingParams(temperature=temperature, max_tokens=tokens,
+                                                                   seed=i)) for i, p in enumerate(prompts)]
   engine.generate(reqs)  # compile
   best = float("inf")
   for _ in range(repeats):
@@ -71,11 +72,11 @@ def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int
     out = engine.generate(reqs)
     best = min(best, time.perf_counter() - t0)
   assert all(len(r.output_ids) == tokens for r in out)
-  return len(reqs) * tokens / best, dict(engine.last_stats)
+  return len(reqs) * tokens / best, dict(engine.last_stats), np.stack([r.output_ids for r in out])
 
 
-def hf_decode(hf_dir: str, prompts: np.ndarray, tokens: int, repeats: int) -> float:
-  """transformers `generate` (greedy, KV cache) tokens per second, best of `repeats` after a warm-up."""
+def hf_decode(hf_dir: str, prompts: np.ndarray, tokens: int, repeats: int) -> tuple[float, np.ndarray]:
+  """transformers `generate` (greedy, KV cache): (tokens per second, best of `repeats` after a warm-up; tokens)."""
   import torch
   import transformers
   torch.set_num_threads(os.cpu_count() or 1)
@@ -90,7 +91,7 @@ def hf_decode(hf_dir: str, prompts: np.ndarray, tokens: int, repeats: int) -> fl
       out = hf_model.generate(ids, **kw)
       best = min(best, time.perf_counter() - t0)
   assert out.shape[1] == prompts.shape[1] + tokens
-  return prompts.shape[0] * tokens / best
+  return prompts.shape[0] * tokens / best, out[:, prompts.shape[1]:].numpy()
 
 
 def weight_sync(cfg: ModelConfig, out_dir: str) -> dict:
@@ -140,19 +141,27 @@ def main(argv=None) -> dict:
       hf.save(hf_dir, cfg, jax.device_get(params))
     for b in (1, 16):
       prompts = _prompts(cfg, b, args.prompt_len)
-      res[f"decode_tokens_per_s_jax_b{b}"], _ = jax_decode(plain, prompts, args.tokens, args.repeats)
+      res[f"decode_tokens_per_s_jax_b{b}"], _, jax_toks = jax_decode(plain, prompts, args.tokens, args.repeats)
       if not args.skip_hf:
-        res[f"decode_tokens_per_s_hf_b{b}"] = hf_decode(hf_dir, prompts, args.tokens, args.repeats)
+        res[f"decode_tokens_per_s_hf_b{b}"], hf_toks = hf_decode(hf_dir, prompts, args.tokens, args.repeats)
+        # Same weights, same greedy decoding: the tokens should agree (float32 near-ties aside).
+        res[f"hf_greedy_token_agreement_b{b}"] = float((hf_toks == jax_toks).mean())
         res[f"decode_speedup_vs_hf_b{b}"] = res[f"decode_tokens_per_s_jax_b{b}"] / res[f"decode_tokens_per_s_hf_b{b}"]
       print({k: v for k, v in res.items() if k.endswith(f"b{b}")}, flush=True)
     prompts = _prompts(cfg, 1, args.prompt_len, seed=1)
-    spec_tps, stats = jax_decode(spec, prompts, args.tokens, args.repeats)
-    plain_tps, _ = jax_decode(plain, prompts, args.tokens, args.repeats)
+    spec_tps, stats, spec_toks = jax_decode(spec, prompts, args.tokens, args.repeats)
+    plain_tps, _, plain_toks = jax_decode(plain, prompts, args.tokens, args.repeats)
+    res["mtp_greedy_equal"] = bool((spec_toks == plain_toks).all())
     res["decode_tokens_per_s_mtp_b1"] = spec_tps
     res["mtp_speedup_b1"] = spec_tps / plain_tps
     res["mtp_acceptance"] = stats["accepted"] / max(stats["drafted"], 1)
     res["mtp_tokens_per_step"] = args.tokens / max(stats["steps"], 1)
-    print({k: res[k] for k in ("mtp_speedup_b1", "mtp_acceptance", "mtp_tokens_per_step")}, flush=True)
+    # Sampled at T=1 (as RL rollouts are), where greedy near-degenerate outputs cannot inflate acceptance.
+    spec_tps, stats, _ = jax_decode(spec, prompts, args.tokens, args.repeats, temperature=1.0)
+    plain_tps, _, _ = jax_decode(plain, prompts, args.tokens, args.repeats, temperature=1.0)
+    res["mtp_speedup_b1_t1"] = spec_tps / plain_tps
+    res["mtp_acceptance_t1"] = stats["accepted"] / max(stats["drafted"], 1)
+    print({k: v for k, v in res.items() if k.startswith("mtp")}, flush=True)
     syncs = {}
     for variant in args.sync_configs.split(","):
       syncs[variant] = weight_sync(model_config(variant), os.path.join(tmp, f"sync_{variant}"))

@@ -13,6 +13,20 @@ from ml_collections import config_flags  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 
 
+def _random_model_engine(c, tok):
+  """The embedded JAX engine serving a randomly initialised model of `c.model` (vocab sized to the tokenizer)."""
+  import jax
+
+  from composer_jax import model
+  from composer_jax.sampling.engine import EngineConfig, JaxEngine
+  from composer_jax.train import tokenizer as tokenizer_lib
+  from experiments.configs import model as model_configs
+  d = model_configs.get_config(c.model).to_dict()
+  d["vocab_size"] = tokenizer_lib.padded_vocab_size(tok)
+  cfg = model.ModelConfig.from_dict(d)
+  return JaxEngine(model.init(jax.random.key(c.seed), cfg), cfg, EngineConfig(seed=c.seed))
+
+
 def main(argv):
   del argv
   from composer_jax.train import tokenizer as tokenizer_lib
@@ -43,8 +57,8 @@ def main(argv):
   available = {
     "oracle": lambda: scripted.ScriptedEngine(tok, scripted.oracle_policy(tasks)),
     "noop": lambda: scripted.ScriptedEngine(tok, scripted.noop_policy),
-    # Stands in for a randomly initialised model until the embedded JAX sampler implements the engine protocol.
-    "random": lambda: scripted.RandomEngine(tok.get_vocab_size(), seed=c.seed),
+    "random": lambda: scripted.RandomEngine(tok.get_vocab_size(), seed=c.seed),   # uniform random tokens
+    "model": lambda: _random_model_engine(c, tok),   # a randomly initialised MoE through the embedded JAX engine
   }
   names = c.policies.split("+")
   unknown = [n for n in names if n not in available]

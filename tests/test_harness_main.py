@@ -1,4 +1,4 @@
-"""experiments/agent_main.py end to end: the oracle scores 100%, the no-op policy 0%, the random policy 0%."""
+"""experiments/agent_main.py end to end: the oracle scores 100%, the no-op and a random-init model 0%."""
 
 import os
 import re
@@ -14,5 +14,5 @@ def test_agent_main_colab():
     cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
   assert out.returncode == 0, out.stderr[-2000:]
   solved = dict(re.findall(r"^\[(\w+)\] reward=\S+ solved=(\S+)", out.stdout, re.MULTILINE))
-  assert solved == {"oracle": "1.000", "noop": "0.000", "random": "0.000"}, out.stdout[-3000:]
+  assert solved == {"oracle": "1.000", "noop": "0.000", "model": "0.000"}, out.stdout[-3000:]
   assert "[assistant]" in out.stdout and "-> edit(" in out.stdout  # transcripts are printed

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from composer_jax.interop import hf
 from composer_jax.interop.hf_names import expected_shapes
-from composer_jax.model import ModelConfig, RopeScaling, forward, init
+from composer_jax.model import ModelConfig, RopeScaling, abstract_params, forward, init
 
 torch = pytest.importorskip("torch", reason="torch is the test-only reference implementation")
 transformers = pytest.importorskip("transformers", reason="transformers is the test-only reference implementation")
@@ -78,6 +78,19 @@ def test_load_save_bit_exact_and_sharded(tmp_path):
     cfg, params = hf.load(path)
     assert cfg == CFG
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, _params())
+  # Dropping the MTP modules on load is allowed (the trunk is unchanged).
+  cfg0, params0 = hf.load(str(tmp_path / "one"), num_nextn_predict_layers=0)
+  assert cfg0 == dataclasses.replace(CFG, num_nextn_predict_layers=0) and "mtp" not in params0
+  np.testing.assert_array_equal(np.asarray(params0["embed"]), np.asarray(_params()["embed"]))
+  # bfloat16 params round-trip bit-exactly too (config.json records torch_dtype).
+  cfg16 = dataclasses.replace(CFG, param_dtype="bfloat16")
+  # Cast to the dtypes the description gives (router weight and bias stay float32).
+  p16 = jax.tree.map(lambda a, s: (a * 1.1).astype(s.dtype), _params(), abstract_params(cfg16))
+  assert p16["embed"].dtype == jax.numpy.bfloat16 and p16["moe_layers"]["moe"]["router"].dtype == np.float32
+  hf.save(str(tmp_path / "bf16"), cfg16, p16)
+  cfg, params = hf.load(str(tmp_path / "bf16"))
+  assert cfg == cfg16
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, p16)
   names = load_file(os.path.join(tmp_path, "one", hf.SINGLE_FILE))
   n = CFG.num_hidden_layers
   for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",

@@ -12,7 +12,7 @@ from composer_jax.model import ModelConfig, RopeScaling, forward, init, mtp_targ
 from composer_jax.parallel import ShardingRules, logical_to_spec, make_mesh
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                  num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=2, q_lora_rank=16,
+                  num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, q_lora_rank=16,
                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8,
                   num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.0,
                   rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
@@ -35,36 +35,58 @@ def _fwd(params, tokens, cfg, segment_ids=None, positions=None, routing=None, de
                  mtp_detach_trunk=detach)
 
 
+def test_output_shapes():
+  ref, aux = _fwd(_params(), _tokens(), CFG)
+  assert ref.shape == (2, 12, 64) and aux["mtp_logits"].shape == (1, 2, 12, 64)
+  assert aux["router_scores"].shape == (1, 2, 12, 8) and aux["experts"].shape == (1, 2, 12, 2)
+  assert aux["expert_load"].shape == (1, 8) and float(aux["expert_load"].sum()) == 2 * 12 * 2
+  assert float(aux["balance_loss"]) > 0
+  assert aux["mtp_expert_load"].shape == (1, 8) and float(aux["mtp_expert_load"].sum()) == 2 * 12 * 2
+
+
 def test_scan_loop_and_remat_agree():
+  deep = dataclasses.replace(CFG, num_hidden_layers=3)  # a 2-layer MoE stack
+  # Second MoE layer: the first one perturbed (saves compiling another init).
+  params = dict(_params(), moe_layers=jax.tree.map(lambda a: jnp.concatenate([a, a * 0.9 + 0.01]),
+                                                   _params()["moe_layers"]))
   tok = _tokens()
-  ref, aux_ref = _fwd(_params(), tok, CFG)
-  assert ref.shape == (2, 12, 64) and aux_ref["mtp_logits"].shape == (1, 2, 12, 64)
-  assert aux_ref["router_scores"].shape == (2, 2, 12, 8) and aux_ref["experts"].shape == (2, 2, 12, 2)
-  assert aux_ref["expert_load"].shape == (2, 8) and float(aux_ref["expert_load"].sum()) == 2 * 2 * 12 * 2
-  assert float(aux_ref["balance_loss"]) > 0
-  assert aux_ref["mtp_expert_load"].shape == (1, 8) and float(aux_ref["mtp_expert_load"].sum()) == 2 * 12 * 2
-  for cfg in (dataclasses.replace(CFG, scan_layers=False), dataclasses.replace(CFG, remat=True)):
-    out, aux = _fwd(_params(), tok, cfg)
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(aux["experts"], aux_ref["experts"])
+  ref, aux_ref = _fwd(params, tok, deep)
+  assert aux_ref["experts"].shape == (2, 2, 12, 2)
+  out, aux = _fwd(params, tok, dataclasses.replace(deep, scan_layers=False))
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(aux["experts"], aux_ref["experts"])
+
+
+@pytest.mark.slow
+def test_remat_gradients_equal():
+  tok = _tokens()
+
+  def grads(cfg):
+    return jax.jit(jax.grad(lambda p: forward(p, tok, cfg)[0].std()))(_params())
+
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               grads(dataclasses.replace(CFG, remat=True)), grads(CFG))
 
 
 def test_packed_row_equals_documents_alone():
-  a, b = _tokens(1, 7, seed=2), _tokens(1, 5, seed=3)
-  packed = jnp.concatenate([a, b], axis=1)
-  seg = jnp.array([[1] * 7 + [2] * 5])
-  pos = jnp.array([list(range(7)) + list(range(5))])
+  docs = _tokens(2, 6, seed=2)  # two 6-token documents, run alone (one per row) ...
+  alone, aux_alone = _fwd(_params(), docs, CFG)
+  # ... and packed into one 12-token row, with a 2-row batch whose second row is half padding (segment 0).
+  packed = jnp.concatenate([docs.reshape(1, 12), jnp.concatenate([docs[:1], jnp.zeros_like(docs[:1])], 1)])
+  seg = jnp.array([[1] * 6 + [2] * 6, [1] * 6 + [0] * 6])
+  pos = jnp.array([list(range(6)) * 2, list(range(12))])
   out, aux = _fwd(_params(), packed, CFG, seg, pos)
-  out_a, aux_a = _fwd(_params(), a, CFG)
-  out_b, aux_b = _fwd(_params(), b, CFG)
-  np.testing.assert_allclose(out[:, :7], out_a, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(out[:, 7:], out_b, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(aux["experts"][:, :, 7:], aux_b["experts"])
-  # Padding (segment 0) does not disturb real tokens and is not counted in the expert load.
-  padded = jnp.concatenate([a, jnp.zeros((1, 3), a.dtype)], axis=1)
-  out_p, aux_p = _fwd(_params(), padded, CFG, jnp.array([[1] * 7 + [0] * 3]), jnp.array([list(range(10))]))
-  np.testing.assert_allclose(out_p[:, :7], out_a, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(aux_p["expert_load"], aux_a["expert_load"])
+  np.testing.assert_allclose(out[0, :6], alone[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out[0, 6:], alone[1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out[1, :6], alone[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(aux["experts"][:, 0, 6:], aux_alone["experts"][:, 1])
+  # Padding is not counted in the expert load: the packed batch holds doc 0 twice and doc 1 once.
+  np.testing.assert_allclose(aux["expert_load"],
+                             2 * _load(aux_alone["experts"][:, 0]) + _load(aux_alone["experts"][:, 1]))
+
+
+def _load(experts_MxLxK):
+  return jax.nn.one_hot(experts_MxLxK, CFG.n_routed_experts).sum((1, 2))
 
 
 def test_router_replay_reproduces_and_trains_router():
@@ -80,13 +102,13 @@ def test_router_replay_reproduces_and_trains_router():
   np.testing.assert_array_equal(aux3["experts"], other)
   assert float(jnp.abs(out3 - ref).max()) > 1e-3
 
-  def loss(p):
-    return forward(p, tok, CFG, routing=other)[0].mean()
+  def loss(p):  # under remat too, so the checkpointed path is exercised by a default test
+    return forward(p, tok, dataclasses.replace(CFG, remat=True), routing=other)[0].mean()
 
   g = jax.jit(jax.grad(loss))(params)
   assert float(jnp.abs(g["moe_layers"]["moe"]["router"]).max()) > 0
   with pytest.raises(ValueError, match="routing has shape"):
-    forward(params, tok, CFG, routing=aux["experts"][:1])
+    forward(params, tok, CFG, routing=aux["experts"][:, :1])
 
 
 def test_mtp_targets_and_detach():
@@ -118,12 +140,12 @@ def test_mtp_targets_and_detach():
 
 
 def test_mtp_module_uses_next_token_embedding():
-  """Module 0 at position t sees token t+1: changing only the last token changes MTP logits only at t = L-2."""
-  tok = _tokens(1, 8)
+  """Module 0 at position t sees token t+1: changing only the last token changes MTP logits only at t >= L-2."""
+  tok = _tokens()
   _, aux = _fwd(_params(), tok, CFG)
-  _, aux2 = _fwd(_params(), tok.at[0, 7].set((tok[0, 7] + 1) % CFG.vocab_size), CFG)
+  _, aux2 = _fwd(_params(), tok.at[0, 11].set((tok[0, 11] + 1) % CFG.vocab_size), CFG)
   diff = np.abs(np.asarray(aux["mtp_logits"] - aux2["mtp_logits"])).max(-1)[0, 0]
-  assert diff[6] > 1e-6 and diff[7] > 1e-6 and np.all(diff[:6] == 0)
+  assert diff[10] > 1e-6 and diff[11] > 1e-6 and np.all(diff[:10] == 0)
 
 
 def test_sharded_init_and_rules():
@@ -132,6 +154,7 @@ def test_sharded_init_and_rules():
   w = params["moe_layers"]["moe"]["gate"]
   assert w.sharding.spec == P(None, "expert", None, "tensor")
   assert params["embed"].sharding.spec == P("tensor", "data")
+  assert params["moe_layers"]["attn"]["q_b"].sharding.spec == P(None, None, "tensor", None)
   # Same values as the 1-device init.
   np.testing.assert_array_equal(np.asarray(w), np.asarray(_params()["moe_layers"]["moe"]["gate"]))
   assert jax.tree.structure(shardings(CFG, mesh)) == jax.tree.structure(params)

@@ -40,3 +40,17 @@ def test_tiny_count_by_hand():
   total = V * D + dense + moe + D + D * V
   # MTP excluded from both; active drops 3 of 4 experts and the input embedding table.
   assert count_params(cfg) == (total, total - routed + routed // 4 - V * D)
+
+
+def test_kimi_k2_config_variant_builds_abstractly_with_published_sizes():
+  """`experiments/configs/model.py:kimi_k2` is the real shape: built with eval_shape only, ~1.04T / ~32B."""
+  import jax
+
+  from composer_jax.model import abstract_params
+  from experiments.configs import model as model_configs
+  cfg = ModelConfig.from_dict(model_configs.get_config("kimi_k2").to_dict())
+  shapes = abstract_params(cfg)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))   # nothing allocated
+  total, active = count_params(cfg)
+  assert math.isclose(total, 1.04e12, rel_tol=0.02) and math.isclose(active, 32e9, rel_tol=0.02), (total, active)
+  assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 32.0

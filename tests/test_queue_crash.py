@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from rollout.queue import QueueConsumer, QueueProducer
+from rollout.staleness import StalenessConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -136,3 +137,38 @@ def test_consumer_killed_between_consume_and_checkpoint_is_exactly_once(tmp_path
   assert final["queue"]["consumed"] == n
   # Everything consumed has been garbage-collected.
   assert not list((tmp_path / "q" / "groups").rglob("0*"))
+
+
+SMALL_PRODUCER = textwrap.dedent("""
+  import sys
+  import numpy as np
+  from rollout.queue import QueueProducer
+  url, pid, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+  p = QueueProducer(url, pid)
+  for i in range(n):
+    p.append({"x": np.full(16, i, np.int32)}, {"pid": pid, "i": i}, policy_version=i)
+""")
+
+
+def test_concurrent_producer_processes_while_consuming(tmp_path):
+  """Three producer processes append while the consumer polls: all groups once, each producer's in order."""
+  url = f"file://{tmp_path}/q"
+  n = 25
+  procs = [subprocess.Popen([sys.executable, "-c", SMALL_PRODUCER, url, f"w{j}", str(n)], env=_env())
+           for j in range(3)]
+  c = QueueConsumer(url, StalenessConfig(max_staleness=n))     # versions 0..n-1 at trainer version n: all used
+  got = []
+  deadline = time.time() + 120
+  while len(got) < 3 * n:
+    assert time.time() < deadline, f"only {len(got)} groups arrived"
+    batch = c.poll(n, max_groups=7)
+    got += [(g.meta["pid"], g.meta["i"]) for g in batch]
+    for g in batch:
+      np.testing.assert_array_equal(g.arrays["x"], np.full(16, g.meta["i"], np.int32))
+    if not batch:
+      time.sleep(0.01)
+  assert all(p.wait(timeout=60) == 0 for p in procs)
+  assert c.poll(n) == []
+  for j in range(3):
+    assert [i for pid, i in got if pid == f"w{j}"] == list(range(n))
+  assert c.stats()["consumed_groups"] == 3 * n

@@ -130,7 +130,8 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   state, m = step(state, batch, ref)
   assert int(state.step) == 1
   for k in ("loss", "kl", "entropy", "reward", "pass_rate", "length", "clip_fraction", "importance_ratio_mean",
-            "routing_mismatch_rate", "logprob_gap_replay", "logprob_gap_no_replay", "grad_norm"):
+            "routing_mismatch_rate", "logprob_gap_replay", "logprob_gap_no_replay", "grad_norm",
+            "expert_load_max_over_mean"):
     assert np.isfinite(float(m[k])), k
   np.testing.assert_allclose([m["reward"], m["pass_rate"], m["length"]], [0.5, 0.5, L - PROMPT], rtol=1e-6)
   np.testing.assert_allclose(m["kl"], 0.0, atol=1e-6)             # policy == reference at step 0

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from composer_jax.train import losses, optim, step
 from composer_jax.train.config import OptimConfig
@@ -52,11 +53,16 @@ def test_mtp_self_distillation_targets_main_head_at_next_position():
 
 
 def test_router_bias_update_rule():
-  params = {"moe": {"bias": jnp.zeros((1, 4)), "router": jnp.ones((1, 4))}}
+  params = {"moe_layers": {"moe": {"bias": jnp.zeros((1, 4)), "router": jnp.ones((1, 4))}},
+            "mtp": {"block": {"moe": {"bias": jnp.zeros((1, 4))}}}}
   load = jnp.array([[3.0, 1.0, 0.0, 4.0]])                    # mean 2: experts 0 and 3 overloaded
-  new = step.update_router_bias(params, load, rate=0.01)
-  np.testing.assert_allclose(new["moe"]["bias"], [[-0.01, 0.01, 0.01, -0.01]])
-  np.testing.assert_array_equal(new["moe"]["router"], params["moe"]["router"])
+  mtp_load = jnp.array([[0.0, 2.0, 2.0, 0.0]])                 # mean 1
+  new = step.update_router_bias(params, {"moe_layers": load, "mtp": mtp_load}, rate=0.01)
+  np.testing.assert_allclose(new["moe_layers"]["moe"]["bias"], [[-0.01, 0.01, 0.01, -0.01]])
+  np.testing.assert_allclose(new["mtp"]["block"]["moe"]["bias"], [[0.01, -0.01, -0.01, 0.01]])
+  np.testing.assert_array_equal(new["moe_layers"]["moe"]["router"], params["moe_layers"]["moe"]["router"])
+  with pytest.raises(ValueError, match="does not match router bias"):
+    step.update_router_bias(params, {"moe_layers": load[:, :3]}, rate=0.01)
 
 
 def test_optimizer_never_moves_router_bias_and_decays_only_matrices():

@@ -77,6 +77,10 @@ def test_step_updates_router_bias_from_load_and_learns(params):
   load = np.asarray(aux["expert_load"])
   expected = bias0 + 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
   np.testing.assert_allclose(new.params["moe_layers"]["moe"]["bias"], expected, atol=1e-7)
+  mtp_load = np.asarray(aux["mtp_expert_load"])
+  mtp_bias0 = np.asarray(params["mtp"]["block"]["moe"]["bias"])
+  np.testing.assert_allclose(new.params["mtp"]["block"]["moe"]["bias"],
+                             mtp_bias0 + 0.01 * np.sign(mtp_load.mean(-1, keepdims=True) - mtp_load), atol=1e-7)
   for _ in range(15):
     new, m = fn(new, batch)
   assert int(new.step) == 16

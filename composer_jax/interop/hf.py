@@ -133,14 +133,20 @@ def load(path: str, *, mesh=None, rules: ShardingRules | None = None, **config_o
   Args:
     path: directory with config.json and model.safetensors (or model.safetensors.index.json + shards).
     mesh, rules: where to place the params (default: a 1-device mesh, `ShardingRules()`).
-    **config_overrides: ModelConfig fields to set on top of config.json (e.g. moe_impl, compute_dtype).
+    **config_overrides: ModelConfig fields to set on top of config.json (e.g. moe_impl, compute_dtype;
+      num_nextn_predict_layers=0 drops the checkpoint's MTP modules).
 
   Returns:
     (cfg, params). Raises ValueError naming missing / unexpected / mis-shaped tensors.
   """
   with open(os.path.join(path, "config.json")) as f:
-    cfg = config_from_hf(json.load(f), **config_overrides)
+    file_cfg = config_from_hf(json.load(f))
+  cfg = dataclasses.replace(file_cfg, **config_overrides)
   where = _open_tensors(path)
+  # MTP modules the caller chose to drop (num_nextn_predict_layers overridden lower) are skipped, not an error.
+  dropped = range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers,
+                  file_cfg.num_hidden_layers + file_cfg.num_nextn_predict_layers)
+  where = {k: v for k, v in where.items() if not any(k.startswith(f"model.layers.{i}.") for i in dropped)}
   # MTP layers' embed/head copies are redundant with the trunk's; checkpoints may omit them.
   optional = {n for n in expected_shapes(cfg)
               if n.endswith(("embed_tokens.weight", "shared_head.head.weight")) and n.startswith("model.layers.")}

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp
+from kernels_pallas.moe_matmul import moe_matmul
 
 
 def router_scores(p: dict, x_TxD: jax.Array) -> jax.Array:
@@ -50,9 +51,16 @@ def gate_weights(scores_TxE: jax.Array, idx_TxK: jax.Array, cfg: ModelConfig) ->
   return w_TxK * cfg.routed_scaling_factor
 
 
-def expert_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
-  """Grouped matmul: rows of x, sorted by expert, times their expert's weight. The Pallas kernel swap-in point."""
-  return jax.lax.ragged_dot(x_MxD, w_ExDxF, group_sizes_E)
+def expert_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, group_sizes_E: jax.Array,
+                  cfg: ModelConfig | None = None) -> jax.Array:
+  """Grouped matmul: rows of x, sorted by expert, times their expert's weight.
+
+  `cfg.moe_matmul` "bf16" keeps `lax.ragged_dot` in the compute dtype; "mxfp8"/"nvfp4" quantise both operands
+  (forward and backward) with `kernels_pallas.moe_matmul` (Pallas kernels on GPU, the jnp references elsewhere).
+  """
+  if cfg is None or cfg.moe_matmul == "bf16":
+    return jax.lax.ragged_dot(x_MxD, w_ExDxF, group_sizes_E)
+  return moe_matmul(x_MxD, w_ExDxF, group_sizes_E, matmul=cfg.moe_matmul, scale=cfg.moe_scale)
 
 
 def _expert_weights(p: dict, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -69,7 +77,8 @@ def experts_dense(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.Arra
   return jnp.einsum("ted,te->td", y_TxExD, combine_TxE.astype(x_TxD.dtype))
 
 
-def experts_ragged(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.Array) -> jax.Array:
+def experts_ragged(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.Array,
+                   cfg: ModelConfig | None = None) -> jax.Array:
   """Dropless: sort the T*K assignments by expert, grouped matmuls, weight, scatter-add back to tokens."""
   gate, up, down = _expert_weights(p, x_TxD.dtype)
   T, K = idx_TxK.shape
@@ -79,8 +88,8 @@ def experts_ragged(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.Arr
   token_M = order_M // K
   sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
   xs_MxD = x_TxD[token_M]
-  h_MxF = jax.nn.silu(expert_matmul(xs_MxD, gate, sizes_E)) * expert_matmul(xs_MxD, up, sizes_E)
-  ys_MxD = expert_matmul(h_MxF, down, sizes_E) * w_TxK.reshape(-1)[order_M][:, None].astype(x_TxD.dtype)
+  h_MxF = jax.nn.silu(expert_matmul(xs_MxD, gate, sizes_E, cfg)) * expert_matmul(xs_MxD, up, sizes_E, cfg)
+  ys_MxD = expert_matmul(h_MxF, down, sizes_E, cfg) * w_TxK.reshape(-1)[order_M][:, None].astype(x_TxD.dtype)
   return jnp.zeros_like(x_TxD).at[token_M].add(ys_MxD)
 
 
@@ -101,8 +110,13 @@ def experts_capacity(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.A
   C = max(1, math.ceil(capacity_factor * T * K / E))
   expert_M = idx_TxK.reshape(-1)
   valid_M = jnp.repeat(valid_T, K)
-  onehot_MxE = jax.nn.one_hot(expert_M, E, dtype=jnp.int32) * valid_M[:, None].astype(jnp.int32)
-  pos_M = jnp.take_along_axis(jnp.cumsum(onehot_MxE, axis=0), expert_M[:, None], axis=1)[:, 0] - 1
+  # Slot = rank among the same expert's valid assignments, in token order: a stable sort by expert gives it in
+  # O(M log M) memory-light work (a cumsum over an [M, E] one-hot would not scale to many experts).
+  key_M = jnp.where(valid_M, expert_M, E)
+  order_M = jnp.argsort(key_M, stable=True)
+  sorted_M = key_M[order_M]
+  starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.bincount(key_M, length=E + 1))[:-1]])
+  pos_M = jnp.zeros_like(expert_M).at[order_M].set(jnp.arange(T * K, dtype=expert_M.dtype) - starts[sorted_M])
   keep_M = valid_M & (pos_M < C)
   slot_M = jnp.where(keep_M, expert_M * C + pos_M, E * C)  # E*C: a dump row that is never read back as output
   token_M = jnp.arange(T * K) // K
@@ -163,7 +177,7 @@ def moe_block(p: dict, x_BxLxD: jax.Array, valid_BxL: jax.Array, cfg: ModelConfi
   if cfg.moe_impl == "dense":
     y_TxD = experts_dense(p, x_TxD, idx_TxK, w_TxK)
   elif cfg.moe_impl == "ragged":
-    y_TxD = experts_ragged(p, x_TxD, idx_TxK, w_TxK)
+    y_TxD = experts_ragged(p, x_TxD, idx_TxK, w_TxK, cfg)
   elif cfg.moe_impl == "capacity":
     y_TxD, dropped = experts_capacity(p, x_TxD, idx_TxK, w_TxK, valid_BxL.reshape(-1), cfg.capacity_factor)
   else:

@@ -35,8 +35,19 @@ def sampling_logprobs(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: 
     top_k_B: int; 0 means off.
     top_p_B: float in (0, 1]; 1 means off.
   """
-  B, V = logits_BxV.shape
   lp_BxV = policy_logprobs(logits_BxV, temperature_B)
+  greedy_BxV = jnp.arange(logits_BxV.shape[1])[None, :] == jnp.argmax(logits_BxV, axis=-1)[:, None]
+  # Sorting the vocabulary dominates a small decode step on CPU: skip it unless some row truncates.
+  truncate = ((top_k_B > 0) | (top_p_B < 1)).any()
+  keep_BxV = jax.lax.cond(truncate, _truncation_mask, lambda lp, k, p: jnp.ones_like(lp, bool), lp_BxV, top_k_B,
+                          top_p_B)
+  keep_BxV = jnp.where((temperature_B > 0)[:, None], keep_BxV, greedy_BxV)
+  return jax.nn.log_softmax(jnp.where(keep_BxV, lp_BxV, -jnp.inf), axis=-1)
+
+
+def _truncation_mask(lp_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+  """[B, V] bool: the tokens top-k and then top-p keep (ties at the cut are kept)."""
+  V = lp_BxV.shape[1]
   sorted_BxV = -jnp.sort(-lp_BxV, axis=-1)  # descending
   k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
   kth_B = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=1)[:, 0]
@@ -47,15 +58,18 @@ def sampling_logprobs(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: 
   before_BxV = jnp.cumsum(mass_BxV, axis=-1) - mass_BxV
   n_keep_B = jnp.maximum(((before_BxV < top_p_B[:, None]) & (rank_V < k_B[:, None])).sum(-1), 1)
   cut_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=1)[:, 0]
-  keep_BxV = lp_BxV >= jnp.maximum(kth_B, cut_B)[:, None]
-  greedy_BxV = jnp.arange(V)[None, :] == jnp.argmax(logits_BxV, axis=-1)[:, None]
-  keep_BxV = jnp.where((temperature_B > 0)[:, None], keep_BxV, greedy_BxV)
-  return jax.nn.log_softmax(jnp.where(keep_BxV, lp_BxV, -jnp.inf), axis=-1)
+  return lp_BxV >= jnp.maximum(kth_B, cut_B)[:, None]
 
 
 def draw(keys_B: jax.Array, logprobs_BxV: jax.Array) -> jax.Array:
-  """One token per row from its (log-)distribution, with that row's key → int32 [B]."""
-  return jax.vmap(jax.random.categorical)(keys_B, logprobs_BxV).astype(jnp.int32)
+  """One token per row from its (log-)distribution, with that row's key → int32 [B].
+
+  When every row's distribution is a point mass (greedy rows) the draw is its argmax, without generating the
+  per-token Gumbel noise that otherwise dominates a small CPU decode step.
+  """
+  point_mass = (jnp.isfinite(logprobs_BxV).sum(-1) == 1).all()
+  return jax.lax.cond(point_mass, lambda k, lp: jnp.argmax(lp, axis=-1).astype(jnp.int32),
+                      lambda k, lp: jax.vmap(jax.random.categorical)(k, lp).astype(jnp.int32), keys_B, logprobs_BxV)
 
 
 def step_keys(base_keys_B: jax.Array, index_B: jax.Array, stream: int = 0) -> jax.Array:

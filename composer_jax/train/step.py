@@ -53,21 +53,27 @@ def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
   return total, (metrics, aux)
 
 
-def update_router_bias(params, expert_load_MxE, rate: float):
+def update_router_bias(params, loads: dict, rate: float):
   """DeepSeek-V3 aux-loss-free balancing: b_i += γ·sign(mean load − load_i), outside the gradient.
 
-  `expert_load_MxE` holds tokens per expert for each MoE layer of the trunk stack, in the layout of the
-  `e_score_correction_bias` leaf it updates ([M, E]). Experts never chosen are pushed up, overloaded ones down.
+  Args:
+    params: the model params; every router correction bias (`.../moe/bias`, [M, E]) under a top-level key of
+      `loads` is updated.
+    loads: top-level param key → tokens per expert [M, E] for that stack (`moe_layers` ← aux["expert_load"],
+      `mtp` ← aux["mtp_expert_load"]). Experts never chosen are pushed up, overloaded ones down.
+    rate: γ (0 disables the update).
   """
   if rate == 0.0:
     return params
-  mean = jnp.mean(expert_load_MxE, axis=-1, keepdims=True)
-  delta = rate * jnp.sign(mean - expert_load_MxE)
 
   def upd(path, x):
-    if optim.is_router_bias(path) and x.shape == delta.shape:
-      return x + delta.astype(x.dtype)
-    return x
+    top = str(getattr(path[0], "key", path[0]))
+    if not optim.is_router_bias(path) or top not in loads:
+      return x
+    load = loads[top]
+    if load.shape != x.shape:
+      raise ValueError(f"Expert load {load.shape} does not match router bias {x.shape} at {top}")
+    return x + (rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)).astype(x.dtype)
   return jax.tree_util.tree_map_with_path(upd, params)
 
 
@@ -82,7 +88,8 @@ def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   load = aux["expert_load"]
-  params = update_router_bias(params, load, train_cfg.bias_update_rate)
+  params = update_router_bias(params, {"moe_layers": load, "mtp": aux["mtp_expert_load"]},
+                              train_cfg.bias_update_rate)
   if load.shape[0]:
     ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)   # per-layer max/mean expert load
     metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))

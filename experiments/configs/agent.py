@@ -1,12 +1,13 @@
-"""Agent harness demo: scripted oracle, no-op and random-token policies on procedural tasks, in workspaces.
+"""Agent harness demo: scripted oracle, no-op and a randomly initialised model on procedural tasks, in workspaces.
 
   python experiments/agent_main.py --config=experiments/configs/agent.py:colab
 
-Expected (colab, ~10-15 s on 2 busy CPU cores, in bubblewrap sandboxes): the oracle solves 100% of tasks (reward
-1.0 each), the no-op policy 0%, the random-token policy 0% with malformed-call penalties; transcripts and reward
-breakdowns are printed. A validity check of the tasks and the grader. Options: `level=1..4`, `n_tasks=`,
-`split=train|heldout`, `budget=` (tokens per segment; small values exercise self-summarization),
-`policies=oracle+noop+random`, `backend=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
+Expected (colab, ~1 min on 2 CPU cores, in bubblewrap sandboxes): the oracle solves 100% of tasks (reward 1.0 each),
+the no-op policy 0%, and a randomly initialised MoE served by the embedded JAX engine (`model`) 0% with
+malformed-call penalties; transcripts and reward breakdowns are printed. A validity check of the tasks and the
+grader. Options: `level=1..4`, `n_tasks=`, `split=train|heldout`, `budget=` (tokens per segment; small values
+exercise self-summarization), `policies=oracle+noop+model+random` (`random`: uniform random tokens, no model),
+`backend=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
 """
 import ml_collections
 
@@ -14,11 +15,12 @@ from experiments.configs import common
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, colab=False, level=1, n_tasks=0, split="train", budget=0, policies="oracle+noop+random",
+  arg = common.parse_arg(arg, colab=False, level=1, n_tasks=0, split="train", budget=0, policies="oracle+noop+model",
                          seed=0, backend="sandbox")
   c = ml_collections.ConfigDict()
   c.seed = arg.seed
   c.policies = arg.policies
+  c.model = "tiny"            # shape of the randomly initialised `model` policy (configs/model.py variant)
   c.backend = arg.backend  # 'sandbox' (bubblewrap namespaces via `sandboxes`) or 'local' (no isolation)
   c.tasks = ml_collections.ConfigDict(dict(level=arg.level, n=arg.n_tasks or (16 if arg.colab else 64),
                                            split=arg.split, seed=arg.seed))

@@ -35,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg.variant == "tiny":
     c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
              num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16,
-             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=1024,
+             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=4096,
              n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
              routed_scaling_factor=1.0, first_k_dense_replace=1, num_nextn_predict_layers=1)
   elif arg.variant == "colab":

@@ -1,0 +1,56 @@
+r"""CursorBench-style evaluation: policies x task sets, k samples, gold validation, cost, set statistics, Pareto plot.
+
+  python experiments/eval_main.py --config=experiments/configs/eval.py:procedural --config.out=runs/eval_proc
+  python experiments/eval_main.py --config=experiments/configs/eval.py:mined,repos=/src/a:/src/b
+  python experiments/eval_main.py --config=experiments/configs/eval.py:file,set_file=sets/mine_v1.json
+  python experiments/eval_main.py --config=experiments/configs/eval.py:swe,jsonl=tasks.jsonl,repos_dir=/src
+  python experiments/eval_main.py --config=experiments/configs/eval.py:procedural,policies=oracle+noop+checkpoint,\
+checkpoint=runs/rl_colab,model=colab
+  python experiments/eval_main.py --config=experiments/configs/eval.py:mined,repos=/src/a,build_set=sets/a_v1.json
+
+Variants name the set: `procedural` (held-out procedural tasks, `level=`, `n_tasks=`), `mined` (mine local git
+repositories now, `repos=` colon-separated), `swe` (SWE-bench-style JSONL against local clones), `file` (a frozen set
+written by the set builder). `build_set=PATH` mines `repos` with the filters (`min_files`, `min_lines`,
+`max_prompt_chars`) and writes a frozen, versioned set file instead of evaluating.
+
+Policies (`policies=a+b`): `oracle`, `noop`, `random` (scripted baselines, cost 0), `checkpoint` (an LM-stage workdir
+`checkpoint=` an LM-stage workdir (params/) or an RL-run workdir (weights/latest.json), both with tokenizer/;
+several joined by ':' appear side by side on the plot; `model=` their model-config variant; embedded JAX engine),
+`sglang` (`sglang_url=`). Re-running with the same `out` resumes: finished tasks are not re-run.
+
+Expected (procedural, 8 level-1 held-out tasks, k=2, oracle+noop+random, sandboxes): ~20-40 s on 2 busy cores;
+oracle pass@1 = 1.0, no-op 0.0, random 0.0; out/procedural/{summary.txt,pareto.png}, out/set_stats.txt.
+"""
+import ml_collections
+
+from experiments.configs import common
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = common.parse_arg(arg, variant="procedural", n_tasks=8, level=1, seed=0, samples=2, chunk_tasks=8,
+                         policies="oracle+noop+random", repos="", jsonl="", repos_dir="", set_file="", corpus="",
+                         keep_contaminated=False, checkpoint="", model="colab", sglang_url="", backend="sandbox",
+                         out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
+                         max_prompt_chars=1000, temperature=1.0)
+  c = ml_collections.ConfigDict()
+  c.set = ml_collections.ConfigDict(dict(kind=arg.variant, n=arg.n_tasks, level=arg.level, seed=arg.seed,
+                                         split="heldout", repos=arg.repos, jsonl=arg.jsonl, repos_dir=arg.repos_dir,
+                                         path=arg.set_file))
+  c.policies = arg.policies
+  c.samples = arg.samples
+  c.chunk_tasks = arg.chunk_tasks
+  c.corpus = arg.corpus  # pretraining corpus (dir or JSONL with "text") for the contamination guard; "" = off
+  c.keep_contaminated = arg.keep_contaminated
+  c.checkpoint = ml_collections.ConfigDict(dict(workdir=arg.checkpoint, model=arg.model))
+  c.sglang_url = arg.sglang_url
+  c.backend = arg.backend  # 'sandbox' (bubblewrap) or 'local'
+  c.out = arg.out
+  c.seed = arg.seed
+  c.builder = ml_collections.ConfigDict(dict(path=arg.build_set, version=arg.set_version, min_files=arg.min_files,
+                                             min_lines=arg.min_lines, max_prompt_chars=arg.max_prompt_chars))
+  c.miner = ml_collections.ConfigDict(dict(test_command="", timeout_s=120.0, max_commits=200))
+  c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=1024, train_tasks=200))  # baselines without a checkpoint
+  c.harness = ml_collections.ConfigDict(dict(context_budget=4096, max_turn_tokens=1024, observation_reserve=512,
+                                             max_turns=16, max_segments=3, summary_max_tokens=256,
+                                             temperature=arg.temperature, max_output_chars=2000))
+  return c

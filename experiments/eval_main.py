@@ -1,0 +1,106 @@
+r"""Evaluates policies (scripted baselines, a JAX checkpoint, an SGLang endpoint) on a task set; see
+experiments/configs/eval.py for commands, variants and expected results.
+
+  python experiments/eval_main.py --config=experiments/configs/eval.py:procedural --config.out=runs/eval_proc
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
+POLICIES = ("oracle", "noop", "random", "checkpoint", "sglang")
+
+
+def _baseline_tokenizer(c, system: str):
+  """A small BPE fitted to training-split procedural projects and oracle transcripts (never held-out tasks)."""
+  from composer_jax.train import tokenizer as tokenizer_lib
+  from rollout import chat_format, harness
+  from rollout.tasks import procedural
+  fit = procedural.generate(c.tokenizer.train_tasks, seed=c.seed + 1, split="train", level=c.set.level)
+  texts = [f for t in fit for f in t.environment.files.values()] + [system, harness.SUMMARY_PROMPT]
+  texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in fit]
+  return tokenizer_lib.train_tokenizer(texts, tokenizer_lib.TokenizerConfig(vocab_size=c.tokenizer.vocab_size))
+
+
+def _policies(c, system: str) -> dict:
+  from rollout.evaluation import policies, suite
+  names = [n for n in c.policies.split("+") if n]
+  unknown = [n for n in names if n not in POLICIES]
+  if unknown or not names:
+    raise ValueError(f"unknown policies {unknown or names}; valid: {POLICIES}")
+  out, tok = {}, None
+  if "checkpoint" in names:
+    from composer_jax import eval_policies
+    from composer_jax.model.config import ModelConfig
+    from experiments.configs import model as model_configs
+    workdirs = [w for w in c.checkpoint.workdir.split(":") if w]
+    if not workdirs:
+      raise ValueError("policy 'checkpoint' needs checkpoint=<workdir>[:<workdir>...] (params/ or weights/, "
+                       "and tokenizer/)")
+    model_cfg = ModelConfig.from_dict(model_configs.get_config(c.checkpoint.model).to_dict())
+    for w in workdirs:  # several checkpoints of one model (e.g. SFT start and RL steps) share a tokenizer
+      engine, tok, active = eval_policies.checkpoint_policy(w, model_cfg)
+      label = f"ckpt:{os.path.basename(os.path.normpath(w))}@v{engine.policy_version}"
+      out[label] = suite.Policy(lambda tasks, engine=engine: engine, tok, active)
+  tok = tok or _baseline_tokenizer(c, system)  # baselines speak the checkpoint's tokenizer when there is one
+  for n in names:
+    if n in policies.BASELINES:
+      out[n] = suite.Policy(lambda tasks, n=n: policies.baseline(n, tok, tasks, seed=c.seed), tok, 0)
+    elif n == "sglang":
+      if not c.sglang_url:
+        raise ValueError("policy 'sglang' needs sglang_url=http://host:port")
+      out["sglang"] = suite.Policy(lambda tasks: policies.SGLangEndpointEngine(c.sglang_url), tok, 0)
+  return out
+
+
+def main(argv):
+  del argv
+  from rollout import harness
+  from rollout.engines import protocol
+  from rollout.evaluation import builder, runner, suite
+  from rollout.tasks import miner
+  from rollout.tasks.environment import EnvironmentCache
+  from rollout.tools import ToolConfig
+  from rollout.workspace import make_factory
+
+  c = _CONFIG.value
+  mcfg = miner.MinerConfig(**{k: v for k, v in c.miner.items() if v})
+  repos = tuple(r for r in c.set.repos.split(":") if r)
+  factory = make_factory(c.backend)
+  try:
+    envs = EnvironmentCache(factory)
+    if c.builder.path:
+      b = c.builder
+      built, excluded = builder.build_set(
+        repos, envs, builder.SetFilters(b.min_files, b.min_lines, b.max_prompt_chars), mcfg,
+        name=os.path.splitext(os.path.basename(b.path))[0], version=b.version)
+      builder.write_set(b.path, built)
+      for what, why in excluded:
+        print(f"excluded {what}: {why}")
+      print(f"wrote {len(built['tasks'])} tasks to {b.path} (sha256 {built['sha256'][:12]})")
+      return
+    spec = suite.SetSpec(kind=c.set.kind, n=c.set.n, seed=c.set.seed, split=c.set.split, level=c.set.level,
+                         repos=repos, jsonl=c.set.jsonl, repos_dir=c.set.repos_dir, path=c.set.path)
+    tasks = suite.load_tasks(spec, envs, mcfg)
+    h = c.harness
+    system = harness.SYSTEM_PROMPT
+    hcfg = harness.HarnessConfig(
+      system_prompt=system, context_budget=h.context_budget, max_turn_tokens=h.max_turn_tokens,
+      observation_reserve=h.observation_reserve, max_turns=h.max_turns, max_segments=h.max_segments,
+      summary_max_tokens=h.summary_max_tokens, sampling=protocol.SamplingParams(temperature=h.temperature),
+      tools=ToolConfig(max_output_chars=h.max_output_chars), seed=c.seed)
+    out = suite.evaluate({c.set.kind: tasks}, _policies(c, system), envs, hcfg, c.out,
+                         runner.RunConfig(samples=c.samples, chunk_tasks=c.chunk_tasks), corpus=c.corpus,
+                         exclude_contaminated=not c.keep_contaminated)
+    for name, r in out.items():
+      print(f"[{name}] Pareto front: {r['pareto_front']}; plot: {os.path.join(c.out, name, 'pareto.png')}")
+  finally:
+    factory.close()
+
+
+if __name__ == "__main__":
+  app.run(main)
