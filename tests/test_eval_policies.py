@@ -34,7 +34,8 @@ class _Fake(http.server.BaseHTTPRequestHandler):
     _Fake.seen.append((self.path, body))
     n = body["sampling_params"]["max_new_tokens"]
     out = {"output_ids": list(range(7, 7 + n)), "meta_info": {
-      "output_token_logprobs": [[-0.5, 7 + i, None] for i in range(n)], "finish_reason": {"type": "length"}}}
+      "output_token_logprobs": [[-0.5, 7 + i, None] for i in range(n)], "finish_reason": {"type": "length"},
+      "weight_version": "3"}}
     data = json.dumps(out).encode()
     self.send_response(200)
     self.send_header("Content-Type", "application/json")
@@ -50,7 +51,7 @@ def test_sglang_adapter_round_trip():
   server = http.server.HTTPServer(("127.0.0.1", 0), _Fake)
   threading.Thread(target=server.serve_forever, daemon=True).start()
   try:
-    engine = policies.SGLangEndpointEngine(f"http://127.0.0.1:{server.server_port}/", policy_version=3)
+    engine = policies.SGLangEndpointEngine(f"http://127.0.0.1:{server.server_port}/")
     req = GenerateRequest((1, 2, 3), SamplingParams(temperature=0.5, max_tokens=4, stop_token_ids=(9,), seed=11))
     (res,) = engine.generate([req])
   finally:

@@ -9,13 +9,9 @@ the oracle-100% / no-op-0% check meaningful on every source.
 from __future__ import annotations
 
 import dataclasses
-import json
-import urllib.request
 from collections.abc import Sequence
 
-import numpy as np
-
-from rollout.engines import scripted
+from rollout.engines import scripted, sglang_client
 from rollout.engines.protocol import GenerateRequest, GenerateResult
 from rollout.tasks.task import Task
 
@@ -53,33 +49,15 @@ def baseline(name: str, tokenizer, tasks: Sequence[Task], seed: int = 0):
 class SGLangEndpointEngine:
   """Engine-protocol adapter for one SGLang server or router (`/generate` with token ids), without routing logs.
 
-  An interim adapter until the `sglang` branch's fleet client (`rollout/engines/sglang_client.py`) lands; when that
-  module is importable it is used instead of the minimal HTTP call below.
+  Uses the fleet's client (`rollout/engines/sglang_client.py`), so the policy version is the server's
+  `weight_version`.
   """
 
-  def __init__(self, base_url: str, policy_version: int = 0, timeout_s: float = 600.0):
-    self.base_url, self.policy_version, self.timeout_s = base_url.rstrip("/"), policy_version, timeout_s
+  def __init__(self, base_url: str, timeout_s: float = 600.0):
+    self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
 
   def _one(self, req: GenerateRequest) -> GenerateResult:
-    try:
-      from rollout.engines import sglang_client  # the fleet client, once merged
-      return sglang_client.generate_one(self.base_url, req, None, timeout=self.timeout_s)
-    except ImportError:
-      pass
-    p = req.params
-    payload = {"input_ids": list(req.prompt_ids), "return_logprob": True,
-               "sampling_params": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k or -1,
-                                   "max_new_tokens": p.max_tokens, "stop_token_ids": list(p.stop_token_ids),
-                                   "ignore_eos": False, **({"sampling_seed": p.seed} if p.seed is not None else {})}}
-    http = urllib.request.Request(f"{self.base_url}/generate", json.dumps(payload).encode(),
-                                  {"Content-Type": "application/json"})
-    with urllib.request.urlopen(http, timeout=self.timeout_s) as r:
-      body = json.loads(r.read())
-    meta = body.get("meta_info", {})
-    ids = np.asarray(body.get("output_ids", []), np.int32)
-    lps = np.asarray([x[0] for x in meta.get("output_token_logprobs", [])] or np.zeros(len(ids)), np.float32)
-    reason = (meta.get("finish_reason") or {}).get("type", "stop")
-    return GenerateResult(ids, lps[:len(ids)], None, self.policy_version, "length" if reason == "length" else "stop")
+    return sglang_client.generate_one(self.base_url, req, None, timeout=self.timeout_s)
 
   def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
     return [self._one(r) for r in requests]
