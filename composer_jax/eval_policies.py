@@ -9,11 +9,9 @@ The inference-cost estimate uses the active parameter count of the model config 
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
-import numpy as np
 
 from composer_jax.model.config import ModelConfig
 
@@ -21,28 +19,18 @@ from composer_jax.model.config import ModelConfig
 def load_checkpoint_params(workdir: str, model_cfg: ModelConfig):
   """(params, policy version) from either layout in the module docstring."""
   from composer_jax.model import params as params_lib
+  from composer_jax.rl import publish
   from composer_jax.train import stages
   if os.path.isdir(os.path.join(workdir, "params")):
     return stages.load_params(workdir, model_cfg), 0
-  ptr = os.path.join(workdir, "weights", "latest.json")
-  if not os.path.exists(ptr):
+  found = publish.latest(os.path.join(workdir, "weights"))
+  if found is None:
     raise FileNotFoundError(f"{workdir!r} holds neither an LM-stage export (params/) nor RL weights "
                             "(weights/latest.json)")
-  with open(ptr) as f:
-    latest = json.load(f)
-  path = os.path.join(workdir, "weights", latest["path"])
-  with np.load(path) as z:
-    flat = dict(z)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params_lib.abstract_params(model_cfg))
-  out = []
-  for p, like in leaves:
-    k = jax.tree_util.keystr(p)
-    if k not in flat:
-      raise ValueError(f"{path} has no leaf {k}; was it published from a different model config?")
-    if flat[k].shape != tuple(like.shape):
-      raise ValueError(f"{path}: leaf {k} has shape {flat[k].shape}, expected {tuple(like.shape)}")
-    out.append(jax.numpy.asarray(flat[k], like.dtype))
-  return jax.tree_util.tree_unflatten(treedef, out), int(latest["version"])
+  version, path = found
+  abstract = params_lib.abstract_params(model_cfg)
+  flat = publish.load(path, abstract)
+  return jax.tree.map(lambda x, like: jax.numpy.asarray(x, like.dtype), flat, abstract), version
 
 
 def checkpoint_policy(workdir: str, model_cfg: ModelConfig, engine_cfg=None):
