@@ -20,10 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from composer_jax import model  # noqa: E402
 from composer_jax.interop import hf  # noqa: E402
-from composer_jax.train import optim, step  # noqa: E402
+from composer_jax.train import loop, optim, step  # noqa: E402
 from composer_jax.train.config import OptimConfig, TrainConfig  # noqa: E402
 from experiments.configs import model as model_configs  # noqa: E402
 
@@ -47,10 +49,15 @@ def model_flops_per_step(cfg, B, L) -> float:
 
 
 def time_ours(cfg, params, batch, steps):
+  """The step exactly as the trainer builds it (`train.loop`): explicit shardings, state donated."""
   opt = optim.make_optimizer(OptimConfig(), params)
-  state = step.init_state(params, opt, 0)
-  fn = jax.jit(lambda s, b: step.train_step(s, b, model_cfg=cfg, train_cfg=TrainConfig(mtp_loss="none"),
-                                            optimizer=opt), donate_argnums=0)
+  mesh = loop.single_device_mesh()
+  p_shard = model.shardings(cfg, mesh)
+  shardings = loop.state_shardings(opt, jax.eval_shape(lambda: params), p_shard, 0)
+  state = jax.jit(lambda p: step.init_state(p, opt, 0), out_shardings=shardings)(params)
+  batch_sharding = NamedSharding(mesh, P("data"))
+  batch = jax.device_put(batch, batch_sharding)
+  fn = step.make_train_step(cfg, TrainConfig(mtp_loss="none"), opt, shardings, batch_sharding)
   t = time.perf_counter()
   state, m = fn(state, batch)
   jax.block_until_ready(m)

@@ -1,8 +1,8 @@
 r"""Continued pretraining on code, long-context extension and SFT (the report's phase 1).
 
 Run (colab: a 2.5M-param MoE (1.8M active), 4 MB of the Python standard library, 300 steps of 8 x 256 tokens;
-held-out perplexity 360 at step 50 → 118 at step 300, MTP top-1 agreement 0.71; measured on a 2-core CPU shared
-with other jobs (load ~12): 400 tokens/s, 55 min — see experiments/results/pretrain_colab.png):
+held-out perplexity 360 at step 50 → 118 at step 300, MTP top-1 agreement 0.71; ~2,050 tokens/s and ~6 min on an
+idle 2-core CPU — see experiments/results/pretrain_colab.png):
   python experiments/pretrain_main.py --config=experiments/configs/pretrain.py:colab --workdir=runs/pretrain_colab
 
 Then the chained stages, each starting from the previous stage's exported params:
