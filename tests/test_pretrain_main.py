@@ -108,3 +108,24 @@ def test_stages_chain_pretrain_long_context(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   assert os.path.isfile(long / "tokenizer" / "tokenizer.json")
   assert max(_losses(long)) == 2
+
+
+def test_init_from_a_hugging_face_checkpoint(tmp_path):
+  """`init.hf` starts training from a DeepseekV3 checkpoint: with a zero learning rate the exported params are it."""
+  import jax
+  import numpy as np
+
+  from composer_jax import model
+  from composer_jax.interop import hf
+  from composer_jax.train import stages
+  from experiments.configs import model as model_configs
+  cfg = model.ModelConfig.from_dict(model_configs.get_config("tiny").to_dict())
+  params = jax.device_get(model.init(jax.random.key(7), cfg))
+  hf.save(str(tmp_path / "hf"), cfg, params)
+  work = tmp_path / "run"
+  r = _run(_cmd(work, f"--config.init.hf={tmp_path / 'hf'}", "--config.train.steps=1",
+                "--config.optim.learning_rate=0.0", "--config.train.bias_update_rate=0.0"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  exported = jax.device_get(stages.load_params(str(work), cfg))
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported)):
+    np.testing.assert_array_equal(a, b)
