@@ -51,10 +51,7 @@ def test_killed_run_resumes_without_rerunning_finished_tasks(tmp_path):
   assert summary["oracle"]["pass@1"] == 1.0 and summary["oracle"]["n_tasks"] == 8
 
 
-@pytest.mark.slow  # 40-100 s wall on the shared 2-core machine (engine compiles); the area's default tests fill ~3 min
 def test_checkpoint_is_evaluated_and_plotted_with_baselines(tmp_path):
-  pytest.importorskip("composer_jax.sampling.engine",
-                      reason="the embedded JAX engine (branch `engine`) is not merged into this tree yet")
   workdir = tmp_path / "ckpt"
   script = f"""
 import jax
