@@ -33,14 +33,7 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
   with open(rate_path) as f:
     s_per_step = json.load(f)["seconds_per_step"]
   steps = max(1, int(seconds / s_per_step))
-  pool = setup.train_pool(cfg)
-  envs = setup.make_envs(cfg)
-  try:
-    h = setup.harness_config(cfg)
-    train = warmstart.oracle_transcripts(tok, pool[-cfg.sft_tasks:], envs, h)
-    dev = warmstart.oracle_transcripts(tok, setup.heldout_tasks(cfg, 32), envs, h)
-  finally:
-    envs.factory.close()
+  train, dev = setup.sft_transcripts(cfg, tok, setup.train_pool(cfg))
   log_fn(f"SFT control: {steps} more steps (~{seconds:.0f} s at {s_per_step:.2f} s/step)")
   params, _ = warmstart.run_sft(cfg.model, tok, train, dev, os.path.join(cfg.workdir, "sft_control"), steps=steps,
                                 seq_len=cfg.context_budget, batch_size=cfg.sft_batch, learning_rate=cfg.sft_lr / 3,

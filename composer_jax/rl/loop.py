@@ -66,14 +66,7 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
     tokenizer_lib.save_tokenizer(tok, tok_dir)
   if os.path.isdir(os.path.join(sft_dir, "params")):
     return stages.load_params(sft_dir, cfg.model)
-  envs = setup.make_envs(cfg)
-  try:
-    hcfg = setup.harness_config(cfg)
-    # SFT tasks come from the end of the pool, the workers' streams start at its beginning.
-    sft = warmstart.oracle_transcripts(tok, pool[-cfg.sft_tasks:], envs, hcfg)
-    dev = warmstart.oracle_transcripts(tok, setup.heldout_tasks(cfg, 32), envs, hcfg)
-  finally:
-    envs.factory.close()
+  sft, dev = setup.sft_transcripts(cfg, tok, pool)
   log_fn(f"SFT warm start: {len(sft)} oracle transcripts, {cfg.sft_steps} steps")
   params, last = warmstart.run_sft(cfg.model, tok, sft, dev, sft_dir, steps=cfg.sft_steps,
                                    seq_len=cfg.context_budget, batch_size=cfg.sft_batch,

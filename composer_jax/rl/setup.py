@@ -5,6 +5,7 @@ import dataclasses
 import os
 import pickle
 
+from composer_jax.rl import warmstart
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout import harness
@@ -35,6 +36,20 @@ def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list:
 
 def make_envs(cfg: RunConfig) -> EnvironmentCache:
   return EnvironmentCache(make_factory(cfg.backend))
+
+
+def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
+  """Oracle transcripts for SFT and 32 held-out dev transcripts.
+
+  SFT tasks come from the end of the pool; the workers' streams start at its beginning.
+  """
+  envs = make_envs(cfg)
+  try:
+    h = harness_config(cfg)
+    return (warmstart.oracle_transcripts(tok, pool[-cfg.sft_tasks:], envs, h),
+            warmstart.oracle_transcripts(tok, heldout_tasks(cfg, 32), envs, h))
+  finally:
+    envs.factory.close()
 
 
 def tokenizer_dir(cfg: RunConfig) -> str:
