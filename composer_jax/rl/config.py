@@ -38,6 +38,7 @@ class RunConfig:
   temperature: float = 1.0
   length_weight: float = 0.0        # λ of the length penalty C(x) (x = generated tokens)
   length_q: float = 0.5             # q of C(x)
+  lint_weight: float = 0.0          # per new ruff finding; each graded episode then runs ruff in its sandbox
   learning_rate: float = 3e-4
   rl: RLConfig = RLConfig()
   sft_steps: int = 300

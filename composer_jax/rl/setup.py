@@ -23,7 +23,8 @@ def harness_config(cfg: RunConfig) -> harness.HarnessConfig:
       max_turn_tokens=cfg.max_turn_tokens, observation_reserve=cfg.observation_reserve, max_turns=cfg.max_turns,
       max_segments=1, summary_max_tokens=cfg.max_turn_tokens,
       sampling=SamplingParams(temperature=cfg.temperature), tools=ToolConfig(max_output_chars=300), seed=cfg.seed,
-      rewards=RewardConfig(length_weight=cfg.length_weight, length_q=cfg.length_q))
+      rewards=RewardConfig(length_weight=cfg.length_weight, length_q=cfg.length_q,
+                           lint_weight=cfg.lint_weight))
 
 
 def train_pool(cfg: RunConfig) -> list:
