@@ -36,6 +36,7 @@ def _ep(p, x, idx, w, valid, cfg, mesh, **kw):
     ("ep_capacity", {"data": 2, "expert": 4}),
     ("ep_capacity", {"expert": 4, "tensor": 2}),  # each expert's F split over tensor: partial outputs psum'd
     ("ep_capacity", {"data": 8}),                  # expert axis of size 1: same code, no-op all-to-alls
+    ("ep_capacity", {"data": 2, "context": 2, "expert": 2}),  # tokens also split over the sequence
     ("ep_ragged", {"data": 2, "expert": 4}),       # dropless, with the all_to_all-built reference collective
 ])
 def test_ep_layer_matches_single_device(impl, axes):
