@@ -1,5 +1,6 @@
 """Expert parallelism (composer_jax/parallel/expert.py) on 8 fake CPU devices against the single-device paths."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,20 @@ def test_dispatch_round_trip_is_exact():
   assert bool(keep.all())
   np.testing.assert_array_equal(np.asarray(rows), np.broadcast_to(np.asarray(x)[:, :, None], rows.shape))
 
+
+
+def test_ragged_all_to_all_reference_hand_computed():
+  """2 devices, operands [a0 a1 a2] and [b0 b1 b2]; device 0 sends a0 to itself and a1 a2 to device 1, device 1
+  sends b0 b1 to device 0 (after device 0's row) and nothing to itself. Unwritten output rows keep their -1."""
+  mesh = make_mesh({"expert": 2}, devices=jax.devices()[:2])
+  operand = jnp.array([[1.0], [2.0], [3.0], [11.0], [12.0], [13.0]])  # a = 1, 2, 3; b = 11, 12, 13
+  i32 = lambda *v: jnp.array(v, jnp.int32)
+  input_offsets, send_sizes = i32(0, 1, 0, 0), i32(1, 2, 2, 0)
+  output_offsets, recv_sizes = i32(0, 0, 1, 0), i32(1, 2, 2, 0)  # per device: [to/from device 0, device 1]
+  f = jax.shard_map(functools.partial(ep.ragged_all_to_all_reference, axis_name="expert"), mesh=mesh,
+                    in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+  out = f(operand, -jnp.ones((8, 1)), input_offsets, send_sizes, output_offsets, recv_sizes)
+  np.testing.assert_array_equal(np.asarray(out)[:, 0], [1, 11, 12, -1, 2, 3, -1, -1])
 
 def test_dropped_assignments_hand_computed():
   """4 devices x 4 tokens, K=2, E=8, capacity factor 1: C = ceil(1 * 4 * 2 / 8) = 1 slot per (device, expert).
