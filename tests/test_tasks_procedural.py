@@ -2,6 +2,7 @@
 hidden tests fail on the starting files, pass with the gold patch, and the grader reads them right."""
 
 import json
+import random
 import re
 import time
 
@@ -115,3 +116,22 @@ def test_docstring_states_the_fix():
     edit = t.metadata["oracle"][1]["tool_calls"][0]["arguments"]
     assert spec != body
     assert edit["old"] == f"return {body}" and edit["new"] == f"return {spec}"
+
+
+def test_near_miss_demonstrations_make_a_wrong_fix(envs):
+  """A near-miss oracle edits the broken line to another expression, which the hidden tests mostly catch."""
+  rng = random.Random(0)
+  failed = 0
+  tasks = procedural.generate(20, seed=3, level=1)
+  for task in tasks:
+    miss = procedural.near_miss(task, rng)
+    edit = miss.metadata["oracle"][1]["tool_calls"][0]["arguments"]
+    good = task.metadata["oracle"][1]["tool_calls"][0]["arguments"]
+    assert edit["old"] == good["old"] and edit["new"] not in (good["new"], good["old"]) and miss.metadata["near_miss"]
+    ws = envs.fork(task)
+    (path, text), = task.environment.files.items()
+    ws.write_file(path, text.replace(edit["old"], edit["new"]))
+    failed += not environment.grade(ws, task.tests).passed
+    ws.close()
+  # A wrong expression can agree with the right one on the 3 tested inputs (weak hidden tests), so not all fail.
+  assert failed >= 16, failed

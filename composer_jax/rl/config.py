@@ -45,6 +45,7 @@ class RunConfig:
   sft_tasks: int = 1024
   sft_batch: int = 16
   sft_lr: float = 3e-3
+  sft_demo_accuracy: float = 1.0    # share of SFT demonstrations with the right fix; the rest are near misses
   init_checkpoint: str = ""         # a finished SFT/pretraining stage workdir to start from (skips the SFT here)
   eval_tasks: int = 500
   eval_every: int = 0               # held-out greedy eval every N steps in the trainer (0: only by rl_main at the end)
@@ -73,6 +74,8 @@ class RunConfig:
                        "every group would be dropped as stale before new weights arrive")
     if self.context_budget <= self.max_turn_tokens + self.observation_reserve:
       raise ValueError(f"context_budget={self.context_budget} must exceed max_turn_tokens + observation_reserve")
+    if not 0.0 < self.sft_demo_accuracy <= 1.0:
+      raise ValueError(f"sft_demo_accuracy must be in (0, 1], got {self.sft_demo_accuracy}")
     if self.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.vocab_size} exceeds the model's {self.model.vocab_size}")
 

@@ -75,6 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft_tasks = 16 if test else 1024
   c.sft_batch = 4 if test else 16
   c.sft_lr = 3e-3
+  c.sft_demo_accuracy = 1.0
   c.init_checkpoint = ""
   c.eval_tasks = 8 if test else 500
   c.eval_every = 0

@@ -334,3 +334,25 @@ def generate(n: int, *, seed: int = 0, split: str = "train", level: int = 1,
   if len(tasks) < n:
     raise ValueError(f"only {len(tasks)} distinct {split} tasks exist for {cfg}; asked for {n}")
   return tasks
+
+
+def near_miss(task: Task, rng: random.Random) -> Task:
+  """`task` with an oracle that makes a plausible wrong fix: one broken function gets a different single-token change
+  of its intended expression (an imperfect demonstration, like an unfiltered trajectory of a weaker teacher)."""
+  fixes = [c.split("|") for c in task.metadata["cores"] if not c.endswith("|ok")]
+  correct, shown, _ = fixes[rng.randrange(len(fixes))]
+  # Another one-token change of the right expression, or (when it has none, e.g. `a - b`) of the broken one.
+  wrong = [m for m in _mutations(correct) if m not in (correct, shown)] or \
+    [m for m in _mutations(shown) if m not in (correct, shown)]
+  turns = []
+  for turn in task.metadata["oracle"]:
+    calls = []
+    for call in turn["tool_calls"]:
+      new = call["arguments"].get("new", "")
+      if call["name"] == "edit" and f"return {correct}\n" in new + "\n" and wrong:
+        call = {"name": "edit", "arguments": {**call["arguments"],
+                                              "new": new.replace(f"return {correct}", f"return {rng.choice(wrong)}")}}
+        wrong = []  # one wrong edit per demonstration
+      calls.append(call)
+    turns.append({**turn, "tool_calls": calls})
+  return dataclasses.replace(task, metadata={**task.metadata, "oracle": turns, "near_miss": True})
