@@ -44,6 +44,7 @@ class RunConfig:
   sft_steps: int = 300
   sft_tasks: int = 1024
   sft_batch: int = 16
+  sft_seq_len: int = 256            # packed SFT rows; attention is most of a CPU step, so shorter rows are cheaper
   sft_lr: float = 3e-3
   sft_demo_accuracy: float = 1.0    # share of SFT demonstrations with the right fix; the rest are near misses
   init_checkpoint: str = ""         # a finished SFT/pretraining stage workdir to start from (skips the SFT here)
@@ -66,7 +67,7 @@ class RunConfig:
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
     for name in ("steps", "groups_per_step", "publish_every", "ckpt_every", "n_workers", "pool_size", "sft_batch",
-                 "eval_tasks"):
+                 "sft_seq_len", "eval_tasks"):
       if getattr(self, name) < 1:
         raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":
