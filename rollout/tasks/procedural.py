@@ -285,7 +285,9 @@ def make_task(rng: random.Random, cfg: ProceduralConfig, split: str, level: int 
       tests.append(basic)
       p2p.append(f"test_{fn.name}_basic")
   bugs, stubs = [f for f in fixes if f.kind == "bug"], [f for f in fixes if f.kind == "stub"]
-  where = (lambda f: f" in {f.module}.py") if cfg.name_files else (lambda f: "")
+  # Backticks make the path the same tokens as in a tool call's JSON string ("core.py" after a quote), where the
+  # plain " core.py" would be " core" — a small model then has to learn to copy across tokenisations.
+  where = (lambda f: f" in `{f.module}.py`") if cfg.name_files else (lambda f: "")
   parts = []
   if bugs:
     parts.append("Fix " + ", ".join(f"{f.name}{where(f)}" for f in bugs) + ".")
