@@ -38,6 +38,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=4096,
              n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
              routed_scaling_factor=1.0, first_k_dense_replace=1, num_nextn_predict_layers=1)
+  elif arg.variant == "rl_colab":
+    # The RL run's policy (experiments/configs/rl.py): ~0.5M parameters, small enough for ~1 s RL steps on a CPU.
+    c.update(vocab_size=512, hidden_size=96, intermediate_size=256, moe_intermediate_size=64,
+             num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
+             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=1024,
+             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+             routed_scaling_factor=1.0, first_k_dense_replace=1, num_nextn_predict_layers=0)
   elif arg.variant == "colab":
     c.update(vocab_size=4096, hidden_size=128, intermediate_size=384, moe_intermediate_size=96,
              num_hidden_layers=4, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=64,
@@ -62,5 +69,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
         mscale=1.0, mscale_all_dim=1.0))
   else:
-    raise ValueError(f"Unknown model variant {arg.variant!r}; valid: tiny, colab, small, kimi_k2")
+    raise ValueError(f"Unknown model variant {arg.variant!r}; valid: tiny, rl_colab, colab, small, kimi_k2")
   return c

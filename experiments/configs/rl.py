@@ -18,16 +18,6 @@ from experiments.configs import common
 from experiments.configs import model as model_configs
 
 
-def rl_colab_model() -> ml_collections.ConfigDict:
-  """`rl_colab`: a ~0.5M-parameter MoE (vocab 512) — small enough for ~1 s RL steps on a CPU core."""
-  m = model_configs.get_config("tiny")
-  m.update(vocab_size=512, hidden_size=96, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
-           num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-           max_position_embeddings=1024, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-           first_k_dense_replace=1, num_nextn_predict_layers=0)
-  return m
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
                          backend="", seed=0)
@@ -39,7 +29,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model = model_configs.get_config("tiny")
     c.model.update(num_nextn_predict_layers=0, max_position_embeddings=1024)
   else:
-    c.model = rl_colab_model()
+    c.model = model_configs.get_config("rl_colab")
   c.mode = arg.mode
   c.engine = "jax"
   c.steps = arg.steps or (4 if test else 300)
