@@ -19,7 +19,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import sampler
 
-EXTRA = 3  # output-buffer slack: speculative steps write two tokens past a row's pointer
+EXTRA = 1  # output-buffer slack: a step writes the next token one past the row's pointer
 
 
 class Batch(NamedTuple):
@@ -61,8 +61,8 @@ def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool 
   logits_UxPxV, h_UxPxD, experts, cache_U = cm.forward_cached(params, batch.prompts_UxP, cache_U, zeros_U,
                                                               batch.pad_U, cfg, fresh=True)
   if mtp:  # module 0 over slots 0..P-1; the last slot's next token is not sampled yet (the first step redoes it)
-    nxt_1xUxP = jnp.pad(batch.prompts_UxP[:, 1:], ((0, 0), (0, 1)))[None]
-    _, cache_U = cm.mtp_cached(params, h_UxPxD, nxt_1xUxP, cache_U, zeros_U, batch.pad_U, cfg, fresh=True)
+    nxt_UxP = jnp.pad(batch.prompts_UxP[:, 1:], ((0, 0), (0, 1)))
+    _, cache_U = cm.mtp_module(params, 0, h_UxPxD, nxt_UxP, cache_U, zeros_U, batch.pad_U, cfg, fresh=True)
   rows = batch.row_prompt_B
   cache_B = jax.tree.map(lambda a: a[:, rows], cache_U)
   return cache_B, logits_UxPxV[rows, -1], h_UxPxD[rows], experts
@@ -76,10 +76,10 @@ def _first_token(logits_BxV: jax.Array, batch: Batch, keys_B):
   return tok_B, lp_B
 
 
-def _out_buffers(B: int, T: int, cfg: ModelConfig):
+def _out_buffers(B: int, T: int, cfg: ModelConfig, extra: int = EXTRA):
   n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
-  return (jnp.zeros((B, T + EXTRA), jnp.int32), jnp.zeros((B, T + EXTRA), jnp.float32),
-          jnp.zeros((B, T + EXTRA, n_moe, cfg.num_experts_per_tok), jnp.int32))
+  return (jnp.zeros((B, T + extra), jnp.int32), jnp.zeros((B, T + extra), jnp.float32),
+          jnp.zeros((B, T + extra, n_moe, cfg.num_experts_per_tok), jnp.int32))
 
 
 def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Output:
