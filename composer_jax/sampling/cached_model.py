@@ -110,7 +110,30 @@ def cached_block(p: dict, x_BxLxD: jax.Array, rope, layer_cache: dict, start_B, 
   return h + mlp(p["mlp"], y), new_cache, None
 
 
+def split_layers(tree: dict) -> dict:
+  """Params or cache with each layer stack (and `mtp`) as a tuple of per-layer trees instead of [N, ...] arrays.
+
+  Decode steps run the layers of a split stack as an unrolled loop: inside a `lax.scan` every layer's weights were
+  dynamic-sliced out of the stack on each step, a copy that cost more than the layers' matmuls on CPU at batch 1.
+  Split once per generation call, outside the decode loop.
+  """
+  out = dict(tree)
+  for name in (*STACKS, "mtp"):
+    if name in tree and not isinstance(tree[name], tuple):
+      n = jax.tree.leaves(tree[name])[0].shape[0]
+      out[name] = tuple(jax.tree.map(lambda a, i=i: a[i], tree[name]) for i in range(n))
+  return out
+
+
 def _run_stack(stack, stack_cache, x, rope, start_B, pad_B, valid, cfg, fresh):
+  if isinstance(stack, tuple):  # split_layers: unrolled
+    new_cache, experts = [], []
+    for p, c in zip(stack, stack_cache):
+      x, c, ex = cached_block(p, x, rope, c, start_B, pad_B, valid, cfg, fresh)
+      new_cache.append(c)
+      experts.append(ex)
+    return x, tuple(new_cache), None if experts[0] is None else jnp.stack(experts)
+
   def body(x, xs):
     p, c = xs
     x, c, experts = cached_block(p, x, rope, c, start_B, pad_B, valid, cfg, fresh)
@@ -153,19 +176,21 @@ def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, 
   the module's final norm, new cache)."""
   dt = jnp.dtype(cfg.compute_dtype)
   _, positions_BxL, valid_BxL = slot_info(start_B, pad_B, h_BxLxD.shape[1])
-  p = jax.tree.map(lambda a: a[j], params["mtp"])
-  c = jax.tree.map(lambda a: a[j], cache["mtp"])
+  p = params["mtp"][j] if isinstance(params["mtp"], tuple) else jax.tree.map(lambda a: a[j], params["mtp"])
+  c = cache["mtp"][j] if isinstance(cache["mtp"], tuple) else jax.tree.map(lambda a: a[j], cache["mtp"])
   e = params["embed"][tokens_BxL].astype(dt)
   h = jnp.concatenate([rms_norm(e, p["enorm"], cfg.rms_norm_eps), rms_norm(h_BxLxD, p["hnorm"], cfg.rms_norm_eps)],
                       axis=-1) @ p["eh_proj"].astype(dt)
   h, c, _ = cached_block(p["block"], h, rope_cos_sin(positions_BxL, cfg), c, start_B, pad_B, valid_BxL, cfg, fresh)
+  if isinstance(cache["mtp"], tuple):
+    return h, dict(cache, mtp=cache["mtp"][:j] + (c,) + cache["mtp"][j + 1:])
   return h, dict(cache, mtp=jax.tree.map(lambda a, u: a.at[j].set(u), cache["mtp"], c))
 
 
 def mtp_logits(params: dict, j: int, h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
   """Logits [B, L, V] f32 of NextN module j from its hidden."""
   dt = jnp.dtype(cfg.compute_dtype)
-  p_norm = params["mtp"]["norm"][j]
+  p_norm = params["mtp"][j]["norm"] if isinstance(params["mtp"], tuple) else params["mtp"]["norm"][j]
   return (rms_norm(h_BxLxD, p_norm, cfg.rms_norm_eps) @ lm_head(params, cfg).astype(dt)).astype(jnp.float32)
 
 

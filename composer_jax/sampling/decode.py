@@ -89,6 +89,7 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Outp
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
   cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + T + EXTRA)
   pad_B = batch.pad_U[batch.row_prompt_B]
+  params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
   toks, lps, routes = _out_buffers(B, T, cfg)
   toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)

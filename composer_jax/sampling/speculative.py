@@ -73,6 +73,16 @@ def _verify_greedy(p_logits_BxWxV: jax.Array, d_Bxk: jax.Array):
   return acc_Bxk, n_B, jnp.take_along_axis(best_BxW, n_B[:, None], 1)[:, 0]
 
 
+def _draft_greedy(key_B, logits_BxV: jax.Array):
+  """(argmax draft, placeholder q) when every row is greedy (`_verify_greedy` does not read q)."""
+  del key_B
+  return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), logits_BxV
+
+
+def _draft(key_B, q_lp_BxV: jax.Array):
+  return sampler.draw(key_B, q_lp_BxV), q_lp_BxV
+
+
 def _shift_window(old_BxWx_: jax.Array, new_BxWx_: jax.Array, n_B: jax.Array) -> jax.Array:
   """The W entries starting at n + 1 of old ++ new (the window that ends at the new pointer)."""
   both = jnp.concatenate([old_BxWx_, new_BxWx_], axis=1)
@@ -95,6 +105,7 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
   cache, logits_BxV, h_BxPxD, prompt_experts = prefill(params, batch, cfg, P + T + extra, mtp=True)
   pad_B = batch.pad_U[batch.row_prompt_B]
+  params, cache = cm.split_layers(params), cm.split_layers(cache)
   rows_prompt_BxP = batch.prompts_UxP[batch.row_prompt_B]
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
   toks, lps, routes = _out_buffers(B, T, cfg, extra)
@@ -122,9 +133,11 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
     drafts, q_lps = [], []
     for j in range(k):
       if j > 0:
-        g, cache = cm.mtp_module(params, 0, g, drafts[-1][:, None], cache, s_B - 1 + j, pad_B, cfg)
-      q_lp_BxV = dist(cm.mtp_logits(params, 0, g[:, -1:], cfg))[:, 0]
-      drafts.append(sampler.draw(sampler.step_keys(keys_B, idx_B + 1 + j, DRAFT), q_lp_BxV))
+        g, cache = cm.mtp_module(params, 0, g[:, -1:], drafts[-1][:, None], cache, s_B - 1 + j, pad_B, cfg)
+      key_B = sampler.step_keys(keys_B, idx_B + 1 + j, DRAFT)
+      d_B, q_lp_BxV = jax.lax.cond(all_greedy, _draft_greedy, lambda key, lg: _draft(key, dist(lg[:, None])[:, 0]),
+                                   key_B, cm.mtp_logits(params, 0, g[:, -1], cfg))
+      drafts.append(d_B)
       q_lps.append(q_lp_BxV)
     d_Bxk = jnp.stack(drafts, 1)
     # 2. Verify.
