@@ -52,7 +52,8 @@ def test_split_layers_decode_equals_scanned():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), stacked, want[3][name])
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+@pytest.mark.parametrize("speculative", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["plain", "speculative"])
 def test_engine_decode_expert_paths_agree(speculative):
   """The engine's 'all' (CPU default) and 'model' (grouped matmul) decode paths: same tokens, routing, logprobs."""
   params = random_params(CFG, seed=2, std=0.2)

@@ -83,7 +83,7 @@ def test_output_token_distribution(draft_tokens, index):
     assert 0 < stats["accepted"] < stats["drafted"]
 
 
-@pytest.mark.parametrize("draft_tokens", [2, 3])
+@pytest.mark.parametrize("draft_tokens", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_greedy_multi_draft_equals_plain(draft_tokens):
   """Greedy speculative output with chained drafts equals plain greedy (tokens, logprobs, routing)."""
   params = random_params(CFG, seed=6, std=0.3)

@@ -12,7 +12,7 @@ Per step, with x_s the row's pending token (sampled, not yet fed) at slot s:
      if n < k, else from p_k (the bonus token). The two cases exclude each other, so they share one uniform.
 Each emitted token is then distributed exactly as under plain sampling with the same (temperature, top-k, top-p)
 distribution; with temperature 0 p and q are one-hot and the output equals greedy decoding token for token (a
-batch of only greedy rows skips the probability arithmetic).
+batch of only greedy rows runs a loop specialised to argmax comparisons).
 
 Letters: B rows, P padded prompt width, T output buffer length, V vocab, D hidden, k drafts per step, W = k + 1.
 """
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from composer_jax.model.config import ModelConfig
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import sampler
-from composer_jax.sampling.decode import Batch, Output, _first_token, _out_buffers, is_stop, prefill
+from composer_jax.sampling.decode import Batch, Output, _first_token, _out_buffers, greedy_or_sampled, is_stop, prefill
 
 DRAFT, ACCEPT, FINAL = 1, 2, 3  # key streams (stream 0 draws plain tokens; FINAL the residual-or-bonus token)
 
@@ -61,7 +61,7 @@ def verify(keys_acc_Bxk, key_final_B, p_lp_BxWxV: jax.Array, q_lp_BxkxV: jax.Arr
   resid_BxV = jnp.where(resid_BxV.sum(-1, keepdims=True) > 0, resid_BxV, p_n_BxV)
   if bonus:
     resid_BxV = jnp.where((n_B == k)[:, None], jnp.exp(p_lp_BxWxV[:, k]), resid_BxV)
-  return acc_Bxk, n_B, sampler.draw(key_final_B, jnp.log(resid_BxV))
+  return acc_Bxk, n_B, sampler.draw_inverse_cdf(key_final_B, jnp.log(resid_BxV))
 
 
 def _verify_greedy(p_logits_BxWxV: jax.Array, d_Bxk: jax.Array):
@@ -71,16 +71,6 @@ def _verify_greedy(p_logits_BxWxV: jax.Array, d_Bxk: jax.Array):
   acc_Bxk = best_BxW[:, :k] == d_Bxk
   n_B = jnp.cumprod(acc_Bxk, axis=1).sum(1).astype(jnp.int32)
   return acc_Bxk, n_B, jnp.take_along_axis(best_BxW, n_B[:, None], 1)[:, 0]
-
-
-def _draft_greedy(key_B, logits_BxV: jax.Array):
-  """(argmax draft, placeholder q) when every row is greedy (`_verify_greedy` does not read q)."""
-  del key_B
-  return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), logits_BxV
-
-
-def _draft(key_B, q_lp_BxV: jax.Array):
-  return sampler.draw(key_B, q_lp_BxV), q_lp_BxV
 
 
 def _shift_window(old_BxWx_: jax.Array, new_BxWx_: jax.Array, n_B: jax.Array) -> jax.Array:
@@ -118,13 +108,11 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
                                    repeat(batch.top_k_B, n), repeat(batch.top_p_B, n))
     return lp.reshape(B, n, -1)
 
-  all_greedy = (batch.temperature_B <= 0).all()
-
   def cond(state):
     s_B, end_B = state[0], state[-1]
     return (s_B - P < end_B).any()
 
-  def body(state):
+  def body(greedy: bool, state):
     s_B, h_BxWxD, tok_BxW, cache, toks, lps, routes, drafted, accepted, steps, end_B = state
     active_B = s_B - P < end_B
     idx_B = s_B - P  # output index of the pending token x_s
@@ -134,21 +122,23 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
     for j in range(k):
       if j > 0:
         g, cache = cm.mtp_module(params, 0, g[:, -1:], drafts[-1][:, None], cache, s_B - 1 + j, pad_B, cfg)
-      key_B = sampler.step_keys(keys_B, idx_B + 1 + j, DRAFT)
-      d_B, q_lp_BxV = jax.lax.cond(all_greedy, _draft_greedy, lambda key, lg: _draft(key, dist(lg[:, None])[:, 0]),
-                                   key_B, cm.mtp_logits(params, 0, g[:, -1], cfg))
-      drafts.append(d_B)
-      q_lps.append(q_lp_BxV)
+      logits_BxV = cm.mtp_logits(params, 0, g[:, -1], cfg)
+      if greedy:
+        drafts.append(jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32))
+      else:
+        q_lps.append(dist(logits_BxV[:, None])[:, 0])
+        drafts.append(sampler.draw_inverse_cdf(sampler.step_keys(keys_B, idx_B + 1 + j, DRAFT), q_lps[-1]))
     d_Bxk = jnp.stack(drafts, 1)
     # 2. Verify.
     fed_BxW = jnp.concatenate([tok_BxW[:, -1:], d_Bxk], axis=1)
     logits_BxWxV, hv_BxWxD, experts, cache = cm.forward_cached(params, fed_BxW, cache, s_B, pad_B, cfg)
     # 3. Accept / resample.
-    keys_acc = jax.vmap(lambda i: sampler.step_keys(keys_B, idx_B + 1 + i, ACCEPT), out_axes=1)(jnp.arange(k))
-    _, n_B, y_B = jax.lax.cond(
-        all_greedy, lambda: _verify_greedy(logits_BxWxV, d_Bxk),
-        lambda: verify(keys_acc, sampler.step_keys(keys_B, idx_B + 1, FINAL), dist(logits_BxWxV),
-                       jnp.stack(q_lps, 1), d_Bxk))
+    if greedy:
+      _, n_B, y_B = _verify_greedy(logits_BxWxV, d_Bxk)
+    else:
+      keys_acc = jax.vmap(lambda i: sampler.step_keys(keys_B, idx_B + 1 + i, ACCEPT), out_axes=1)(jnp.arange(k))
+      _, n_B, y_B = verify(keys_acc, sampler.step_keys(keys_B, idx_B + 1, FINAL), dist(logits_BxWxV),
+                           jnp.stack(q_lps, 1), d_Bxk)
     j_W = jnp.arange(W)[None, :]
     out_BxW = jnp.where(j_W < n_B[:, None], jnp.concatenate([d_Bxk, y_B[:, None]], 1), y_B[:, None])
     policy_BxWxV = sampler.policy_logprobs(logits_BxWxV.reshape(B * W, -1), repeat(batch.temperature_B, W))
@@ -176,7 +166,7 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
   tok_BxW = jnp.concatenate([rows_prompt_BxP[:, P - k:], tok_B[:, None]], 1)
   state = (jnp.full((B,), P, jnp.int32), h_BxPxD[:, P - W:], tok_BxW, cache, toks, lps, routes, z, z, z,
            batch.max_tokens_B.astype(jnp.int32))
-  state = jax.lax.while_loop(cond, body, state)
+  state = greedy_or_sampled(batch, cond, body, state)
   _, _, _, _, toks, lps, routes, drafted, accepted, steps, end_B = state
   return Output(toks[:, :T], lps[:, :T], routes[:, :T], end_B, prompt_experts,
                 {"steps": steps, "drafted": drafted, "accepted": accepted})
