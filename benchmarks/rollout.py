@@ -5,10 +5,14 @@
 Measures, for the embedded JAX engine (composer_jax.sampling):
   * decode tokens/s at batch 1 and 16 (greedy, fixed prompt, every row generates `--tokens` tokens), against
     transformers' `generate` (KV cache on, float32) on the same weights (exported with `composer_jax.interop.hf`);
-  * MTP speculative decoding at batch 1: speedup over plain decoding and draft acceptance rate, greedy and at
-    temperature 1 (`mtp_speedup_b1_t1`, `mtp_acceptance_t1`). Trained MTP heads
-    come from `--pretrain_workdir` (the pretraining run exports `<workdir>/params`); without one the heads are
-    random and the MTP figures are reported as such (`mtp_heads: "random"`), not as a result;
+  * MTP speculative decoding at batch 1 for each `--draft_tokens` k: speedup over plain decoding, draft acceptance
+    rate, tokens per step and the cost of a speculative step relative to a plain one, greedy and at temperature 1
+    (`mtp_by_k`; the headline `mtp_speedup_b1` / `mtp_acceptance` are greedy at the best k, `*_t1` at T = 1).
+    Trained MTP heads come from `--pretrain_workdir` (the pretraining run exports `<workdir>/params`), and the
+    prompts are then windows of the pretraining corpus's held-out split (re-read with the colab pretraining
+    config's corpus settings and the run's tokenizer); without one the heads are random and the MTP figures are
+    reported as such (`mtp_heads: "random"`), not as a result. Plain and speculative runs are interleaved, best of
+    `--repeats` each, since this 2-core machine is shared;
   * weight sync: the embedded engine's in-place update (`JaxEngine.update_weights`) and the Hugging Face export
     the SGLang fleet loads from, for the colab and small configs.
 SGLang decode figures are measured by the SGLang part of this benchmark (rollout/engines); `sglang_hook` below is
@@ -59,6 +63,55 @@ def load_or_random(cfg: ModelConfig, workdir: str | None) -> tuple[dict, str]:
 
 def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(batch, length))
+
+
+def heldout_prompts(workdir: str, n: int, length: int) -> np.ndarray:
+  """n windows of `length` tokens from the held-out documents of the colab pretraining corpus."""
+  from composer_jax.train import corpus as corpus_lib
+  from composer_jax.train import tokenizer as tokenizer_lib
+  from experiments.config_convert import stage_kwargs
+  from experiments.configs import pretrain
+  corpus = corpus_lib.load_corpus(stage_kwargs(pretrain.get_config("colab"))["corpus_cfg"])
+  tok = tokenizer_lib.load_tokenizer(os.path.join(workdir, "tokenizer"))
+  out = []
+  for doc in corpus.heldout:
+    ids = tok.encode(doc.text).ids
+    if len(ids) >= 2 * length:  # a window a third of the way in: past the licence header
+      out.append(ids[len(ids) // 3:len(ids) // 3 + length])
+    if len(out) == n:
+      break
+  return np.array(out, np.int32)
+
+
+def mtp_figures(plain: JaxEngine, specs: dict, prompts: np.ndarray, tokens: int, repeats: int,
+                temperature: float) -> dict:
+  """Batch-1 speculative vs plain decoding over `prompts` (one at a time), runs interleaved, best of `repeats`."""
+  engines = {0: plain, **specs}
+  best = {k: 0.0 for k in engines}
+  stats = {k: {"steps": 0, "drafted": 0, "accepted": 0} for k in engines}
+  for i, p in enumerate(prompts):
+    reqs = [GenerateRequest(tuple(int(t) for t in p), SamplingParams(temperature=temperature, max_tokens=tokens,
+                                                                     seed=i))]
+    for e in engines.values():
+      e.generate(reqs)  # compile / warm
+    times = {k: [] for k in engines}
+    for _ in range(repeats):
+      for k, e in engines.items():
+        t0 = time.perf_counter()
+        out = e.generate(reqs)
+        times[k].append(time.perf_counter() - t0)
+        assert len(out[0].output_ids) == tokens
+    for k, e in engines.items():
+      best[k] += min(times[k])
+      stats[k] = {n: stats[k][n] + e.last_stats.get(n, 0) for n in stats[k]}
+  n_tok = tokens * len(prompts)
+  res = {}
+  for k in specs:
+    res[k] = {"speedup": best[0] / best[k], "acceptance": stats[k]["accepted"] / max(stats[k]["drafted"], 1),
+              "tokens_per_step": n_tok / stats[k]["steps"],
+              # (time per speculative step) / (time per plain step); the speedup is tokens_per_step / this.
+              "step_cost_vs_plain": (best[k] / stats[k]["steps"]) / (best[0] / n_tok)}
+  return res
 
 
 def jax_decode(engine: JaxEngine, prompts: np.ndarray, tokens: int, repeats: int, temperature: float = 0.0):
@@ -125,6 +178,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--tokens", type=int, default=64, help="tokens generated per row")
   ap.add_argument("--prompt_len", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--draft_tokens", default="1,2,3", help="speculative drafts per step to measure (comma list)")
+  ap.add_argument("--mtp_prompts", type=int, default=4, help="batch-1 prompts the MTP figures are summed over")
+  ap.add_argument("--only_mtp", action="store_true", help="only the MTP speculative decoding figures")
   ap.add_argument("--skip_hf", action="store_true", help="skip the transformers baseline")
   ap.add_argument("--sync_configs", default="colab,small", help="configs to time weight sync for")
   args = ap.parse_args(argv)
@@ -133,13 +189,12 @@ def main(argv=None) -> dict:
   res: dict = {"config": args.config, "mtp_heads": heads, "tokens": args.tokens, "devices": str(jax.devices()[0])}
   ecfg = EngineConfig(min_prompt_bucket=args.prompt_len, min_len_bucket=args.tokens, max_batch=16)
   plain = JaxEngine(params, cfg, ecfg)
-  spec = JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True))
   with tempfile.TemporaryDirectory() as tmp:
     hf_dir = os.path.join(tmp, "hf")
     if not args.skip_hf:
       from composer_jax.interop import hf
       hf.save(hf_dir, cfg, jax.device_get(params))
-    for b in (1, 16):
+    for b in () if args.only_mtp else (1, 16):
       prompts = _prompts(cfg, b, args.prompt_len)
       res[f"decode_tokens_per_s_jax_b{b}"], _, jax_toks = jax_decode(plain, prompts, args.tokens, args.repeats)
       if not args.skip_hf:
@@ -148,22 +203,32 @@ def main(argv=None) -> dict:
         res[f"hf_greedy_token_agreement_b{b}"] = float((hf_toks == jax_toks).mean())
         res[f"decode_speedup_vs_hf_b{b}"] = res[f"decode_tokens_per_s_jax_b{b}"] / res[f"decode_tokens_per_s_hf_b{b}"]
       print({k: v for k, v in res.items() if k.endswith(f"b{b}")}, flush=True)
-    prompts = _prompts(cfg, 1, args.prompt_len, seed=1)
-    spec_tps, stats, spec_toks = jax_decode(spec, prompts, args.tokens, args.repeats)
-    plain_tps, _, plain_toks = jax_decode(plain, prompts, args.tokens, args.repeats)
-    res["mtp_greedy_equal"] = bool((spec_toks == plain_toks).all())
-    res["decode_tokens_per_s_mtp_b1"] = spec_tps
-    res["mtp_speedup_b1"] = spec_tps / plain_tps
-    res["mtp_acceptance"] = stats["accepted"] / max(stats["drafted"], 1)
-    res["mtp_tokens_per_step"] = args.tokens / max(stats["steps"], 1)
-    # Sampled at T=1 (as RL rollouts are), where greedy near-degenerate outputs cannot inflate acceptance.
-    spec_tps, stats, _ = jax_decode(spec, prompts, args.tokens, args.repeats, temperature=1.0)
-    plain_tps, _, _ = jax_decode(plain, prompts, args.tokens, args.repeats, temperature=1.0)
-    res["mtp_speedup_b1_t1"] = spec_tps / plain_tps
-    res["mtp_acceptance_t1"] = stats["accepted"] / max(stats["drafted"], 1)
-    print({k: v for k, v in res.items() if k.startswith("mtp")}, flush=True)
+    if heads == "trained":
+      prompts = heldout_prompts(args.pretrain_workdir, args.mtp_prompts, args.prompt_len)
+    else:
+      prompts = _prompts(cfg, args.mtp_prompts, args.prompt_len, seed=1)
+    ks = [int(k) for k in args.draft_tokens.split(",")]
+    specs = {k: JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True, draft_tokens=k)) for k in ks}
+    res["mtp_prompts"] = "heldout" if heads == "trained" else "random"
+    res["mtp_by_k"] = {}
+    for name, temp in (("greedy", 0.0), ("t1", 1.0)):
+      figs = mtp_figures(plain, specs, prompts, args.tokens, args.repeats, temp)
+      res["mtp_by_k"][name] = figs
+      print(name, figs, flush=True)
+    greedy, t1 = res["mtp_by_k"]["greedy"], res["mtp_by_k"]["t1"]
+    k_best = max(ks, key=lambda k: greedy[k]["speedup"])
+    res["mtp_draft_tokens"] = k_best
+    res["mtp_speedup_b1"], res["mtp_acceptance"] = greedy[k_best]["speedup"], greedy[k_best]["acceptance"]
+    res["mtp_tokens_per_step"] = greedy[k_best]["tokens_per_step"]
+    res["mtp_speedup_b1_t1"], res["mtp_acceptance_t1"] = t1[k_best]["speedup"], t1[k_best]["acceptance"]
+    # Greedy speculative decoding must reproduce plain greedy decoding token for token.
+    reqs = [GenerateRequest(tuple(int(t) for t in p), SamplingParams(temperature=0.0, max_tokens=args.tokens))
+            for p in prompts]
+    res["mtp_greedy_equal"] = all(np.array_equal(a.output_ids, b.output_ids)
+                                  for a, b in zip(plain.generate(reqs), specs[k_best].generate(reqs)))
+    print({k: v for k, v in res.items() if k.startswith("mtp") and k != "mtp_by_k"}, flush=True)
     syncs = {}
-    for variant in args.sync_configs.split(","):
+    for variant in [] if args.only_mtp else args.sync_configs.split(","):
       syncs[variant] = weight_sync(model_config(variant), os.path.join(tmp, f"sync_{variant}"))
       print(variant, syncs[variant], flush=True)
     res["weight_sync"] = syncs

@@ -23,6 +23,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
 from composer_jax.model.rope import rope_cos_sin, softmax_scale
+from composer_jax.sampling.all_experts import moe_all_experts
 
 STACKS = ("dense_layers", "moe_layers")
 
@@ -101,12 +102,38 @@ def cached_block(p: dict, x_BxLxD: jax.Array, rope, layer_cache: dict, start_B, 
   h = x_BxLxD + a
   y = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
   if "moe" in p:
+    if not fresh and "gate_up" in p["moe"]:  # decode step with the all-experts layout (all_experts.py)
+      out, experts = moe_all_experts(p["moe"], y, cfg)
+      return h + out, new_cache, experts
     out, aux = moe_block(p["moe"], y, valid_BxL, cfg)
     return h + out, new_cache, aux["experts"]
   return h + mlp(p["mlp"], y), new_cache, None
 
 
+def split_layers(tree: dict) -> dict:
+  """Params or cache with each layer stack (and `mtp`) as a tuple of per-layer trees instead of [N, ...] arrays.
+
+  Decode steps run the layers of a split stack as an unrolled loop: inside a `lax.scan` every layer's weights were
+  dynamic-sliced out of the stack on each step, a copy that cost more than the layers' matmuls on CPU at batch 1.
+  Split once per generation call, outside the decode loop.
+  """
+  out = dict(tree)
+  for name in (*STACKS, "mtp"):
+    if name in tree and not isinstance(tree[name], tuple):
+      n = jax.tree.leaves(tree[name])[0].shape[0]
+      out[name] = tuple(jax.tree.map(lambda a, i=i: a[i], tree[name]) for i in range(n))
+  return out
+
+
 def _run_stack(stack, stack_cache, x, rope, start_B, pad_B, valid, cfg, fresh):
+  if isinstance(stack, tuple):  # split_layers: unrolled
+    new_cache, experts = [], []
+    for p, c in zip(stack, stack_cache):
+      x, c, ex = cached_block(p, x, rope, c, start_B, pad_B, valid, cfg, fresh)
+      new_cache.append(c)
+      experts.append(ex)
+    return x, tuple(new_cache), None if experts[0] is None else jnp.stack(experts)
+
   def body(x, xs):
     p, c = xs
     x, c, experts = cached_block(p, x, rope, c, start_B, pad_B, valid, cfg, fresh)
@@ -143,28 +170,41 @@ def forward_cached(params: dict, tokens_BxL: jax.Array, cache: dict, start_B: ja
   return logits.astype(jnp.float32), x, experts, new_cache
 
 
+def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, cache: dict, start_B, pad_B,
+               cfg: ModelConfig, fresh: bool = False) -> tuple[jax.Array, dict]:
+  """NextN module j at slots start_B..: combines hidden h_t with the token at t+1+j → (its hidden [B, L, D] before
+  the module's final norm, new cache)."""
+  dt = jnp.dtype(cfg.compute_dtype)
+  _, positions_BxL, valid_BxL = slot_info(start_B, pad_B, h_BxLxD.shape[1])
+  p = params["mtp"][j] if isinstance(params["mtp"], tuple) else jax.tree.map(lambda a: a[j], params["mtp"])
+  c = cache["mtp"][j] if isinstance(cache["mtp"], tuple) else jax.tree.map(lambda a: a[j], cache["mtp"])
+  e = params["embed"][tokens_BxL].astype(dt)
+  h = jnp.concatenate([rms_norm(e, p["enorm"], cfg.rms_norm_eps), rms_norm(h_BxLxD, p["hnorm"], cfg.rms_norm_eps)],
+                      axis=-1) @ p["eh_proj"].astype(dt)
+  h, c, _ = cached_block(p["block"], h, rope_cos_sin(positions_BxL, cfg), c, start_B, pad_B, valid_BxL, cfg, fresh)
+  if isinstance(cache["mtp"], tuple):
+    return h, dict(cache, mtp=cache["mtp"][:j] + (c,) + cache["mtp"][j + 1:])
+  return h, dict(cache, mtp=jax.tree.map(lambda a, u: a.at[j].set(u), cache["mtp"], c))
+
+
+def mtp_logits(params: dict, j: int, h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Logits [B, L, V] f32 of NextN module j from its hidden."""
+  dt = jnp.dtype(cfg.compute_dtype)
+  p_norm = params["mtp"][j]["norm"] if isinstance(params["mtp"], tuple) else params["mtp"]["norm"][j]
+  return (rms_norm(h_BxLxD, p_norm, cfg.rms_norm_eps) @ lm_head(params, cfg).astype(dt)).astype(jnp.float32)
+
+
 def mtp_cached(params: dict, h_BxLxD: jax.Array, next_tokens_BxL: jax.Array, cache: dict, start_B, pad_B,
                cfg: ModelConfig, fresh: bool = False):
   """The NextN modules at slots start_B..: module 0 combines the trunk hidden at t with token t+1, module j the
   previous module's hidden with token t+1+j (`next_tokens_BxL` is [n, B, L] of those tokens; the first n <= N
-  modules run, so speculative decoding may use module 0 alone).
+  modules run).
 
   Returns:
     (logits [n, B, L, V] f32, new cache); entry j at slot t predicts the token at t+2+j.
   """
-  dt = jnp.dtype(cfg.compute_dtype)
-  _, positions_BxL, valid_BxL = slot_info(start_B, pad_B, h_BxLxD.shape[1])
-  rope = rope_cos_sin(positions_BxL, cfg)
-  head = lm_head(params, cfg).astype(dt)
-  h = h_BxLxD
-  logits, mtp_cache = [], cache["mtp"]
+  h, logits = h_BxLxD, []
   for j in range(next_tokens_BxL.shape[0]):
-    p = jax.tree.map(lambda a, j=j: a[j], params["mtp"])
-    c = jax.tree.map(lambda a, j=j: a[j], cache["mtp"])
-    e = params["embed"][next_tokens_BxL[j]].astype(dt)
-    h = jnp.concatenate([rms_norm(e, p["enorm"], cfg.rms_norm_eps), rms_norm(h, p["hnorm"], cfg.rms_norm_eps)],
-                        axis=-1) @ p["eh_proj"].astype(dt)
-    h, c, _ = cached_block(p["block"], h, rope, c, start_B, pad_B, valid_BxL, cfg, fresh)
-    logits.append((rms_norm(h, p["norm"], cfg.rms_norm_eps) @ head).astype(jnp.float32))
-    mtp_cache = jax.tree.map(lambda a, u, j=j: a.at[j].set(u), mtp_cache, c)
-  return jnp.stack(logits), dict(cache, mtp=mtp_cache)
+    h, cache = mtp_module(params, j, h, next_tokens_BxL[j], cache, start_B, pad_B, cfg, fresh)
+    logits.append(mtp_logits(params, j, h, cfg))
+  return jnp.stack(logits), cache

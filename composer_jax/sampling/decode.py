@@ -10,6 +10,7 @@ Lm MoE layers, K experts per token, S stop ids per row.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -19,7 +20,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import sampler
 
-EXTRA = 3  # output-buffer slack: speculative steps write two tokens past a row's pointer
+EXTRA = 1  # output-buffer slack: a step writes the next token one past the row's pointer
 
 
 class Batch(NamedTuple):
@@ -61,11 +62,19 @@ def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool 
   logits_UxPxV, h_UxPxD, experts, cache_U = cm.forward_cached(params, batch.prompts_UxP, cache_U, zeros_U,
                                                               batch.pad_U, cfg, fresh=True)
   if mtp:  # module 0 over slots 0..P-1; the last slot's next token is not sampled yet (the first step redoes it)
-    nxt_1xUxP = jnp.pad(batch.prompts_UxP[:, 1:], ((0, 0), (0, 1)))[None]
-    _, cache_U = cm.mtp_cached(params, h_UxPxD, nxt_1xUxP, cache_U, zeros_U, batch.pad_U, cfg, fresh=True)
+    nxt_UxP = jnp.pad(batch.prompts_UxP[:, 1:], ((0, 0), (0, 1)))
+    _, cache_U = cm.mtp_module(params, 0, h_UxPxD, nxt_UxP, cache_U, zeros_U, batch.pad_U, cfg, fresh=True)
   rows = batch.row_prompt_B
   cache_B = jax.tree.map(lambda a: a[:, rows], cache_U)
   return cache_B, logits_UxPxV[rows, -1], h_UxPxD[rows], experts
+
+
+def greedy_or_sampled(batch: Batch, cond, body, state):
+  """The decode loop with `body(greedy, state)`: one loop specialised to all-greedy batches (argmax only), one for
+  the rest, chosen once per call (a `lax.cond` inside every step cost more than a small step's sampling)."""
+  def loop(greedy):
+    return lambda st: jax.lax.while_loop(cond, functools.partial(body, greedy), st)
+  return jax.lax.cond((batch.temperature_B <= 0).all(), loop(True), loop(False), state)
 
 
 def _first_token(logits_BxV: jax.Array, batch: Batch, keys_B):
@@ -76,10 +85,10 @@ def _first_token(logits_BxV: jax.Array, batch: Batch, keys_B):
   return tok_B, lp_B
 
 
-def _out_buffers(B: int, T: int, cfg: ModelConfig):
+def _out_buffers(B: int, T: int, cfg: ModelConfig, extra: int = EXTRA):
   n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
-  return (jnp.zeros((B, T + EXTRA), jnp.int32), jnp.zeros((B, T + EXTRA), jnp.float32),
-          jnp.zeros((B, T + EXTRA, n_moe, cfg.num_experts_per_tok), jnp.int32))
+  return (jnp.zeros((B, T + extra), jnp.int32), jnp.zeros((B, T + extra), jnp.float32),
+          jnp.zeros((B, T + extra, n_moe, cfg.num_experts_per_tok), jnp.int32))
 
 
 def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Output:
@@ -89,6 +98,7 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Outp
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
   cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + T + EXTRA)
   pad_B = batch.pad_U[batch.row_prompt_B]
+  params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
   toks, lps, routes = _out_buffers(B, T, cfg)
   toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
@@ -97,20 +107,23 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Outp
     i, _, _, _, _, _, end_B = state
     return (i < end_B).any()
 
-  def body(state):
+  def body(greedy: bool, state):
     i, tok_B, cache, toks, lps, routes, end_B = state
     start_B = jnp.full((B,), P, jnp.int32) + i
     logits, _, experts, cache = cm.forward_cached(params, tok_B[:, None], cache, start_B, pad_B, cfg)
     routes = jax.lax.dynamic_update_slice_in_dim(routes, jnp.transpose(experts, (1, 2, 0, 3)), i, axis=1)
     end_B = jnp.where(is_stop(tok_B, batch.stop_BxS) & (i < end_B), i + 1, end_B)
-    slp = sampler.sampling_logprobs(logits[:, 0], batch.temperature_B, batch.top_k_B, batch.top_p_B)
-    nxt_B = sampler.draw(sampler.step_keys(keys_B, jnp.full((B,), i + 1)), slp)
+    if greedy:
+      nxt_B = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    else:
+      slp = sampler.sampling_logprobs(logits[:, 0], batch.temperature_B, batch.top_k_B, batch.top_p_B)
+      nxt_B = sampler.draw_inverse_cdf(sampler.step_keys(keys_B, jnp.full((B,), i + 1)), slp)
     lp_B = jnp.take_along_axis(sampler.policy_logprobs(logits[:, 0], batch.temperature_B), nxt_B[:, None], 1)[:, 0]
     toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt_B[:, None], i + 1, axis=1)
     lps = jax.lax.dynamic_update_slice_in_dim(lps, lp_B[:, None], i + 1, axis=1)
     return i + 1, nxt_B, cache, toks, lps, routes, end_B
 
   state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, routes, batch.max_tokens_B.astype(jnp.int32))
-  i, _, _, toks, lps, routes, end_B = jax.lax.while_loop(cond, body, state)
+  i, _, _, toks, lps, routes, end_B = greedy_or_sampled(batch, cond, body, state)
   stats = {"steps": i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
   return Output(toks[:, :T], lps[:, :T], routes[:, :T], end_B, prompt_experts, stats)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.sampling.all_experts import with_all_experts
 from composer_jax.sampling.decode import Batch, Output, generate
 from composer_jax.sampling.speculative import generate_speculative
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
@@ -33,6 +34,10 @@ class EngineConfig:
 
   Attributes:
     speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
+    draft_tokens: drafts per speculative step (module 0 chained on its own output after the first).
+    decode_experts: how decode steps run the routed experts: 'all' (every expert as two plain matmuls,
+      `all_experts.py`; fastest on CPU, where the grouped matmul is a masked dense dot anyway), 'model' (the
+      model's moe_impl, e.g. grouped matmuls on GPU), 'auto' ('all' on CPU, else 'model').
     max_batch: most rows per compiled call (larger requests are split).
     min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
       batch so every call reuses one compiled program.
@@ -43,6 +48,8 @@ class EngineConfig:
     seed: seed of the engine's own stream for requests without a seed.
   """
   speculative: bool = False
+  draft_tokens: int = 1
+  decode_experts: str = "auto"
   max_batch: int = 64
   min_batch_bucket: int = 1
   min_prompt_bucket: int = 16
@@ -51,9 +58,14 @@ class EngineConfig:
   seed: int = 0
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "speculative"))
-def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, speculative: bool) -> Output:
-  return (generate_speculative if speculative else generate)(params, batch, cfg, max_len)
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens", "all_experts"))
+def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int, all_experts: bool) -> Output:
+  """draft_tokens = 0: plain decoding."""
+  if all_experts:
+    params = with_all_experts(params)
+  if draft_tokens:
+    return generate_speculative(params, batch, cfg, max_len, draft_tokens)
+  return generate(params, batch, cfg, max_len)
 
 
 class JaxEngine:
@@ -66,6 +78,12 @@ class JaxEngine:
     self.engine_cfg = engine_cfg
     if engine_cfg.speculative and cfg.num_nextn_predict_layers < 1:
       raise ValueError("EngineConfig(speculative=True) needs a model with MTP modules (num_nextn_predict_layers >= 1)")
+    if engine_cfg.draft_tokens < 1:
+      raise ValueError(f"EngineConfig.draft_tokens must be >= 1, got {engine_cfg.draft_tokens}")
+    if engine_cfg.decode_experts not in ("auto", "all", "model"):
+      raise ValueError(f"EngineConfig.decode_experts={engine_cfg.decode_experts!r}; valid: 'auto', 'all', 'model'")
+    self._all_experts = engine_cfg.decode_experts == "all" or (
+        engine_cfg.decode_experts == "auto" and jax.default_backend() == "cpu")
     self.params = params
     self.policy_version = policy_version
     self._calls = 0
@@ -131,7 +149,9 @@ class JaxEngine:
 
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
     batch, T = self._batch(requests)
-    out = jax.device_get(_run(self.params, batch, self.cfg, T, self.engine_cfg.speculative))
+    ecfg = self.engine_cfg
+    out = jax.device_get(_run(self.params, batch, self.cfg, T, ecfg.draft_tokens if ecfg.speculative else 0,
+                              self._all_experts))
     self.last_stats = {k: int(v) for k, v in out.stats.items()}
     results = []
     for b, r in enumerate(requests):

@@ -64,12 +64,26 @@ def _truncation_mask(lp_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) 
 def draw(keys_B: jax.Array, logprobs_BxV: jax.Array) -> jax.Array:
   """One token per row from its (log-)distribution, with that row's key → int32 [B].
 
-  When every row's distribution is a point mass (greedy rows) the draw is its argmax, without generating the
-  per-token Gumbel noise that otherwise dominates a small CPU decode step.
+  Inverse-CDF sampling with one uniform per row (a Gumbel-max draw would generate V random numbers per row, which
+  dominated a small CPU decode step). When every row's distribution is a point mass (greedy rows) the draw is
+  its argmax, without the cumulative sum.
   """
   point_mass = (jnp.isfinite(logprobs_BxV).sum(-1) == 1).all()
-  return jax.lax.cond(point_mass, lambda k, lp: jnp.argmax(lp, axis=-1).astype(jnp.int32),
-                      lambda k, lp: jax.vmap(jax.random.categorical)(k, lp).astype(jnp.int32), keys_B, logprobs_BxV)
+  return jax.lax.cond(point_mass, lambda k, lp: jnp.argmax(lp, axis=-1).astype(jnp.int32), draw_inverse_cdf,
+                      keys_B, logprobs_BxV)
+
+
+def draw_inverse_cdf(keys_B: jax.Array, logprobs_BxV: jax.Array) -> jax.Array:
+  """Token i with cdf[i-1] <= u * total < cdf[i] for u ~ U[0, 1) (unnormalised log-probabilities are fine)."""
+  lp = logprobs_BxV.astype(jnp.float32)
+  p_BxV = jnp.exp(lp - jnp.max(lp, axis=-1, keepdims=True))
+  cdf_BxV = jnp.cumsum(p_BxV, axis=-1)
+  u_B = jax.vmap(jax.random.uniform)(keys_B) * cdf_BxV[:, -1]
+  idx_B = (cdf_BxV <= u_B[:, None]).sum(-1)
+  # u * total may round up to the total: fall back to the last token with positive probability, never a zero one.
+  V = lp.shape[1]
+  last_B = V - 1 - jnp.argmax(p_BxV[:, ::-1] > 0, axis=-1)
+  return jnp.minimum(idx_B, last_B).astype(jnp.int32)
 
 
 def step_keys(base_keys_B: jax.Array, index_B: jax.Array, stream: int = 0) -> jax.Array:

@@ -1,16 +1,20 @@
-"""MTP speculative decoding: MTP module 0 drafts one token, the trunk verifies it, exact rejection sampling.
+"""MTP speculative decoding: MTP module 0 drafts k tokens (chained on its own output), the trunk verifies them in
+one call, exact rejection sampling.
 
 Per step, with x_s the row's pending token (sampled, not yet fed) at slot s:
-  1. module 0 runs on slots s-2, s-1 (trunk hiddens h_{s-2}, h_{s-1} with tokens x_{s-1}, x_s; slot s-2 is redone
-     because the last step may have left it computed with a draft that was then rejected) → draft distribution q
-     for x_{s+1}; draw d ~ q;
-  2. the trunk runs on [x_s, d] at slots s, s+1 → target distributions p_{s+1}, p_{s+2};
-  3. accept d with probability min(1, p(d) / q(d)) (Leviathan et al. 2023 / Chen et al. 2023); on acceptance draw
-     a bonus x_{s+2} ~ p_{s+2}, else draw x_{s+1} from the residual max(0, p - q) (renormalised).
+  1. module 0 runs on the k+1 slots s-k-1 .. s-1 (trunk hiddens with the next tokens; slots already computed by
+     the last step are redone, which keeps the shapes fixed and overwrites entries computed from drafts) → draft
+     distribution q_0 for x_{s+1}; draw d_0 ~ q_0. Then module 0 chains on its own output hidden at slot s-1+j with
+     token d_{j-1} → q_j, d_j for j = 1..k-1 (DeepSeek-V3 / SGLang NextN style);
+  2. the trunk runs on [x_s, d_0 .. d_{k-1}] at slots s .. s+k → target distributions p_0 .. p_k;
+  3. d_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)) while all before it were (Leviathan et al. 2023 /
+     Chen et al. 2023); with n accepted, one more token is drawn from the residual max(0, p_n - q_n) (renormalised)
+     if n < k, else from p_k (the bonus token). The two cases exclude each other, so they share one uniform.
 Each emitted token is then distributed exactly as under plain sampling with the same (temperature, top-k, top-p)
-distribution; with temperature 0 both p and q are one-hot and the output equals greedy decoding token for token.
+distribution; with temperature 0 p and q are one-hot and the output equals greedy decoding token for token (a
+batch of only greedy rows runs a loop specialised to argmax comparisons).
 
-Letters: B rows, P padded prompt width, T output buffer length, V vocab, D hidden.
+Letters: B rows, P padded prompt width, T output buffer length, V vocab, D hidden, k drafts per step, W = k + 1.
 """
 from __future__ import annotations
 
@@ -20,9 +24,9 @@ import jax.numpy as jnp
 from composer_jax.model.config import ModelConfig
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import sampler
-from composer_jax.sampling.decode import EXTRA, Batch, Output, _first_token, _out_buffers, is_stop, prefill
+from composer_jax.sampling.decode import Batch, Output, _first_token, _out_buffers, greedy_or_sampled, is_stop, prefill
 
-DRAFT, ACCEPT, RESIDUAL = 1, 2, 3  # key streams (stream 0 draws the regular tokens)
+DRAFT, ACCEPT, FINAL = 1, 2, 3  # key streams (stream 0 draws plain tokens; FINAL the residual-or-bonus token)
 
 
 def _take(a_BxV: jax.Array, tok_B: jax.Array) -> jax.Array:
@@ -30,77 +34,139 @@ def _take(a_BxV: jax.Array, tok_B: jax.Array) -> jax.Array:
 
 
 def accept_or_resample(key_acc_B, key_res_B, p_lp_BxV: jax.Array, q_lp_BxV: jax.Array, d_B: jax.Array):
-  """Rejection step → (accepted bool [B], token [B]: d if accepted, else a draw from normalised max(0, p - q))."""
-  ratio_B = jnp.exp(_take(p_lp_BxV, d_B) - _take(q_lp_BxV, d_B))
-  u_B = jax.vmap(jax.random.uniform)(key_acc_B)
-  accepted_B = u_B < ratio_B
-  resid_BxV = jnp.maximum(jnp.exp(p_lp_BxV) - jnp.exp(q_lp_BxV), 0.0)
+  """One-draft rejection step → (accepted bool [B], token [B]: d if accepted, else a draw from norm. max(0, p - q))."""
+  acc_Bx1, n_B, y_B = verify(key_acc_B[:, None], key_res_B, p_lp_BxV[:, None], q_lp_BxV[:, None], d_B[:, None],
+                             bonus=False)
+  return acc_Bx1[:, 0], jnp.where(n_B > 0, d_B, y_B)
+
+
+def verify(keys_acc_Bxk, key_final_B, p_lp_BxWxV: jax.Array, q_lp_BxkxV: jax.Array, d_Bxk: jax.Array,
+           bonus: bool = True):
+  """Rejection sampling of k drafts → (accepted [B, k], n accepted in a row [B], the final token y [B]).
+
+  p_lp has k + 1 target distributions when `bonus` (y ~ p_k if all k are accepted), else k (y is then only
+  meaningful where n < k). y is drawn from normalised max(0, p_n - q_n) when n < k.
+  """
+  B, k = d_Bxk.shape
+  ratio_Bxk = jnp.exp(jnp.take_along_axis(p_lp_BxWxV[:, :k], d_Bxk[..., None], 2)[..., 0]
+                      - jnp.take_along_axis(q_lp_BxkxV, d_Bxk[..., None], 2)[..., 0])
+  u_Bxk = jax.vmap(jax.vmap(jax.random.uniform))(keys_acc_Bxk)
+  acc_Bxk = u_Bxk < ratio_Bxk
+  n_B = jnp.cumprod(acc_Bxk, axis=1).sum(1).astype(jnp.int32)
+  at_B = jnp.minimum(n_B, k - 1)
+  p_n_BxV = jnp.exp(jnp.take_along_axis(p_lp_BxWxV, at_B[:, None, None], 1)[:, 0])
+  q_n_BxV = jnp.exp(jnp.take_along_axis(q_lp_BxkxV, at_B[:, None, None], 1)[:, 0])
+  resid_BxV = jnp.maximum(p_n_BxV - q_n_BxV, 0.0)
   # The residual is never all-zero after a rejection; the fallback to p only guards rounding.
-  resid_BxV = jnp.where(resid_BxV.sum(-1, keepdims=True) > 0, resid_BxV, jnp.exp(p_lp_BxV))
-  resampled_B = sampler.draw(key_res_B, jnp.log(resid_BxV))
-  return accepted_B, jnp.where(accepted_B, d_B, resampled_B)
+  resid_BxV = jnp.where(resid_BxV.sum(-1, keepdims=True) > 0, resid_BxV, p_n_BxV)
+  if bonus:
+    resid_BxV = jnp.where((n_B == k)[:, None], jnp.exp(p_lp_BxWxV[:, k]), resid_BxV)
+  return acc_Bxk, n_B, sampler.draw_inverse_cdf(key_final_B, jnp.log(resid_BxV))
 
 
-def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Output:
-  """Like `decode.generate`, drafting with MTP module 0 (needs cfg.num_nextn_predict_layers >= 1)."""
+def _verify_greedy(p_logits_BxWxV: jax.Array, d_Bxk: jax.Array):
+  """`verify` when every row is greedy: argmax comparisons only."""
+  k = d_Bxk.shape[1]
+  best_BxW = jnp.argmax(p_logits_BxWxV, axis=-1).astype(jnp.int32)
+  acc_Bxk = best_BxW[:, :k] == d_Bxk
+  n_B = jnp.cumprod(acc_Bxk, axis=1).sum(1).astype(jnp.int32)
+  return acc_Bxk, n_B, jnp.take_along_axis(best_BxW, n_B[:, None], 1)[:, 0]
+
+
+def _shift_window(old_BxWx_: jax.Array, new_BxWx_: jax.Array, n_B: jax.Array) -> jax.Array:
+  """The W entries starting at n + 1 of old ++ new (the window that ends at the new pointer)."""
+  both = jnp.concatenate([old_BxWx_, new_BxWx_], axis=1)
+  W = old_BxWx_.shape[1]
+  return jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, W, axis=0))(both, n_B + 1)
+
+
+def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int = 1) -> Output:
+  """Like `decode.generate`, drafting `draft_tokens` tokens per step with MTP module 0 (needs MTP modules)."""
   if cfg.num_nextn_predict_layers < 1 or "mtp" not in params:
     raise ValueError("speculative decoding needs MTP modules (cfg.num_nextn_predict_layers >= 1)")
+  k, W = draft_tokens, draft_tokens + 1
+  if k < 1:
+    raise ValueError(f"draft_tokens must be >= 1, got {k}")
   U, P = batch.prompts_UxP.shape
-  if P < 2:
-    raise ValueError(f"speculative decoding needs a padded prompt width >= 2, got {P}")
+  if P < W:
+    raise ValueError(f"speculative decoding with {k} drafts needs a padded prompt width >= {W}, got {P}")
   B, T = batch.row_prompt_B.shape[0], max_len
+  extra = W + 1  # a step writes W tokens past a row's pointer, which is < T while the row is active
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  cache, logits_BxV, h_BxPxD, prompt_experts = prefill(params, batch, cfg, P + T + EXTRA, mtp=True)
+  cache, logits_BxV, h_BxPxD, prompt_experts = prefill(params, batch, cfg, P + T + extra, mtp=True)
   pad_B = batch.pad_U[batch.row_prompt_B]
+  params, cache = cm.split_layers(params), cm.split_layers(cache)
   rows_prompt_BxP = batch.prompts_UxP[batch.row_prompt_B]
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
-  toks, lps, routes = _out_buffers(B, T, cfg)
+  toks, lps, routes = _out_buffers(B, T, cfg, extra)
   toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
-  dist = lambda lg: sampler.sampling_logprobs(lg, batch.temperature_B, batch.top_k_B, batch.top_p_B)  # noqa: E731
-  policy = lambda lg: sampler.policy_logprobs(lg, batch.temperature_B)  # noqa: E731
+  repeat = lambda a_B, n: jnp.repeat(a_B, n, axis=0)  # noqa: E731  per-row settings for [B * n, V] rows
+
+  def dist(lg_BxNxV):
+    n = lg_BxNxV.shape[1]
+    lp = sampler.sampling_logprobs(lg_BxNxV.reshape(B * n, -1), repeat(batch.temperature_B, n),
+                                   repeat(batch.top_k_B, n), repeat(batch.top_p_B, n))
+    return lp.reshape(B, n, -1)
 
   def cond(state):
     s_B, end_B = state[0], state[-1]
     return (s_B - P < end_B).any()
 
-  def body(state):
-    s_B, h2_Bx2xD, tok2_Bx2, cache, toks, lps, routes, drafted, accepted, steps, end_B = state
+  def body(greedy: bool, state):
+    s_B, h_BxWxD, tok_BxW, cache, toks, lps, routes, drafted, accepted, steps, end_B = state
     active_B = s_B - P < end_B
     idx_B = s_B - P  # output index of the pending token x_s
-    mtp_logits, cache = cm.mtp_cached(params, h2_Bx2xD, tok2_Bx2[None], cache, s_B - 2, pad_B, cfg)
-    q_lp = dist(mtp_logits[0, :, 1])
-    d_B = sampler.draw(sampler.step_keys(keys_B, idx_B + 1, DRAFT), q_lp)
-    x_s = tok2_Bx2[:, 1]
-    logits, h_Bx2xD, experts, cache = cm.forward_cached(params, jnp.stack([x_s, d_B], 1), cache, s_B, pad_B, cfg)
-    acc_B, x1_B = accept_or_resample(sampler.step_keys(keys_B, idx_B + 1, ACCEPT),
-                                     sampler.step_keys(keys_B, idx_B + 1, RESIDUAL), dist(logits[:, 0]), q_lp, d_B)
-    x2_B = sampler.draw(sampler.step_keys(keys_B, idx_B + 2), dist(logits[:, 1]))
-    lp1_B, lp2_B = _take(policy(logits[:, 0]), x1_B), _take(policy(logits[:, 1]), x2_B)
+    # 1. Drafts.
+    g, cache = cm.mtp_module(params, 0, h_BxWxD, tok_BxW, cache, s_B - W, pad_B, cfg)
+    drafts, q_lps = [], []
+    for j in range(k):
+      if j > 0:
+        g, cache = cm.mtp_module(params, 0, g[:, -1:], drafts[-1][:, None], cache, s_B - 1 + j, pad_B, cfg)
+      logits_BxV = cm.mtp_logits(params, 0, g[:, -1], cfg)
+      if greedy:
+        drafts.append(jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32))
+      else:
+        q_lps.append(dist(logits_BxV[:, None])[:, 0])
+        drafts.append(sampler.draw_inverse_cdf(sampler.step_keys(keys_B, idx_B + 1 + j, DRAFT), q_lps[-1]))
+    d_Bxk = jnp.stack(drafts, 1)
+    # 2. Verify.
+    fed_BxW = jnp.concatenate([tok_BxW[:, -1:], d_Bxk], axis=1)
+    logits_BxWxV, hv_BxWxD, experts, cache = cm.forward_cached(params, fed_BxW, cache, s_B, pad_B, cfg)
+    # 3. Accept / resample.
+    if greedy:
+      _, n_B, y_B = _verify_greedy(logits_BxWxV, d_Bxk)
+    else:
+      keys_acc = jax.vmap(lambda i: sampler.step_keys(keys_B, idx_B + 1 + i, ACCEPT), out_axes=1)(jnp.arange(k))
+      _, n_B, y_B = verify(keys_acc, sampler.step_keys(keys_B, idx_B + 1, FINAL), dist(logits_BxWxV),
+                           jnp.stack(q_lps, 1), d_Bxk)
+    j_W = jnp.arange(W)[None, :]
+    out_BxW = jnp.where(j_W < n_B[:, None], jnp.concatenate([d_Bxk, y_B[:, None]], 1), y_B[:, None])
+    policy_BxWxV = sampler.policy_logprobs(logits_BxWxV.reshape(B * W, -1), repeat(batch.temperature_B, W))
+    lp_BxW = jnp.take_along_axis(policy_BxWxV.reshape(B, W, -1), out_BxW[..., None], 2)[..., 0]
     keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
 
-    def write(buf, new_Bx2, at_B):
-      old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, 2, axis=0))(buf, at_B)
-      return cm.write_rows(buf, keep(new_Bx2, old), at_B)
+    def write(buf, new_BxW, at_B):
+      old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, W, axis=0))(buf, at_B)
+      return cm.write_rows(buf, keep(new_BxW, old), at_B)
 
-    toks = write(toks, jnp.stack([x1_B, x2_B], 1), idx_B + 1)
-    lps = write(lps, jnp.stack([lp1_B, lp2_B], 1), idx_B + 1)
+    toks = write(toks, out_BxW, idx_B + 1)
+    lps = write(lps, lp_BxW, idx_B + 1)
     routes = write(routes, jnp.transpose(experts, (1, 2, 0, 3)), idx_B)
-    # Tokens fed this step: x_s always, d when accepted; a stop among them ends the row after it.
-    end_B = jnp.where(active_B & is_stop(x_s, batch.stop_BxS) & (idx_B < end_B), idx_B + 1, end_B)
-    end_B = jnp.where(active_B & acc_B & is_stop(d_B, batch.stop_BxS) & (idx_B + 1 < end_B), idx_B + 2, end_B)
-    h_prev_BxD = h2_Bx2xD[:, 1]
-    new_h2 = jnp.where(acc_B[:, None, None], h_Bx2xD, jnp.stack([h_prev_BxD, h_Bx2xD[:, 0]], 1))
-    new_tok2 = jnp.where(acc_B[:, None], jnp.stack([d_B, x2_B], 1), jnp.stack([x_s, x1_B], 1))
-    s_new = s_B + 1 + acc_B.astype(jnp.int32)
+    # Tokens fed this step: x_s and the n accepted drafts; the first stop among them ends the row after it.
+    for j in range(W):
+      stop_B = active_B & (j <= n_B) & is_stop(fed_BxW[:, j], batch.stop_BxS) & (idx_B + j < end_B)
+      end_B = jnp.where(stop_B, idx_B + j + 1, end_B)
+    s_new = s_B + 1 + n_B
     n_act = active_B.sum()
-    return (keep(s_new, s_B), keep(new_h2, h2_Bx2xD), keep(new_tok2, tok2_Bx2), cache, toks, lps, routes,
-            drafted + n_act, accepted + (acc_B & active_B).sum(), steps + 1, end_B)
+    return (keep(s_new, s_B), keep(_shift_window(h_BxWxD, hv_BxWxD, n_B), h_BxWxD),
+            keep(_shift_window(tok_BxW, out_BxW, n_B), tok_BxW), cache, toks, lps, routes,
+            drafted + k * n_act, accepted + jnp.where(active_B, n_B, 0).sum(), steps + 1, end_B)
 
   z = jnp.zeros((), jnp.int32)
-  tok2 = jnp.stack([rows_prompt_BxP[:, -1], tok_B], 1)
-  state = (jnp.full((B,), P, jnp.int32), h_BxPxD[:, -2:], tok2, cache, toks, lps, routes, z, z, z,
+  tok_BxW = jnp.concatenate([rows_prompt_BxP[:, P - k:], tok_B[:, None]], 1)
+  state = (jnp.full((B,), P, jnp.int32), h_BxPxD[:, P - W:], tok_BxW, cache, toks, lps, routes, z, z, z,
            batch.max_tokens_B.astype(jnp.int32))
-  state = jax.lax.while_loop(cond, body, state)
+  state = greedy_or_sampled(batch, cond, body, state)
   _, _, _, _, toks, lps, routes, drafted, accepted, steps, end_B = state
   return Output(toks[:, :T], lps[:, :T], routes[:, :T], end_B, prompt_experts,
                 {"steps": steps, "drafted": drafted, "accepted": accepted})
