@@ -15,7 +15,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
 from composer_jax.model.rope import rope_cos_sin
-from composer_jax.parallel.context import context_parallel_attention, context_size, from_zigzag, to_zigzag
+from composer_jax.parallel import context as cp_lib  # a module import: parallel.context imports model.attention
 
 
 def _self_attention(p: dict, x_BxLxD: jax.Array, rope, mask, cfg: ModelConfig) -> jax.Array:
@@ -23,7 +23,7 @@ def _self_attention(p: dict, x_BxLxD: jax.Array, rope, mask, cfg: ModelConfig) -
   cos, sin = rope
   if cfg.attention_impl == "dense":
     return attention(p, x_BxLxD, cos, sin, mask, cfg)
-  return context_parallel_attention(p, x_BxLxD, cos, sin, *mask, cfg)
+  return cp_lib.context_parallel_attention(p, x_BxLxD, cos, sin, *mask, cfg)
 
 
 def block(p: dict, x_BxLxD: jax.Array, rope: tuple[jax.Array, jax.Array], mask,
@@ -90,12 +90,13 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
   for j in range(cfg.num_nextn_predict_layers):
     p = jax.tree.map(lambda a, j=j: a[j], params["mtp"])
     shifted_BxL = jnp.pad(tokens_BxL[:, j + 1:], ((0, 0), (0, min(j + 1, L))))[:, :L]
-    e_BxLxD = embed_VxD[to_zigzag(shifted_BxL, cp_size)].astype(dt)
+    e_BxLxD = embed_VxD[cp_lib.to_zigzag(shifted_BxL, cp_size)].astype(dt)
     cat_BxLx2D = jnp.concatenate([rms_norm(e_BxLxD, p["enorm"], cfg.rms_norm_eps),
                                   rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
     h = cat_BxLx2D @ p["eh_proj"].astype(dt)
     h, aux = block(p["block"], h, rope, mask, valid, cfg)
-    logits.append((from_zigzag(rms_norm(h, p["norm"], cfg.rms_norm_eps), cp_size) @ head_DxV).astype(jnp.float32))
+    out_BxLxD = cp_lib.from_zigzag(rms_norm(h, p["norm"], cfg.rms_norm_eps), cp_size)
+    logits.append((out_BxLxD @ head_DxV).astype(jnp.float32))
     loads.append(aux["expert_load"])
   if not logits:
     return (jnp.zeros((0, *tokens_BxL.shape, cfg.vocab_size), jnp.float32),
@@ -158,28 +159,28 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     raise ValueError(f"routing has shape {routing.shape}, expected (n_moe_layers, B, L, K) = {(n_moe, B, L, K)}")
   # Context parallelism: run the whole stack in the zig-zag layout (parallel/context.py); the mask becomes each
   # token's segment id and original index, and outputs are put back in natural order below.
-  n = 1 if cfg.attention_impl == "dense" else context_size()
+  n = 1 if cfg.attention_impl == "dense" else cp_lib.context_size()
   if cfg.attention_impl == "dense":
     mask = segment_causal_mask(segment_ids, segment_ids)
   else:
     index = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
-    mask = (to_zigzag(segment_ids, n), to_zigzag(index, n))
-  valid_BxL = to_zigzag(segment_ids, n) != 0
-  rope = rope_cos_sin(to_zigzag(positions, n), cfg)
+    mask = (cp_lib.to_zigzag(segment_ids, n), cp_lib.to_zigzag(index, n))
+  valid_BxL = cp_lib.to_zigzag(segment_ids, n) != 0
+  rope = rope_cos_sin(cp_lib.to_zigzag(positions, n), cfg)
   if routing is not None:
-    routing = to_zigzag(routing, n, axis=2)
-  x = params["embed"][to_zigzag(tokens, n)].astype(dt)
+    routing = cp_lib.to_zigzag(routing, n, axis=2)
+  x = params["embed"][cp_lib.to_zigzag(tokens, n)].astype(dt)
   if n_dense:
     x, _ = _run_stack(params["dense_layers"], x, rope, mask, valid_BxL, cfg)
   if n_moe:
     x, moe_aux = _run_stack(params["moe_layers"], x, rope, mask, valid_BxL, cfg, routing)
-    moe_aux = dict(moe_aux, router_scores=from_zigzag(moe_aux["router_scores"], n, axis=2),
-                   experts=from_zigzag(moe_aux["experts"], n, axis=2))
+    moe_aux = dict(moe_aux, router_scores=cp_lib.from_zigzag(moe_aux["router_scores"], n, axis=2),
+                   experts=cp_lib.from_zigzag(moe_aux["experts"], n, axis=2))
   else:
     moe_aux = {"router_scores": jnp.zeros((0, B, L, E), jnp.float32), "experts": jnp.zeros((0, B, L, K), jnp.int32),
                "expert_load": jnp.zeros((0, E), jnp.float32), "balance_loss": jnp.zeros((0,), jnp.float32),
                "dropped_fraction": jnp.zeros((0,), jnp.float32)}
-  logits = from_zigzag(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), n) @ _lm_head(params, cfg).astype(dt)
+  logits = cp_lib.from_zigzag(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), n) @ _lm_head(params, cfg).astype(dt)
   aux = {"router_scores": moe_aux["router_scores"], "experts": moe_aux["experts"],
          "expert_load": moe_aux["expert_load"],
          "balance_loss": cfg.seq_aux_loss_coef * moe_aux["balance_loss"].sum(),

@@ -53,14 +53,61 @@ def zigzag_order(length: int, n: int) -> np.ndarray:
   return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
-def to_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
-  """Permutes `axis` (the sequence) into the zig-zag layout (identity for n = 1)."""
+def to_zigzag_reference(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+  """Permutes `axis` (the sequence) into the zig-zag layout with a gather (the reference for `to_zigzag`)."""
   return x if n == 1 else jnp.take(x, zigzag_order(x.shape[axis], n), axis=axis)
+
+
+def from_zigzag_reference(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+  """Inverse of `to_zigzag_reference`."""
+  return x if n == 1 else jnp.take(x, np.argsort(zigzag_order(x.shape[axis], n)), axis=axis)
+
+
+def _swap_halves(x, *, n: int, axis: int, inverse: bool):
+  """Per-device body of `to_zigzag` / `from_zigzag`: two half-chunk `ppermute`s, nothing gathered.
+
+  Contiguous layout: device i holds halves (2i, 2i+1); zig-zag: device i holds halves (i, 2n-1-i). In either
+  direction each device sends exactly one half to each of two permutations whose targets are all distinct, so
+  each is one `ppermute`.
+  """
+  i = jax.lax.axis_index(AXIS)
+  lo, hi = jnp.split(x, 2, axis=axis)
+  if not inverse:  # half 2i goes to the device owning it in zig-zag order, likewise half 2i+1
+    dest = lambda h: h if h < n else 2 * n - 1 - h  # noqa: E731
+    a = jax.lax.ppermute(lo, AXIS, [(d, dest(2 * d)) for d in range(n)])
+    b = jax.lax.ppermute(hi, AXIS, [(d, dest(2 * d + 1)) for d in range(n)])
+    # Device d received half d and half 2n-1-d; the even-numbered one came through `a`.
+    first, second = jnp.where(i % 2 == 0, a, b), jnp.where(i % 2 == 0, b, a)
+  else:  # device d holds halves d and 2n-1-d, one even, one odd: send each to its contiguous home h // 2
+    even, odd = jnp.where(i % 2 == 0, lo, hi), jnp.where(i % 2 == 0, hi, lo)
+    half = lambda d, parity: d if d % 2 == parity else 2 * n - 1 - d  # noqa: E731
+    first = jax.lax.ppermute(even, AXIS, [(d, half(d, 0) // 2) for d in range(n)])
+    second = jax.lax.ppermute(odd, AXIS, [(d, half(d, 1) // 2) for d in range(n)])
+  return jnp.concatenate([first, second], axis=axis)
+
+
+def _permute(x: jax.Array, n: int, axis: int, inverse: bool) -> jax.Array:
+  if n == 1:
+    return x
+  if n != context_size():
+    raise ValueError(f"Zig-zag over {n} devices needs a mesh (jax.set_mesh) whose 'context' axis has size {n}; "
+                     f"the current one has {context_size()}")
+  zigzag_order(x.shape[axis], n)  # validates the length
+  spec = P(*([None] * axis), AXIS)
+  fn = jax.shard_map(lambda a: _swap_halves(a, n=n, axis=axis, inverse=inverse), axis_names={AXIS},
+                     in_specs=spec, out_specs=spec)
+  with jax.named_scope("from_zigzag" if inverse else "to_zigzag"):
+    return fn(x)
+
+
+def to_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+  """Permutes `axis` (the sequence, sharded on `context` of size n) into the zig-zag layout (identity for n = 1)."""
+  return _permute(x, n, axis, inverse=False)
 
 
 def from_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
   """Inverse of `to_zigzag`."""
-  return x if n == 1 else jnp.take(x, np.argsort(zigzag_order(x.shape[axis], n)), axis=axis)
+  return _permute(x, n, axis, inverse=True)
 
 
 def _block_mask(seg_q_BxL, idx_q_BxL, seg_k_BxS, idx_k_BxS) -> jax.Array:
