@@ -145,24 +145,44 @@ def _finish(o_BxHxLxDv, l_BxHxL, dtype) -> jax.Array:
 
 
 def _ring_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float, n: int):
-  """Per-device body of `ring_attention` (manual over `context`)."""
+  """Per-device body of `ring_attention` (manual over `context`; inputs in the zig-zag layout).
+
+  Device i holds query chunks (i, 2n-1-i). At ring step t it holds the KV of device j = i - t (mod n), chunks
+  (j, 2n-1-j). For j < i both query chunks see KV chunk j entirely and chunk 2n-1-j not at all: attend all
+  queries to the first KV half. For j > i only query chunk 2n-1-i sees anything, and it sees both KV chunks:
+  attend the second query half to all KV. Every device does half a block per step (the zig-zag balance), and only
+  step 0 (j = i) needs the causal diagonal. The index/segment mask is still applied in every case.
+  """
   B, L, H, _ = q_BxLxHxQ.shape
   Dv = kvb["v_b"].shape[-1]
   f32 = jnp.float32
   acc = (jnp.zeros((B, H, L, Dv), f32), jnp.full((B, H, L), -jnp.inf, f32), jnp.zeros((B, H, L), f32))
   acc = jax.lax.pcast(acc, (AXIS,), to="varying")
   kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
-  ring = [(i, (i + 1) % n) for i in range(n)]
+  ring = [(d, (d + 1) % n) for d in range(n)]
+  i = jax.lax.axis_index(AXIS)
+  half = L // 2
+  update = jax.checkpoint(_online_update, static_argnums=(6,))
+  acc = update(acc, q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
 
-  # Rematerialised: the backward pass recomputes a block's logits instead of storing N of them.
+  def earlier(acc, kv):  # j < i: all queries x first KV half
+    return update(acc, q_BxLxHxQ, tuple(a[:, :half] for a in kv), kvb, seg_BxL, idx_BxL, scale)
+
+  def later(acc, kv):  # j > i: second query half x all KV
+    lo, hi = zip(*((a[:, :, :half], a[:, :, half:]) for a in acc))  # acc leaves are [B, H, L, ...]
+    hi = update(hi, q_BxLxHxQ[:, half:], kv, kvb, seg_BxL[:, half:], idx_BxL[:, half:], scale)
+    return tuple(jnp.concatenate([a, b], axis=2) for a, b in zip(lo, hi))
+
+  # Rematerialised: the backward pass recomputes a block's logits instead of storing n of them.
   @jax.checkpoint
-  def step(carry, _):
+  def step(carry, t):
     acc, kv = carry
-    acc = _online_update(acc, q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
-    return (acc, jax.lax.ppermute(kv, AXIS, ring)), None
+    kv = jax.lax.ppermute(kv, AXIS, ring)
+    acc = jax.lax.cond((i - t) % n < i, earlier, later, acc, kv)
+    return (acc, kv), None
 
-  (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=n - 1)
-  o, _, l = jax.checkpoint(_online_update)(acc, q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)  # last block: no hop
+  (acc, _), _ = jax.lax.scan(step, (acc, kv), jnp.arange(1, n))
+  o, _, l = acc
   return _finish(o, l, q_BxLxHxQ.dtype)
 
 
