@@ -8,6 +8,10 @@ executable's `memory_analysis()`. Activation memory is the temp (scratch) size: 
 `context`, the batch) and outputs (gradients) are not activations. Ideal scaling is temp(CP=1) / CP; the ratio
 measured / ideal is printed per CP and the worst one goes into the last line's JSON as `cp_memory_vs_ideal`
 (target <= 1.3). CP = 1 runs the same `attention_impl` on a one-device mesh (a single block: dense attention).
+
+Ratios below 1 are expected at long sequences: the CP = 1 step holds full L x L score matrices, while a ring step
+holds one (L/CP) x (L/2CP) block, so the quadratic term falls as 1/CP^2; what stays is the linear part
+(activations [L/CP, D], the latent KV blocks and one running accumulator per step kept for the backward pass).
 """
 import os
 
@@ -65,7 +69,7 @@ def main():
     r["ratio"] = r["temp"] / (base / cp)
     print(f"{cp:>3} {r['temp'] / 2**20:>10.1f} {base / cp / 2**20:>10.1f} {r['ratio']:>6.2f} "
           f"{r['argument'] / 2**20:>8.2f} {r['output'] / 2**20:>8.2f}")
-  print(json.dumps({"cp_memory_vs_ideal": round(max(r["ratio"] for r in rows.values()), 3), "impl": args.impl,
+  print(json.dumps({"cp_memory_vs_ideal": round(max(rows[cp]["ratio"] for cp in (2, 4, 8)), 3), "impl": args.impl,
                     "seq": args.seq, "temp_bytes_per_cp": {str(cp): r["temp"] for cp, r in rows.items()},
                     "ratio_per_cp": {str(cp): round(r["ratio"], 3) for cp, r in rows.items()}}))
 
