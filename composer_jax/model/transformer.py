@@ -136,6 +136,10 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
       are recomputed from the current router scores at those indices, so the router still gets gradients.
     mtp_detach_trunk: stop gradients from the MTP logits into the trunk hidden states, embedding and LM head.
 
+  With `cfg.attention_impl` "ring" or "allgather" (context parallelism; call under `jax.set_mesh(mesh)`), the
+  sequence is sharded on the mesh's `context` axis and L must be divisible by 2 * its size. Inputs and outputs keep
+  their natural token order: the stack runs in the zig-zag layout internally (parallel/context.py).
+
   Returns:
     (logits [B, L, V] float32, aux) with aux: router_scores f32 [Lm, B, L, E], experts int32 [Lm, B, L, K],
     expert_load f32 [Lm, E], balance_loss (seq_aux_loss_coef * sum over layers), balance_loss_unweighted,
