@@ -101,11 +101,14 @@ def test_attention_matches_dense_attend(impl, sizes):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), g, g_ref)
 
 
-def test_ring_rejects_indivisible_length():
-  q, c, kr, kvb = _attn_inputs(6)
-  seg = jnp.ones((B, 6), jnp.int32)
-  with jax.set_mesh(make_mesh({"context": 4, "tensor": 2})), pytest.raises(ValueError, match="not divisible"):
-    cp.ring_attention(q, c, kr, seg, seg, kvb, 0.3)
+def test_rejects_indivisible_length():
+  q, c, kr, kvb = _attn_inputs(12)
+  seg = jnp.ones((B, 12), jnp.int32)
+  with jax.set_mesh(make_mesh({"context": 4, "tensor": 2})):
+    with pytest.raises(ValueError, match="12 is not divisible by 8 .context axis size 4, times 2"):
+      cp.ring_attention(q, c, kr, seg, seg, kvb, 0.3)
+    with pytest.raises(ValueError, match="not divisible by 4"):
+      cp.allgather_attention(q[:, :10], c[:, :10], kr[:, :10], seg[:, :10], seg[:, :10], kvb, 0.3)
 
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

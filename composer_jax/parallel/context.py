@@ -202,8 +202,10 @@ def _allgather_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, sc
 def _sharded(region, q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb, scale):
   n = context_size()
   L = q_BxLxHxQ.shape[1]
-  if L % n:
-    raise ValueError(f"Sequence length {L} is not divisible by the context axis size {n}")
+  multiple = 2 * n if region is _ring_region and n > 1 else n  # the ring works on zig-zag half chunks
+  if L % multiple:
+    raise ValueError(f"Sequence length {L} is not divisible by {multiple} (context axis size {n}"
+                     f"{', times 2 for the zig-zag ring' if multiple != n else ''})")
   seq = P(None, AXIS)
   fn = jax.shard_map(lambda *a: region(*a, scale=scale, n=n), axis_names={AXIS},
                      in_specs=(seq, seq, seq, seq, seq, P()), out_specs=seq)
