@@ -27,16 +27,19 @@ Q = Qn + R, Dv value head dim, C kv_lora_rank, N context-parallel size.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from composer_jax.model.attention import expand_kv, latent_kv, queries
+from composer_jax.model.attention import latent_kv, queries
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.rope import softmax_scale
+from composer_jax.parallel import ring as ring_lib
 
-AXIS = "context"
+AXIS = ring_lib.AXIS
 
 
 def context_size() -> int:
@@ -110,112 +113,25 @@ def from_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
   return _permute(x, n, axis, inverse=True)
 
 
-def _block_mask(seg_q_BxL, idx_q_BxL, seg_k_BxS, idx_k_BxS) -> jax.Array:
-  """[B, L, S]: same segment and key index <= query index (original sequence indices)."""
-  same = seg_q_BxL[:, :, None] == seg_k_BxS[:, None, :]
-  return same & (idx_k_BxS[:, None, :] <= idx_q_BxL[:, :, None])
-
-
-def _logits(q_BxLxHxQ, k_BxSxHxQ, mask_BxLxS, scale) -> jax.Array:
-  """Masked logits [B, H, L, S] in float32 (-inf where masked)."""
-  logits = jnp.einsum("blhq,bshq->bhls", q_BxLxHxQ, k_BxSxHxQ, preferred_element_type=jnp.float32) * scale
-  return jnp.where(mask_BxLxS[:, None], logits, -jnp.inf)
-
-
-def _online_update(acc, q_BxLxHxQ, kv, kvb, seg_q, idx_q, scale):
-  """Folds one KV block into the running (out [B,H,L,Dv], max [B,H,L], sum [B,H,L]), all float32."""
-  o_BxHxLxDv, m_BxHxL, l_BxHxL = acc
-  c_BxSxC, kr_BxSxR, seg_k, idx_k = kv
-  k_BxSxHxQ, v_BxSxHxDv = expand_kv(kvb, c_BxSxC, kr_BxSxR)
-  logits = _logits(q_BxLxHxQ, k_BxSxHxQ, _block_mask(seg_q, idx_q, seg_k, idx_k), scale)
-  # The max only stabilises exp; the result does not depend on it, so it carries no gradient.
-  m_new = jnp.maximum(m_BxHxL, jax.lax.stop_gradient(logits.max(-1)))
-  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet: exp(-inf - 0) = 0
-  p_BxHxLxS = jnp.exp(logits - m_safe[..., None])
-  alpha = jnp.exp(m_BxHxL - m_safe)
-  o = alpha[..., None] * o_BxHxLxDv + jnp.einsum("bhls,bshv->bhlv", p_BxHxLxS.astype(v_BxSxHxDv.dtype), v_BxSxHxDv,
-                                                 preferred_element_type=jnp.float32)
-  return o, m_new, alpha * l_BxHxL + p_BxHxLxS.sum(-1)
-
-
-def _finish(o_BxHxLxDv, l_BxHxL, dtype) -> jax.Array:
-  """Normalises the accumulator → [B, L, H, Dv]; a row that saw no key gives zeros (as `attend`)."""
-  out = jnp.where(l_BxHxL[..., None] > 0, o_BxHxLxDv / jnp.where(l_BxHxL > 0, l_BxHxL, 1.0)[..., None], 0.0)
-  return out.transpose(0, 2, 1, 3).astype(dtype)
-
-
-def _ring_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float, n: int):
-  """Per-device body of `ring_attention` (manual over `context`; inputs in the zig-zag layout).
-
-  Device i holds query chunks (i, 2n-1-i). At ring step t it holds the KV of device j = i - t (mod n), chunks
-  (j, 2n-1-j). For j < i both query chunks see KV chunk j entirely and chunk 2n-1-j not at all: attend all
-  queries to the first KV half. For j > i only query chunk 2n-1-i sees anything, and it sees both KV chunks:
-  attend the second query half to all KV. Every device does half a block per step (the zig-zag balance), and only
-  step 0 (j = i) needs the causal diagonal. The index/segment mask is still applied in every case.
-  """
-  B, L, H, _ = q_BxLxHxQ.shape
-  Dv = kvb["v_b"].shape[-1]
-  f32 = jnp.float32
-  acc = (jnp.zeros((B, H, L, Dv), f32), jnp.full((B, H, L), -jnp.inf, f32), jnp.zeros((B, H, L), f32))
-  acc = jax.lax.pcast(acc, (AXIS,), to="varying")
-  kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
-  ring = [(d, (d + 1) % n) for d in range(n)]
-  i = jax.lax.axis_index(AXIS)
-  half = L // 2
-  update = jax.checkpoint(_online_update, static_argnums=(6,))
-  acc = update(acc, q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
-
-  def earlier(acc, kv):  # j < i: all queries x first KV half
-    return update(acc, q_BxLxHxQ, tuple(a[:, :half] for a in kv), kvb, seg_BxL, idx_BxL, scale)
-
-  def later(acc, kv):  # j > i: second query half x all KV
-    lo, hi = zip(*((a[:, :, :half], a[:, :, half:]) for a in acc))  # acc leaves are [B, H, L, ...]
-    hi = update(hi, q_BxLxHxQ[:, half:], kv, kvb, seg_BxL[:, half:], idx_BxL[:, half:], scale)
-    return tuple(jnp.concatenate([a, b], axis=2) for a, b in zip(lo, hi))
-
-  # Rematerialised: the backward pass recomputes a block's logits instead of storing n of them.
-  @jax.checkpoint
-  def step(carry, t):
-    acc, kv = carry
-    kv = jax.lax.ppermute(kv, AXIS, ring)
-    acc = jax.lax.cond((i - t) % n < i, earlier, later, acc, kv)
-    return (acc, kv), None
-
-  (acc, _), _ = jax.lax.scan(step, (acc, kv), jnp.arange(1, n))
-  o, _, l = acc
-  return _finish(o, l, q_BxLxHxQ.dtype)
-
-
-def _allgather_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float, n: int):
+def _allgather_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float):
   """Per-device body of `allgather_attention`: gather the whole sequence's latent, attend in one block."""
-  del n
   gather = lambda a: jax.lax.all_gather(a, AXIS, axis=1, tiled=True)  # noqa: E731
   kv = tuple(gather(a) for a in (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL))
   B, L, H, _ = q_BxLxHxQ.shape
-  f32 = jnp.float32
-  acc = (jnp.zeros((B, H, L, kvb["v_b"].shape[-1]), f32), jnp.full((B, H, L), -jnp.inf, f32),
-         jnp.zeros((B, H, L), f32))
-  o, _, l = _online_update(jax.lax.pcast(acc, (AXIS,), to="varying"), q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
-  return _finish(o, l, q_BxLxHxQ.dtype)
+  acc = ring_lib.empty_acc(B, H, L, kvb["v_b"].shape[-1])
+  o, _, l = ring_lib.online_update(acc, q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
+  return ring_lib.finish(o, l, q_BxLxHxQ.dtype)
 
 
-def _sharded(region, q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb, scale):
-  n = context_size()
-  L = q_BxLxHxQ.shape[1]
-  multiple = 2 * n if region is _ring_region and n > 1 else n  # the ring works on zig-zag half chunks
+def _check_length(L: int, multiple: int, n: int) -> None:
   if L % multiple:
     raise ValueError(f"Sequence length {L} is not divisible by {multiple} (context axis size {n}"
                      f"{', times 2 for the zig-zag ring' if multiple != n else ''})")
-  seq = P(None, AXIS)
-  fn = jax.shard_map(lambda *a: region(*a, scale=scale, n=n), axis_names={AXIS},
-                     in_specs=(seq, seq, seq, seq, seq, P()), out_specs=seq)
-  with jax.named_scope(region.__name__.strip("_")):
-    return fn(q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb)
 
 
 def ring_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array, segment_ids_BxL: jax.Array,
                    index_BxL: jax.Array, kvb: dict, scale: float) -> jax.Array:
-  """Ring attention over the `context` axis of the current mesh → [B, L, H, Dv] (global shapes).
+  """Ring attention over the `context` axis of the current mesh → [B, L, H, Dv] (global shapes; parallel/ring.py).
 
   Args:
     q_BxLxHxQ: queries (nope then rotated rope part), in the zig-zag layout like every other sequence input.
@@ -225,13 +141,21 @@ def ring_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array
     kvb: {"k_b": [C, H, Qn], "v_b": [C, H, Dv]} expansion weights.
     scale: softmax scale.
   """
-  return _sharded(_ring_region, q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb, scale)
+  n = context_size()
+  _check_length(q_BxLxHxQ.shape[1], 2 * n if n > 1 else 1, n)  # the ring works on zig-zag half chunks
+  return ring_lib.ring(q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb, scale, n)
 
 
 def allgather_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array, segment_ids_BxL: jax.Array,
                         index_BxL: jax.Array, kvb: dict, scale: float) -> jax.Array:
   """As `ring_attention`, but all-gathers the latent KV over `context` once instead of passing it around."""
-  return _sharded(_allgather_region, q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb, scale)
+  n = context_size()
+  _check_length(q_BxLxHxQ.shape[1], n, n)
+  seq = P(None, AXIS)
+  fn = jax.shard_map(functools.partial(_allgather_region, scale=scale), axis_names={AXIS},
+                     in_specs=(seq,) * 5 + (P(),), out_specs=seq)
+  with jax.named_scope("allgather_attention"):
+    return fn(q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb)
 
 
 CP_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}
