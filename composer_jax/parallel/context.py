@@ -4,7 +4,8 @@ Two `jax.shard_map` regions, manual over `context` only (every other mesh axis s
 `tensor` stay sharded inside the region and batch stays on `data`: CP and TP are independent):
 
 - `ring_attention`: queries stay on their device; the KV blocks travel around a ring with `lax.ppermute`, one hop
-  per step, merged with an online softmax (running max and sum in float32).
+  per step, merged with an online softmax (running max and sum in float32); a backward ring of its own
+  (parallel/ring.py), so per-device memory stays O(L/N).
 - `allgather_attention`: all-gather the KV once, attend locally (simpler; KV memory is the full sequence's).
 
 Both pass MLA's compact latent (c [S, C] and the rotated rope key kr [S, R]) rather than per-head keys/values and
