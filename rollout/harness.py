@@ -13,6 +13,7 @@ prompt + task + summary. At most `max_segments` segments; then the episode stops
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -59,6 +60,8 @@ class HarnessConfig:
     tools: tool limits.
     rewards: reward weights.
     seed: base seed; each request gets a seed derived from (seed, episode, turn).
+    grade_workers: episodes graded at once when a batch ends (each grade is a sandboxed subprocess that mostly
+      waits on process start-up, so threads overlap them).
   """
   system_prompt: str = SYSTEM_PROMPT
   context_budget: int = 4096
@@ -72,6 +75,7 @@ class HarnessConfig:
   tools: ToolConfig = ToolConfig()
   rewards: RewardConfig = RewardConfig()
   seed: int = 0
+  grade_workers: int = 4
 
   def __post_init__(self):
     if self.context_budget <= self.max_turn_tokens + self.observation_reserve:
@@ -279,7 +283,10 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
         raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
       for (ep, _), res in zip(batch, results, strict=True):
         ep.consume(res)
-    return [ep.close_and_score() for ep in episodes]
+    if cfg.grade_workers <= 1 or len(episodes) <= 1:
+      return [ep.close_and_score() for ep in episodes]
+    with concurrent.futures.ThreadPoolExecutor(min(cfg.grade_workers, len(episodes))) as pool:
+      return list(pool.map(lambda ep: ep.close_and_score(), episodes))
   finally:
     for ep in episodes:
       ep.ws.close()

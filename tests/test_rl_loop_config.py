@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import evaluate, publish
+from composer_jax.rl import evaluate, publish, setup
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
+from rollout.tasks import procedural
 
 
 def _cfg(**kw):
@@ -24,6 +25,7 @@ def _cfg(**kw):
     (dict(max_staleness=0, publish_every=3), "dropped as stale"),
     (dict(context_budget=100, max_turn_tokens=64, observation_reserve=64), "context_budget"),
     (dict(vocab_size=1024), "vocab_size"),
+    (dict(sft_demo_accuracy=0.0), "sft_demo_accuracy"),
 ])
 def test_bad_run_config_is_a_clear_error(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -92,3 +94,12 @@ def test_every_sweep_entry_builds_a_valid_run_config():
       c.max_staleness = 0
     cfg = rl_main.run_config(c, "/tmp/x")
     assert cfg.model.vocab_size == 512
+
+
+def test_sft_demo_accuracy_sets_the_share_of_near_miss_demonstrations():
+  pool = procedural.generate(400, seed=1, level=1)
+  assert not any(t.metadata.get("near_miss") for t in setup.sft_tasks(_cfg(sft_tasks=300), pool))
+  tasks = setup.sft_tasks(_cfg(sft_tasks=300, sft_demo_accuracy=0.5), pool)
+  assert [t.id for t in tasks] == [t.id for t in pool[-300:]]
+  misses = sum(bool(t.metadata.get("near_miss")) for t in tasks)
+  assert 120 <= misses <= 180, misses   # binomial(300, 0.5): ±3.5 sd

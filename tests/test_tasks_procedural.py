@@ -2,6 +2,8 @@
 hidden tests fail on the starting files, pass with the gold patch, and the grader reads them right."""
 
 import json
+import random
+import re
 import time
 
 import pytest
@@ -40,7 +42,7 @@ def test_splits_never_share_cores_and_generation_is_fast():
 def test_level1_is_small():
   for t in procedural.generate(20, level=1):
     (name, text), = t.environment.files.items()
-    assert len(text.splitlines()) == 2 and t.metadata["changed_lines"] == 1
+    assert len(text.splitlines()) == 3 and t.metadata["changed_lines"] == 1
     assert [turn["tool_calls"][0]["name"] for turn in t.metadata["oracle"]] == ["read_file", "edit", "finish"]
     assert name in t.prompt and len(t.prompt) < 40
 
@@ -103,3 +105,33 @@ def test_bad_config_and_environment_errors():
     HiddenTests("true", fail_to_pass=())
   with pytest.raises(ValueError, match="repo and commit go together"):
     Environment(repo="/x")
+
+
+def test_docstring_states_the_fix():
+  """Solvable from observation: the broken body disagrees with its docstring, and the oracle's fix makes them agree."""
+  for t in procedural.generate(50, level=1):
+    (text,) = t.environment.files.values()
+    spec = re.search(r'"""Return (.*)\."""', text).group(1)
+    body = re.search(r"\n    return (.*)\n", text).group(1)
+    edit = t.metadata["oracle"][1]["tool_calls"][0]["arguments"]
+    assert spec != body
+    assert edit["old"] == f"return {body}" and edit["new"] == f"return {spec}"
+
+
+def test_near_miss_demonstrations_make_a_wrong_fix(envs):
+  """A near-miss oracle edits the broken line to another expression, which the hidden tests mostly catch."""
+  rng = random.Random(0)
+  failed = 0
+  tasks = procedural.generate(20, seed=3, level=1)
+  for task in tasks:
+    miss = procedural.near_miss(task, rng)
+    edit = miss.metadata["oracle"][1]["tool_calls"][0]["arguments"]
+    good = task.metadata["oracle"][1]["tool_calls"][0]["arguments"]
+    assert edit["old"] == good["old"] and edit["new"] not in (good["new"], good["old"]) and miss.metadata["near_miss"]
+    ws = envs.fork(task)
+    (path, text), = task.environment.files.items()
+    ws.write_file(path, text.replace(edit["old"], edit["new"]))
+    failed += not environment.grade(ws, task.tests).passed
+    ws.close()
+  # A wrong expression can agree with the right one on the 3 tested inputs (weak hidden tests), so not all fail.
+  assert failed >= 16, failed

@@ -54,8 +54,8 @@ class ModelConfig:
   first_k_dense_replace: int = 1
   moe_layer_freq: int = 1
   seq_aux_loss_coef: float = 0.0          # sequence-level balance loss weight (0: aux-loss-free only)
-  moe_impl: str = "ragged"                # "dense" | "ragged" | "capacity"
-  capacity_factor: float = 1.25           # for moe_impl="capacity"
+  moe_impl: str = "ragged"                # "dense" | "ragged" | "capacity" | "ep_capacity" | "ep_ragged" (EP: a mesh)
+  capacity_factor: float = 1.25           # for moe_impl="capacity" / "ep_capacity"
   moe_matmul: str = "bf16"                # ragged expert matmuls: "bf16" (compute dtype) | "mxfp8" | "nvfp4"
   moe_scale: str = "per_token"            # NVFP4 second-level scale: "per_token" | "per_tensor"
   # MTP (DeepSeek-V3 NextN)

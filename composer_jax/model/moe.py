@@ -2,7 +2,8 @@
 
 Paths (`cfg.moe_impl`): `dense` (every expert on every token, one-hot combine; the readable reference), `ragged`
 (sort assignments by expert, grouped matmul via `expert_matmul`, unsort), `capacity` (fixed [E, C, D] buffers;
-assignments past an expert's capacity are dropped — the token still gets the shared expert and the residual).
+assignments past an expert's capacity are dropped — the token still gets the shared expert and the residual), and
+the expert-parallel `ep_capacity` / `ep_ragged` in `composer_jax.parallel.expert` (need a mesh: `jax.set_mesh`).
 
 Letters: B batch, L length, T = B*L tokens, D hidden, E routed experts, K experts per token, F expert ffw,
 G expert groups, C capacity per expert, M = T*K assignments.
@@ -98,6 +99,41 @@ def capacity(cfg: ModelConfig, n_tokens: int) -> int:
   return max(1, math.ceil(cfg.capacity_factor * n_tokens * cfg.num_experts_per_tok / cfg.n_routed_experts))
 
 
+def capacity_dispatch(x_TxD: jax.Array, expert_M: jax.Array, valid_M: jax.Array, n_experts: int,
+                      cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Scatters token copies into fixed [E, C, D] buffers; returns (buffer, slot [M], kept [M]).
+
+  Assignment m = t*K + k goes to slot `pos` of its expert, `pos` its rank among the same expert's valid
+  assignments in token (then top-k) order; ranks >= C and invalid (padding) assignments are not kept (slot E*C).
+  The expert-parallel path (`composer_jax.parallel.expert`) dispatches each device's tokens with this same function.
+  """
+  M, K = expert_M.shape[0], expert_M.shape[0] // x_TxD.shape[0]
+  E, C, D = n_experts, cap, x_TxD.shape[1]
+  # Slot = rank among the same expert's valid assignments, in token order: a stable sort by expert gives it in
+  # O(M log M) memory-light work (a cumsum over an [M, E] one-hot would not scale to many experts).
+  key_M = jnp.where(valid_M, expert_M, E)
+  order_M = jnp.argsort(key_M, stable=True)
+  sorted_M = key_M[order_M]
+  starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.bincount(key_M, length=E + 1))[:-1]])
+  pos_M = jnp.zeros_like(expert_M).at[order_M].set(jnp.arange(M, dtype=expert_M.dtype) - starts[sorted_M])
+  keep_M = valid_M & (pos_M < C)
+  slot_M = jnp.where(keep_M, expert_M * C + pos_M, E * C)  # E*C: a dump row that is never read back as output
+  token_M = jnp.arange(M) // K
+  buf_ExCxD = jnp.zeros((E * C + 1, D), x_TxD.dtype).at[slot_M].set(x_TxD[token_M])[:E * C].reshape(E, C, D)
+  return buf_ExCxD, slot_M, keep_M
+
+
+def capacity_combine(y_ExCxD: jax.Array, slot_M: jax.Array, keep_M: jax.Array, w_M: jax.Array,
+                     n_tokens: int) -> jax.Array:
+  """Gathers each kept assignment's expert output from its slot, weights it by its gate and sums per token."""
+  E, C, D = y_ExCxD.shape
+  K = slot_M.shape[0] // n_tokens
+  y_flat = jnp.concatenate([y_ExCxD.reshape(E * C, D), jnp.zeros((1, D), y_ExCxD.dtype)], axis=0)
+  gate_M = jnp.where(keep_M, w_M, 0.0).astype(y_ExCxD.dtype)
+  token_M = jnp.arange(n_tokens * K) // K
+  return jnp.zeros((n_tokens, D), y_ExCxD.dtype).at[token_M].add(y_flat[slot_M] * gate_M[:, None])
+
+
 def experts_capacity(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.Array, valid_T: jax.Array,
                      capacity_factor: float) -> tuple[jax.Array, jax.Array]:
   """Fixed-size [E, C, D] dispatch; returns (output [T, D], fraction of valid assignments dropped).
@@ -106,26 +142,13 @@ def experts_capacity(p: dict, x_TxD: jax.Array, idx_TxK: jax.Array, w_TxK: jax.A
   """
   gate, up, down = _expert_weights(p, x_TxD.dtype)
   T, K = idx_TxK.shape
-  E, D = gate.shape[0], x_TxD.shape[1]
+  E = gate.shape[0]
   C = max(1, math.ceil(capacity_factor * T * K / E))
-  expert_M = idx_TxK.reshape(-1)
   valid_M = jnp.repeat(valid_T, K)
-  # Slot = rank among the same expert's valid assignments, in token order: a stable sort by expert gives it in
-  # O(M log M) memory-light work (a cumsum over an [M, E] one-hot would not scale to many experts).
-  key_M = jnp.where(valid_M, expert_M, E)
-  order_M = jnp.argsort(key_M, stable=True)
-  sorted_M = key_M[order_M]
-  starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.bincount(key_M, length=E + 1))[:-1]])
-  pos_M = jnp.zeros_like(expert_M).at[order_M].set(jnp.arange(T * K, dtype=expert_M.dtype) - starts[sorted_M])
-  keep_M = valid_M & (pos_M < C)
-  slot_M = jnp.where(keep_M, expert_M * C + pos_M, E * C)  # E*C: a dump row that is never read back as output
-  token_M = jnp.arange(T * K) // K
-  buf_ExCxD = jnp.zeros((E * C + 1, D), x_TxD.dtype).at[slot_M].set(x_TxD[token_M])[:E * C].reshape(E, C, D)
+  buf_ExCxD, slot_M, keep_M = capacity_dispatch(x_TxD, idx_TxK.reshape(-1), valid_M, E, C)
   h_ExCxF = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf_ExCxD, gate)) * jnp.einsum("ecd,edf->ecf", buf_ExCxD, up)
   y_ExCxD = jnp.einsum("ecf,efd->ecd", h_ExCxF, down)
-  y_flat = jnp.concatenate([y_ExCxD.reshape(E * C, D), jnp.zeros((1, D), y_ExCxD.dtype)], axis=0)
-  gate_M = jnp.where(keep_M, w_TxK.reshape(-1), 0.0).astype(x_TxD.dtype)
-  out_TxD = jnp.zeros_like(x_TxD).at[token_M].add(y_flat[slot_M] * gate_M[:, None])
+  out_TxD = capacity_combine(y_ExCxD, slot_M, keep_M, w_TxK.reshape(-1), T)
   n_valid = jnp.maximum(valid_M.sum(), 1)
   dropped = (valid_M & ~keep_M).sum() / n_valid
   return out_TxD, dropped.astype(jnp.float32)
@@ -180,8 +203,12 @@ def moe_block(p: dict, x_BxLxD: jax.Array, valid_BxL: jax.Array, cfg: ModelConfi
     y_TxD = experts_ragged(p, x_TxD, idx_TxK, w_TxK, cfg)
   elif cfg.moe_impl == "capacity":
     y_TxD, dropped = experts_capacity(p, x_TxD, idx_TxK, w_TxK, valid_BxL.reshape(-1), cfg.capacity_factor)
+  elif cfg.moe_impl in ("ep_capacity", "ep_ragged"):
+    # Imported here: the expert-parallel module builds on this one's dispatch/combine and grouped matmul.
+    from composer_jax.parallel.expert import expert_parallel
+    y_TxD, dropped = expert_parallel(p, x_BxLxD, idx_TxK.reshape(B, L, K), w_TxK.reshape(B, L, K), valid_BxL, cfg)
   else:
-    raise ValueError(f"moe_impl={cfg.moe_impl!r}; valid: 'dense', 'ragged', 'capacity'")
+    raise ValueError(f"moe_impl={cfg.moe_impl!r}; valid: 'dense', 'ragged', 'capacity', 'ep_capacity', 'ep_ragged'")
   y_BxLxD = y_TxD.reshape(B, L, D)
   if "shared" in p:
     y_BxLxD = y_BxLxD + mlp(p["shared"], x_BxLxD)

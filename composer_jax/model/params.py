@@ -81,13 +81,13 @@ def validate_config(cfg: ModelConfig) -> None:
                      f"{cfg.topk_group} groups")
   if cfg.qk_rope_head_dim % 2:
     raise ValueError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even")
-  if cfg.moe_impl not in ("dense", "ragged", "capacity"):
-    raise ValueError(f"moe_impl={cfg.moe_impl!r}; valid: 'dense', 'ragged', 'capacity'")
+  if cfg.moe_impl not in ("dense", "ragged", "capacity", "ep_capacity", "ep_ragged"):
+    raise ValueError(f"moe_impl={cfg.moe_impl!r}; valid: 'dense', 'ragged', 'capacity', 'ep_capacity', 'ep_ragged'")
   if cfg.moe_matmul not in ("bf16", "mxfp8", "nvfp4") or cfg.moe_scale not in ("per_token", "per_tensor"):
     raise ValueError(f"moe_matmul={cfg.moe_matmul!r} (valid: 'bf16', 'mxfp8', 'nvfp4'), moe_scale={cfg.moe_scale!r} "
                      "(valid: 'per_token', 'per_tensor')")
-  if cfg.moe_matmul != "bf16" and cfg.moe_impl != "ragged":
-    raise ValueError(f"moe_matmul={cfg.moe_matmul!r} needs moe_impl='ragged' (the grouped matmul path), got "
+  if cfg.moe_matmul != "bf16" and cfg.moe_impl not in ("ragged", "ep_ragged"):
+    raise ValueError(f"moe_matmul={cfg.moe_matmul!r} needs moe_impl='ragged' or 'ep_ragged' (grouped matmuls), got "
                      f"{cfg.moe_impl!r}")
   if cfg.num_nextn_predict_layers and cfg.first_k_dense_replace == cfg.num_hidden_layers and cfg.n_routed_experts < 1:
     raise ValueError("MTP modules use a MoE block and need n_routed_experts >= 1")

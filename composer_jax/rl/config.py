@@ -38,12 +38,15 @@ class RunConfig:
   temperature: float = 1.0
   length_weight: float = 0.0        # λ of the length penalty C(x) (x = generated tokens)
   length_q: float = 0.5             # q of C(x)
+  lint_weight: float = 0.0          # per new ruff finding; each graded episode then runs ruff in its sandbox
   learning_rate: float = 3e-4
   rl: RLConfig = RLConfig()
   sft_steps: int = 300
   sft_tasks: int = 1024
   sft_batch: int = 16
+  sft_seq_len: int = 256            # packed SFT rows; attention is most of a CPU step, so shorter rows are cheaper
   sft_lr: float = 3e-3
+  sft_demo_accuracy: float = 1.0    # share of SFT demonstrations with the right fix; the rest are near misses
   init_checkpoint: str = ""         # a finished SFT/pretraining stage workdir to start from (skips the SFT here)
   eval_tasks: int = 500
   eval_every: int = 0               # held-out greedy eval every N steps in the trainer (0: only by rl_main at the end)
@@ -64,7 +67,7 @@ class RunConfig:
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
     for name in ("steps", "groups_per_step", "publish_every", "ckpt_every", "n_workers", "pool_size", "sft_batch",
-                 "eval_tasks"):
+                 "sft_seq_len", "eval_tasks"):
       if getattr(self, name) < 1:
         raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":
@@ -72,6 +75,8 @@ class RunConfig:
                        "every group would be dropped as stale before new weights arrive")
     if self.context_budget <= self.max_turn_tokens + self.observation_reserve:
       raise ValueError(f"context_budget={self.context_budget} must exceed max_turn_tokens + observation_reserve")
+    if not 0.0 < self.sft_demo_accuracy <= 1.0:
+      raise ValueError(f"sft_demo_accuracy must be in (0, 1], got {self.sft_demo_accuracy}")
     if self.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.vocab_size} exceeds the model's {self.model.vocab_size}")
 

@@ -36,7 +36,7 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
   train, dev = setup.sft_transcripts(cfg, tok, setup.train_pool(cfg))
   log_fn(f"SFT control: {steps} more steps (~{seconds:.0f} s at {s_per_step:.2f} s/step)")
   params, _ = warmstart.run_sft(cfg.model, tok, train, dev, os.path.join(cfg.workdir, "sft_control"), steps=steps,
-                                seq_len=cfg.context_budget, batch_size=cfg.sft_batch, learning_rate=cfg.sft_lr / 3,
+                                seq_len=cfg.sft_seq_len, batch_size=cfg.sft_batch, learning_rate=cfg.sft_lr / 3,
                                 seed=cfg.seed + 1, init_params=start_params, log_fn=log_fn)
   return params
 

@@ -69,7 +69,7 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   sft, dev = setup.sft_transcripts(cfg, tok, pool)
   log_fn(f"SFT warm start: {len(sft)} oracle transcripts, {cfg.sft_steps} steps")
   params, last = warmstart.run_sft(cfg.model, tok, sft, dev, sft_dir, steps=cfg.sft_steps,
-                                   seq_len=cfg.context_budget, batch_size=cfg.sft_batch,
+                                   seq_len=cfg.sft_seq_len, batch_size=cfg.sft_batch,
                                    learning_rate=cfg.sft_lr, seed=cfg.seed, log_fn=log_fn)
   log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
   return params

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import random
 
 from composer_jax.rl import warmstart
 from composer_jax.rl.config import RunConfig
@@ -23,7 +24,8 @@ def harness_config(cfg: RunConfig) -> harness.HarnessConfig:
       max_turn_tokens=cfg.max_turn_tokens, observation_reserve=cfg.observation_reserve, max_turns=cfg.max_turns,
       max_segments=1, summary_max_tokens=cfg.max_turn_tokens,
       sampling=SamplingParams(temperature=cfg.temperature), tools=ToolConfig(max_output_chars=300), seed=cfg.seed,
-      rewards=RewardConfig(length_weight=cfg.length_weight, length_q=cfg.length_q))
+      rewards=RewardConfig(length_weight=cfg.length_weight, length_q=cfg.length_q,
+                           lint_weight=cfg.lint_weight))
 
 
 def train_pool(cfg: RunConfig) -> list:
@@ -38,15 +40,20 @@ def make_envs(cfg: RunConfig) -> EnvironmentCache:
   return EnvironmentCache(make_factory(cfg.backend))
 
 
-def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
-  """Oracle transcripts for SFT and 32 held-out dev transcripts.
+def sft_tasks(cfg: RunConfig, pool: list) -> list:
+  """The SFT tasks: the end of the pool (the workers' streams start at its beginning), a `1 - sft_demo_accuracy`
+  share of them (chosen by seed) with near-miss demonstrations (`procedural.near_miss`)."""
+  rng = random.Random(f"near-miss/{cfg.seed}")
+  return [procedural.near_miss(t, rng) if rng.random() >= cfg.sft_demo_accuracy else t
+          for t in pool[-cfg.sft_tasks:]]
 
-  SFT tasks come from the end of the pool; the workers' streams start at its beginning.
-  """
+
+def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
+  """Demonstration transcripts for SFT (`sft_tasks`) and 32 held-out dev transcripts (right fixes)."""
   envs = make_envs(cfg)
   try:
     h = harness_config(cfg)
-    return (warmstart.oracle_transcripts(tok, pool[-cfg.sft_tasks:], envs, h),
+    return (warmstart.oracle_transcripts(tok, sft_tasks(cfg, pool), envs, h),
             warmstart.oracle_transcripts(tok, heldout_tasks(cfg, 32), envs, h))
   finally:
     envs.factory.close()

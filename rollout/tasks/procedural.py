@@ -1,13 +1,15 @@
 """A procedural, Colab-scale family of Python repair tasks with hidden tests and a scripted oracle.
 
-Each instance is a tiny project (1-4 modules) whose functions are one-line `return <expr>` bodies. Some functions are
-broken by one mutation (a wrong constant, arithmetic operator or comparison), some are stubs to implement, the rest
-are correct distractors that must keep working. Hidden tests are a plain-Python script (no pytest start-up) whose
-expected values come from evaluating the correct expression, and whose fail-to-pass inputs are ones where the
-broken expression really differs (checked by evaluation at generation time).
+Each instance is a tiny project (1-4 modules) whose functions are one-line `return <expr>` bodies under a docstring
+that states the intended expression ("Return n > 3."), so the right fix follows from the code the agent reads
+(without the spec, a mutated constant could only be guessed). Some functions are broken by one mutation (a wrong
+constant, arithmetic operator or comparison), some are stubs to implement, the rest are correct distractors that
+must keep working. Hidden tests are a plain-Python script (no pytest start-up) whose expected values come from
+evaluating the correct expression, and whose fail-to-pass inputs are ones where the broken expression really differs
+(checked by evaluation at generation time).
 
 Difficulty knobs (`ProceduralConfig`): modules, broken functions, stubs, distractors, and whether the prompt names the
-file. Level 1 is learnable by a sub-1M-parameter model: one 2-line module, one mutation, an oracle of
+file. Level 1 is learnable by a sub-1M-parameter model: one 3-line module, one mutation, an oracle of
 read_file -> edit -> finish.
 
 Splits: every function instance has a *core* (template, constants, mutation). A core hashes to "train" or "heldout";
@@ -108,8 +110,12 @@ class _Fn:
 
   def source(self) -> str:
     if self.kind == "stub":
-      return f'def {self.name}({self.args}):\n    """Return {self.correct}."""\n    raise NotImplementedError\n'
-    return f"def {self.name}({self.args}):\n    return {self.shown}\n"
+      return f'{self.header()}    raise NotImplementedError\n'
+    return f"{self.header()}    return {self.shown}\n"
+
+  def header(self) -> str:
+    """The signature and the docstring that states the intended expression (the spec a fix must meet)."""
+    return f'def {self.name}({self.args}):\n    """Return {self.correct}."""\n'
 
 
 def _split_of(core: str, heldout_percent: int) -> str:
@@ -233,7 +239,7 @@ def _oracle(cfg: ProceduralConfig, fixes: list[_Fn], files: dict[str, str]) -> l
     else:
       old, new = f"return {fn.shown}", f"return {fn.correct}"
       if files[path].count(old) != 1:
-        old, new = f"def {fn.name}({fn.args}):\n    {old}", f"def {fn.name}({fn.args}):\n    {new}"
+        old, new = fn.header() + f"    {old}", fn.header() + f"    {new}"
     calls = [_edit_call(path, old, new)]
     if cfg.use_todo:
       calls.append({"name": "todo", "arguments": {"done": [k + 1]}})
@@ -328,3 +334,25 @@ def generate(n: int, *, seed: int = 0, split: str = "train", level: int = 1,
   if len(tasks) < n:
     raise ValueError(f"only {len(tasks)} distinct {split} tasks exist for {cfg}; asked for {n}")
   return tasks
+
+
+def near_miss(task: Task, rng: random.Random) -> Task:
+  """`task` with an oracle that makes a plausible wrong fix: one broken function gets a different single-token change
+  of its intended expression (an imperfect demonstration, like an unfiltered trajectory of a weaker teacher)."""
+  fixes = [c.split("|") for c in task.metadata["cores"] if not c.endswith("|ok")]
+  correct, shown, _ = fixes[rng.randrange(len(fixes))]
+  # Another one-token change of the right expression, or (when it has none, e.g. `a - b`) of the broken one.
+  wrong = [m for m in _mutations(correct) if m not in (correct, shown)] or \
+    [m for m in _mutations(shown) if m not in (correct, shown)]
+  turns = []
+  for turn in task.metadata["oracle"]:
+    calls = []
+    for call in turn["tool_calls"]:
+      new = call["arguments"].get("new", "")
+      if call["name"] == "edit" and f"return {correct}\n" in new + "\n" and wrong:
+        call = {"name": "edit", "arguments": {**call["arguments"],
+                                              "new": new.replace(f"return {correct}", f"return {rng.choice(wrong)}")}}
+        wrong = []  # one wrong edit per demonstration
+      calls.append(call)
+    turns.append({**turn, "tool_calls": calls})
+  return dataclasses.replace(task, metadata={**task.metadata, "oracle": turns, "near_miss": True})

@@ -1,0 +1,225 @@
+"""Expert parallelism: a MoE layer's routed experts inside `jax.shard_map` over the mesh's `expert` axis.
+
+Tokens are split over the batch axes *and* `expert` (and `seq` over `context`), experts over `expert`. Each device
+sends copies of its tokens to the devices owning their chosen experts (all-to-all), runs its local experts, sends
+the results back (all-to-all) and combines them with the gate weights. Two variants (`cfg.moe_impl`):
+
+- `ep_capacity`: fixed [E, C, D] send buffers, C = ceil(capacity_factor * t * K / E) slots per (source device,
+  expert), exchanged with `lax.all_to_all` (runs on every backend, XLA:CPU included). Assignments past C are
+  dropped: the token keeps the shared expert and the residual, and `dropped_fraction` counts them.
+- `ep_ragged`: dropless; assignments sorted by expert are exchanged with `lax.ragged_all_to_all` (GPU/TPU only;
+  XLA:CPU does not implement it) and computed with grouped matmuls (`moe.expert_matmul`). The receive buffer has
+  the worst-case N * t * K rows, so no assignment is ever dropped.
+
+The mesh comes from the context (`jax.set_mesh(mesh)` around the jitted call; `get_abstract_mesh()` inside) or is
+passed explicitly. There is no silent fallback: an `ep_*` impl without a mesh is an error, and a mesh whose
+`expert` axis has size 1 runs the same code with no-op collectives.
+
+Letters: B batch, L length, D hidden, E routed experts, K experts per token, F expert ffw, N expert-axis size,
+X = E / N experts per device, b, l local batch and length, t = b*l local tokens, m = t*K local assignments,
+C slots per (source device, expert), R = N*m receive rows (dropless).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.model.config import ModelConfig
+from composer_jax.model.moe import capacity_combine, capacity_dispatch, expert_matmul
+from composer_jax.parallel.rules import ShardingRules
+
+EP_IMPLS = ("ep_capacity", "ep_ragged")
+AXIS = "expert"
+
+
+def context_mesh():
+  """The mesh set with `jax.set_mesh`, or a clear error naming what is missing."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    raise ValueError("expert parallelism (moe_impl='ep_capacity'/'ep_ragged') needs a mesh: call the model under "
+                     "`with jax.set_mesh(mesh):` (composer_jax.parallel.make_mesh), or use moe_impl='capacity'/"
+                     "'ragged' on one device")
+  return mesh
+
+
+def _present(axes: tuple[str, ...], mesh) -> tuple[str, ...]:
+  return tuple(a for a in axes if a in mesh.shape)
+
+
+def region_axes(mesh, rules: ShardingRules) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+  """Mesh axes of the EP region: tokens' batch (always including `expert`), tokens' length, experts' F.
+
+  Raises:
+    ValueError: if the mesh has no `expert` axis, experts are not mapped to it, or token and ffw axes collide.
+  """
+  if AXIS not in mesh.shape:
+    raise ValueError(f"expert parallelism needs a mesh axis {AXIS!r}; mesh axes are {tuple(mesh.shape)}")
+  if rules.mesh_axes("experts") != (AXIS,):
+    raise ValueError(f"expert parallelism shards experts over {AXIS!r}, but ShardingRules.experts="
+                     f"{rules.experts!r}")
+  batch = _present(rules.mesh_axes("batch"), mesh)
+  batch = batch if AXIS in batch else (*batch, AXIS)
+  seq = _present(rules.mesh_axes("seq"), mesh)
+  ffw = _present(rules.mesh_axes("expert_ffw"), mesh)
+  clash = (set(batch) | set(seq)) & set(ffw) or set(batch) & set(seq)
+  if clash:
+    raise ValueError(f"mesh axes {sorted(clash)} are used twice in the EP region (batch={batch}, seq={seq}, "
+                     f"expert_ffw={ffw}); change ShardingRules")
+  return batch, seq, ffw
+
+
+def _check_divides(name: str, size: int, axes: tuple[str, ...], mesh) -> None:
+  n = math.prod(mesh.shape[a] for a in axes)
+  if size % n:
+    raise ValueError(f"expert parallelism: {name}={size} is not divisible by mesh axes {axes} (size {n})")
+
+
+def expert_parallel(p: dict, x_BxLxD: jax.Array, idx_BxLxK: jax.Array, w_BxLxK: jax.Array, valid_BxL: jax.Array,
+                    cfg: ModelConfig, *, mesh=None, rules: ShardingRules | None = None,
+                    ragged_all_to_all=jax.lax.ragged_all_to_all) -> tuple[jax.Array, jax.Array]:
+  """Routed experts with expert parallelism (`cfg.moe_impl` picks the variant).
+
+  Args:
+    p: the layer's `moe` params (gate/up [E, D, F], down [E, F, D]).
+    x_BxLxD: normed input.
+    idx_BxLxK: chosen (or replayed) experts.
+    w_BxLxK: their gate weights.
+    valid_BxL: non-padding tokens (padding takes no capacity slot).
+    cfg: model config; `moe_impl` in `EP_IMPLS`.
+    mesh: the mesh (default: the context mesh from `jax.set_mesh`).
+    rules: logical→mesh table (default `ShardingRules()`); `batch`/`seq` give the token split, `expert_ffw` a
+      tensor-parallel split of each expert's F (partial outputs summed with `psum`).
+    ragged_all_to_all: the dropless collective; tests pass `ragged_all_to_all_reference` to run on CPU.
+
+  Returns:
+    (routed output [B, L, D] without the shared expert, fraction of valid assignments dropped (0 for ep_ragged)).
+  """
+  mesh = context_mesh() if mesh is None else mesh
+  rules = ShardingRules() if rules is None else rules
+  batch, seq, ffw = region_axes(mesh, rules)
+  tok = P(batch, seq or None)
+  B, L, _ = x_BxLxD.shape
+  E = p["gate"].shape[0]
+  _check_divides("batch", B, batch, mesh)
+  _check_divides("length", L, seq, mesh)
+  _check_divides("n_routed_experts", E, (AXIS,), mesh)
+  _check_divides("moe_intermediate_size", p["gate"].shape[2], ffw, mesh)
+  ffw_spec = ffw or None
+  w_specs = (P(AXIS, None, ffw_spec), P(AXIS, None, ffw_spec), P(AXIS, ffw_spec, None))
+  if cfg.moe_impl == "ep_capacity":
+    body = functools.partial(_capacity_body, cap_factor=cfg.capacity_factor, token_axes=(*batch, *seq),
+                             ffw_axes=ffw)
+  elif cfg.moe_impl == "ep_ragged":
+    body = functools.partial(_ragged_body, cfg=cfg, ffw_axes=ffw, ragged_all_to_all=ragged_all_to_all)
+  else:
+    raise ValueError(f"moe_impl={cfg.moe_impl!r} is not an expert-parallel impl; valid: {EP_IMPLS}")
+  dt = x_BxLxD.dtype
+  region = jax.shard_map(body, mesh=mesh, in_specs=(*w_specs, tok, tok, tok, tok), out_specs=(tok, P()))
+  with jax.named_scope(cfg.moe_impl):
+    return region(p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt), x_BxLxD, idx_BxLxK, w_BxLxK,
+                  valid_BxL)
+
+
+def _ffn(h_in, gate, up, down, mm, ffw_axes):
+  """SwiGLU expert FFN with one matmul function for all three products; F may be split over `ffw_axes`."""
+  y = mm(jax.nn.silu(mm(h_in, gate)) * mm(h_in, up), down)
+  return jax.lax.psum(y, ffw_axes) if ffw_axes else y
+
+
+def dispatch(x_txD, expert_m, valid_m, n_experts: int, cap: int):
+  """Local slots, then all-to-all: returns (received [N, X, C, D] by source device, slot [m], kept [m])."""
+  N = jax.lax.axis_size(AXIS)
+  buf_ExCxD, slot_m, keep_m = capacity_dispatch(x_txD, expert_m, valid_m, n_experts, cap)
+  send_NxXxCxD = buf_ExCxD.reshape(N, n_experts // N, cap, x_txD.shape[1])
+  return jax.lax.all_to_all(send_NxXxCxD, AXIS, 0, 0, tiled=True), slot_m, keep_m
+
+
+def return_to_sources(y_NxXxCxD):
+  """The inverse all-to-all: each source device gets its [E, C, D] slots back."""
+  N, X, C, D = y_NxXxCxD.shape
+  return jax.lax.all_to_all(y_NxXxCxD, AXIS, 0, 0, tiled=True).reshape(N * X, C, D)
+
+
+def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, idx_bxlxK, w_bxlxK, valid_bxl, *, cap_factor,
+                   token_axes, ffw_axes):
+  b, l, D = x_bxlxD.shape
+  K = idx_bxlxK.shape[-1]
+  X = gate_XxDxF.shape[0]
+  N = jax.lax.axis_size(AXIS)
+  t = b * l
+  E = N * X
+  C = max(1, math.ceil(cap_factor * t * K / E))
+  valid_m = jnp.repeat(valid_bxl.reshape(t), K)
+  recv_NxXxCxD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), idx_bxlxK.reshape(-1), valid_m, E, C)
+  rows_XxRxD = recv_NxXxCxD.transpose(1, 0, 2, 3).reshape(X, N * C, D)
+  mm = functools.partial(jnp.einsum, "erd,edf->erf")
+  y_XxRxD = _ffn(rows_XxRxD, gate_XxDxF, up_XxDxF, down_XxFxD, mm, ffw_axes)
+  y_ExCxD = return_to_sources(y_XxRxD.reshape(X, N, C, D).transpose(1, 0, 2, 3))
+  out_txD = capacity_combine(y_ExCxD, slot_m, keep_m, w_bxlxK.reshape(-1), t)
+  counts = jnp.stack([(valid_m & ~keep_m).sum(), valid_m.sum()]).astype(jnp.float32)
+  n_dropped, n_valid = jax.lax.psum(counts, token_axes)
+  return out_txD.reshape(b, l, D), n_dropped / jnp.maximum(n_valid, 1.0)
+
+
+def _exclusive_cumsum(a, axis):
+  return jnp.cumsum(a, axis=axis) - a
+
+
+def _ragged_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, idx_bxlxK, w_bxlxK, valid_bxl, *, cfg, ffw_axes,
+                 ragged_all_to_all):
+  del valid_bxl  # dropless: padding tokens are computed like the single-device ragged path does
+  b, l, D = x_bxlxD.shape
+  K = idx_bxlxK.shape[-1]
+  X = gate_XxDxF.shape[0]
+  N = jax.lax.axis_size(AXIS)
+  me = jax.lax.axis_index(AXIS)
+  t, m = b * l, b * l * K
+  expert_m = idx_bxlxK.reshape(m)
+  order_m = jnp.argsort(expert_m, stable=True)  # by global expert = by owning device, then local expert
+  token_m = order_m // K
+  xs_mxD = x_bxlxD.reshape(t, D)[token_m]
+  sizes_NxX = jnp.bincount(expert_m, length=N * X).astype(jnp.int32).reshape(N, X)
+  # Every device's per-(destination, local expert) counts: [source, destination, X]. Tiny (N*N*X ints).
+  all_NxNxX = jax.lax.all_gather(sizes_NxX, AXIS)
+  sent_NxN = all_NxNxX.sum(-1)
+  in_off_NxN = _exclusive_cumsum(sent_NxN, 1)   # where source s's chunk for d starts in s's sorted rows
+  out_off_NxN = _exclusive_cumsum(sent_NxN, 0)  # where it lands in d's receive buffer (sources in order)
+  R = N * m
+  recv_RxD = ragged_all_to_all(xs_mxD, jnp.zeros((R, D), xs_mxD.dtype), in_off_NxN[me], sent_NxN[me],
+                               out_off_NxN[me], sent_NxN[:, me], axis_name=AXIS)
+  # Received rows are grouped by source, then by local expert: regroup by local expert for the grouped matmul.
+  counts_flat = all_NxNxX[:, me, :].reshape(N * X)
+  ends = jnp.cumsum(counts_flat)
+  seg_R = jnp.searchsorted(ends, jnp.arange(R, dtype=ends.dtype), side="right")  # N*X for unused rows
+  local_R = jnp.where(seg_R < N * X, seg_R % X, X)
+  order_R = jnp.argsort(local_R, stable=True)
+  group_X = all_NxNxX[:, me, :].sum(0)
+  mm = functools.partial(expert_matmul, group_sizes_E=group_X, cfg=cfg)
+  y_sorted_RxD = _ffn(recv_RxD[order_R], gate_XxDxF, up_XxDxF, down_XxFxD, mm, ffw_axes)
+  y_RxD = jnp.zeros_like(y_sorted_RxD).at[order_R].set(y_sorted_RxD)
+  back_mxD = ragged_all_to_all(y_RxD, jnp.zeros((m, D), y_RxD.dtype), out_off_NxN[:, me], sent_NxN[:, me],
+                               in_off_NxN[:, me], sent_NxN[me], axis_name=AXIS)
+  ys_mxD = back_mxD * w_bxlxK.reshape(m)[order_m][:, None].astype(back_mxD.dtype)
+  out_txD = jnp.zeros((t, D), ys_mxD.dtype).at[token_m].add(ys_mxD)
+  return out_txD.reshape(b, l, D), jnp.zeros((), jnp.float32)
+
+
+def ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+  """`lax.ragged_all_to_all` from padded `lax.all_to_all`s: the readable (N times larger) reference for CPU.
+
+  Device i sends rows input_offsets[j] : +send_sizes[j] of `operand` to device j, where they are written at
+  output_offsets[j] of j's `output`; recv_sizes[i] on j is what i sends. Other rows of `output` are kept.
+  """
+  M, D = operand.shape
+  r_M = jnp.arange(M)
+  src_NxM = jnp.clip(input_offsets[:, None] + r_M[None], 0, M - 1)
+  send_NxMxD = jnp.where((r_M[None] < send_sizes[:, None])[..., None], operand[src_NxM], 0)
+  recv_NxMxD = jax.lax.all_to_all(send_NxMxD, axis_name, 0, 0, tiled=True)
+  recv_off_N = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  dst_NxM = jnp.where(r_M[None] < recv_sizes[:, None], recv_off_N[:, None] + r_M[None], output.shape[0])
+  return output.at[dst_NxM.reshape(-1)].set(recv_NxMxD.reshape(-1, D), mode="drop")

@@ -1,0 +1,254 @@
+"""Expert parallelism (composer_jax/parallel/expert.py) on 8 fake CPU devices against the single-device paths."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_moe_paths import CFG, _loop_reference, _moe_params
+
+from composer_jax import model
+from composer_jax.model import ModelConfig
+from composer_jax.model import moe as moe_lib
+from composer_jax.model.layers import mlp
+from composer_jax.parallel import expert as ep
+from composer_jax.parallel import make_mesh
+
+K = CFG.num_experts_per_tok
+NO_DROP = CFG.n_routed_experts / K  # capacity factor E/K: C >= t per (source device, expert), nothing is dropped
+
+
+def _routed(p, x_BxLxD, cfg=CFG):
+  """Router outputs of the single-device code (idx, w as [B, L, K])."""
+  B, L, D = x_BxLxD.shape
+  s = moe_lib.router_scores(p, x_BxLxD.reshape(B * L, D))
+  idx = moe_lib.select_experts(s, p["bias"], cfg)
+  return idx.reshape(B, L, K), moe_lib.gate_weights(s, idx, cfg).reshape(B, L, K)
+
+
+def _ep(p, x, idx, w, valid, cfg, mesh, **kw):
+  with jax.set_mesh(mesh):
+    return jax.jit(lambda *a: ep.expert_parallel(*a, cfg, **kw))(p, x, idx, w, valid)
+
+
+@pytest.mark.parametrize("impl,axes", [
+    ("ep_capacity", {"data": 2, "expert": 4}),
+    ("ep_capacity", {"expert": 4, "tensor": 2}),  # each expert's F split over tensor: partial outputs psum'd
+    ("ep_capacity", {"data": 8}),                  # expert axis of size 1: same code, no-op all-to-alls
+    ("ep_capacity", {"data": 2, "context": 2, "expert": 2}),  # tokens also split over the sequence
+    ("ep_ragged", {"data": 2, "expert": 4}),       # dropless, with the all_to_all-built reference collective
+])
+def test_ep_layer_matches_single_device(impl, axes):
+  p = _moe_params(CFG)
+  B, L = 8, 4
+  x = jax.random.normal(jax.random.key(1), (B, L, CFG.hidden_size))
+  idx, w = _routed(p, x)
+  cfg = dataclasses.replace(CFG, moe_impl=impl, capacity_factor=NO_DROP)
+  kw = {"ragged_all_to_all": ep.ragged_all_to_all_reference} if impl == "ep_ragged" else {}
+  y, dropped = _ep(p, x, idx, w, jnp.ones((B, L), bool), cfg, make_mesh(axes), **kw)
+  T, D = B * L, CFG.hidden_size
+  dense = moe_lib.experts_dense(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K))
+  cap, cap_dropped = moe_lib.experts_capacity(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K),
+                                              jnp.ones(T, bool), NO_DROP)
+  assert float(dropped) == 0.0 and float(cap_dropped) == 0.0
+  # float32, the same per-row products on every path; only the order of the K-term (and, with tensor, the F-split)
+  # sums differs: a few ulps of outputs of size ~2, measured <4e-7.
+  np.testing.assert_allclose(np.asarray(y).reshape(T, D), dense, rtol=1e-6, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(y).reshape(T, D), cap, rtol=1e-6, atol=2e-6)
+  # And both references against the per-expert float64 loop.
+  ref, _ = _loop_reference(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K))
+  np.testing.assert_allclose(np.asarray(y).reshape(T, D), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch_round_trip_is_exact():
+  """Tokens sent to their experts' devices and straight back (no expert compute) return bit for bit."""
+  mesh = make_mesh({"data": 2, "expert": 4})
+  B, L, D, E = 8, 4, CFG.hidden_size, CFG.n_routed_experts
+  x = jax.random.normal(jax.random.key(2), (B, L, D))
+  idx, _ = _routed(_moe_params(CFG), x)
+
+  def body(x_bxlxD, idx_bxlxK):
+    b, l, _ = x_bxlxD.shape
+    t = b * l
+    C = t  # capacity not exceeded
+    recv_NxXxCxD, slot_m, keep_m = ep.dispatch(x_bxlxD.reshape(t, D), idx_bxlxK.reshape(-1),
+                                               jnp.ones(t * K, bool), E, C)
+    back_ExCxD = ep.return_to_sources(recv_NxXxCxD)
+    rows_mxD = back_ExCxD.reshape(E * C, D)[jnp.where(keep_m, slot_m, 0)]
+    return rows_mxD.reshape(b, l, K, D), keep_m.reshape(b, l, K)
+
+  spec = P(("data", "expert"))
+  with jax.set_mesh(mesh):
+    rows, keep = jax.jit(jax.shard_map(body, in_specs=(spec, spec), out_specs=(spec, spec)))(x, idx)
+  assert bool(keep.all())
+  np.testing.assert_array_equal(np.asarray(rows), np.broadcast_to(np.asarray(x)[:, :, None], rows.shape))
+
+
+
+def test_ragged_all_to_all_reference_hand_computed():
+  """2 devices, operands [a0 a1 a2] and [b0 b1 b2]; device 0 sends a0 to itself and a1 a2 to device 1, device 1
+  sends b0 b1 to device 0 (after device 0's row) and nothing to itself. Unwritten output rows keep their -1."""
+  mesh = make_mesh({"expert": 2}, devices=jax.devices()[:2])
+  operand = jnp.array([[1.0], [2.0], [3.0], [11.0], [12.0], [13.0]])  # a = 1, 2, 3; b = 11, 12, 13
+  i32 = lambda *v: jnp.array(v, jnp.int32)
+  input_offsets, send_sizes = i32(0, 1, 0, 0), i32(1, 2, 2, 0)
+  output_offsets, recv_sizes = i32(0, 0, 1, 0), i32(1, 2, 2, 0)  # per device: [to/from device 0, device 1]
+  f = jax.shard_map(functools.partial(ep.ragged_all_to_all_reference, axis_name="expert"), mesh=mesh,
+                    in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+  out = f(operand, -jnp.ones((8, 1)), input_offsets, send_sizes, output_offsets, recv_sizes)
+  np.testing.assert_array_equal(np.asarray(out)[:, 0], [1, 11, 12, -1, 2, 3, -1, -1])
+
+def test_dropped_assignments_hand_computed():
+  """4 devices x 4 tokens, K=2, E=8, capacity factor 1: C = ceil(1 * 4 * 2 / 8) = 1 slot per (device, expert).
+
+  Device 0 sends all 4 tokens to experts (0, 1): each keeps 1 of 4, so 6 assignments drop. Devices 1-3 give token
+  j experts (2j, 2j+1): one assignment per expert, nothing drops. Device 3's last two tokens are padding (take no
+  slot, are not counted). dropped_fraction = 6 / (32 - 4).
+  """
+  mesh = make_mesh({"expert": 4}, devices=jax.devices()[:4])
+  B, L, D = 4, 4, CFG.hidden_size
+  routing = np.zeros((B, L, K), np.int32)
+  routing[0] = [0, 1]
+  routing[1:] = np.stack([2 * np.arange(L), 2 * np.arange(L) + 1], -1)
+  valid = np.ones((B, L), bool)
+  valid[3, 2:] = False
+  cfg = dataclasses.replace(CFG, moe_impl="ep_capacity", capacity_factor=1.0)
+  p = _moe_params(CFG)
+  x = jax.random.normal(jax.random.key(3), (B, L, D))
+  with jax.set_mesh(mesh):
+    out, aux = jax.jit(lambda p, x, r: moe_lib.moe_block(p, x, jnp.asarray(valid), cfg, r))(p, x, routing)
+  np.testing.assert_allclose(float(aux["dropped_fraction"]), 6 / 28, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux["experts"]), routing)  # replayed experts are the ones used
+  # Dropped assignments fall back to the shared expert only: device 0's tokens 1-3 and padding get no routed output.
+  idx, w = routing, np.asarray(_routed_weights(p, x, routing))
+  y, _ = _ep(p, x, jnp.asarray(idx), jnp.asarray(w), jnp.asarray(valid), cfg, mesh)
+  keep = np.ones((B, L, K), bool)
+  keep[0, 1:] = False
+  keep[3, 2:] = False
+  ref, _ = _loop_reference(p, x.reshape(-1, D), idx.reshape(-1, K), (w * keep).reshape(-1, K))
+  np.testing.assert_allclose(np.asarray(y).reshape(-1, D), ref, rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(y)[0, 1:], 0.0)
+  shared = mlp(p["shared"], x)
+  np.testing.assert_allclose(np.asarray(out)[0, 1:], np.asarray(shared)[0, 1:], rtol=1e-6, atol=1e-6)
+
+
+def _routed_weights(p, x, routing):
+  B, L, D = x.shape
+  s = moe_lib.router_scores(p, x.reshape(B * L, D))
+  return moe_lib.gate_weights(s, jnp.asarray(routing).reshape(B * L, K), CFG).reshape(B, L, K)
+
+
+def test_router_replay_under_ep_matches_single_device():
+  mesh = make_mesh({"data": 2, "expert": 4})
+  B, L, D, E = 8, 4, CFG.hidden_size, CFG.n_routed_experts
+  p = _moe_params(CFG)
+  x = jax.random.normal(jax.random.key(4), (B, L, D))
+  # Replayed experts unlike the router's own choice (two distinct random experts per token).
+  routing = jnp.asarray(np.argsort(np.random.default_rng(0).random((B, L, E)), -1)[..., :K].astype(np.int32))
+  valid = jnp.ones((B, L), bool)
+  ep_cfg = dataclasses.replace(CFG, moe_impl="ep_capacity", capacity_factor=NO_DROP)
+  with jax.set_mesh(mesh):
+    out, aux = jax.jit(lambda p, x, r: moe_lib.moe_block(p, x, valid, ep_cfg, r))(p, x, routing)
+  ref, ref_aux = moe_lib.moe_block(p, x, valid, dataclasses.replace(CFG, moe_impl="dense"), routing)
+  np.testing.assert_array_equal(np.asarray(aux["experts"]), np.asarray(routing))
+  assert not np.array_equal(np.asarray(routing), np.asarray(_routed(p, x)[0]))  # replay really overrides
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=2e-6)  # as in the layer test
+  np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(ref_aux["expert_load"]))
+
+
+TINY = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                   num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                   qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                   first_k_dense_replace=1, num_nextn_predict_layers=1)
+
+
+def _loss(params, tokens, cfg):
+  logits, aux = model.forward(params, tokens, cfg)
+  logp = jax.nn.log_softmax(logits[:, :-1])
+  main = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+  mtp = -jnp.take_along_axis(jax.nn.log_softmax(aux["mtp_logits"][0, :, :-2]), tokens[:, 2:, None], -1).mean()
+  return main + 0.3 * mtp, aux["dropped_fraction"]
+
+
+def test_full_model_loss_and_grads_match_single_device():
+  """data=2 x expert=4 (MTP on): loss and every gradient equal the single-device dense run."""
+  tokens = jax.random.randint(jax.random.key(5), (8, 16), 0, TINY.vocab_size)
+  ref_cfg = dataclasses.replace(TINY, moe_impl="dense")
+  params = model.init(jax.random.key(0), ref_cfg)
+  (ref_loss, _), ref_g = jax.jit(jax.value_and_grad(_loss, has_aux=True), static_argnums=2)(params, tokens, ref_cfg)
+  mesh = make_mesh({"data": 2, "expert": 4})
+  ep_cfg = dataclasses.replace(TINY, moe_impl="ep_capacity", capacity_factor=TINY.n_routed_experts / 2)
+  sharded = jax.device_put(params, model.shardings(ep_cfg, mesh))
+  with jax.set_mesh(mesh):
+    (loss, dropped), g = jax.jit(jax.value_and_grad(_loss, has_aux=True), static_argnums=2)(sharded, tokens, ep_cfg)
+  assert g["moe_layers"]["moe"]["gate"].sharding.spec[1] == "expert"  # expert weights (and grads) live sharded
+  assert float(dropped) == 0.0
+  # float32 throughout; EP changes only summation orders (the K-term combine, gradient all-reduces over data and
+  # expert). Measured: loss equal to 1e-7 relative, every gradient leaf within 9e-7 of its largest entry (leaves
+  # range from 4e-6 to 2e-2, so the tolerance scales with each leaf); 1e-5 leaves a 10x margin.
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  for path, a in jax.tree_util.tree_leaves_with_path(g):
+    b = ref_g
+    for k in path:
+      b = b[k.key]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_ep_ragged_lowers_for_cuda_with_ragged_all_to_all():
+  """XLA:CPU has no ragged-all-to-all, so the dropless path is checked by lowering forward + backward for cuda."""
+  cfg = dataclasses.replace(CFG, moe_impl="ep_ragged")
+  p = _moe_params(CFG)
+  x = jnp.ones((8, 4, CFG.hidden_size))
+  valid = jnp.ones((8, 4), bool)
+  fwd = lambda p, x: moe_lib.moe_block(p, x, valid, cfg)[0].sum()
+  with jax.set_mesh(make_mesh({"data": 2, "expert": 4})):
+    f_text = jax.jit(fwd).trace(p, x).lower(lowering_platforms=("cuda",)).as_text()
+    g_text = jax.jit(jax.grad(fwd, argnums=(0, 1))).trace(p, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert f_text.count("custom_call @ragged_all_to_all") == 2  # dispatch and return
+  assert "all_to_all" not in f_text.replace("ragged_all_to_all", "")  # no padded fallback collective
+  assert g_text.count("custom_call @ragged_all_to_all") >= 3  # the backward's transposed exchanges too
+
+
+def test_ep_errors_name_the_problem():
+  p = _moe_params(CFG)
+  x = jnp.ones((8, 4, CFG.hidden_size))
+  idx, w = _routed(p, x)
+  valid = jnp.ones((8, 4), bool)
+  cfg = dataclasses.replace(CFG, moe_impl="ep_capacity")
+  with pytest.raises(ValueError, match="needs a mesh"):
+    ep.expert_parallel(p, x, idx, w, valid, cfg)
+  with pytest.raises(ValueError, match=r"batch=6 is not divisible by mesh axes \('data', 'expert'\) \(size 8\)"):
+    ep.expert_parallel(p, x[:6], idx[:6], w[:6], valid[:6], cfg, mesh=make_mesh({"data": 2, "expert": 4}))
+  with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible"):
+    ep.expert_parallel(p, x[:6], idx[:6], w[:6], valid[:6], cfg,
+                       mesh=make_mesh({"expert": 3}, devices=jax.devices()[:3]))
+
+
+def test_ep_ragged_gradients_match_dense():
+  """The dropless path's backward (transposed exchanges, grouped matmul VJPs) against the dense layer's."""
+  p = {k: v for k, v in _moe_params(CFG).items() if k in ("gate", "up", "down")}
+  B, L, D = 8, 4, CFG.hidden_size
+  x = jax.random.normal(jax.random.key(6), (B, L, D))
+  idx, w = _routed(_moe_params(CFG), x)
+  ct = jax.random.normal(jax.random.key(7), (B, L, D))  # a random cotangent so every output row matters
+  cfg = dataclasses.replace(CFG, moe_impl="ep_ragged")
+
+  def ep_loss(p, x, w):
+    y, _ = ep.expert_parallel(p, x, idx, w, jnp.ones((B, L), bool), cfg,
+                              ragged_all_to_all=ep.ragged_all_to_all_reference)
+    return (y * ct).sum()
+
+  def dense_loss(p, x, w):
+    y = moe_lib.experts_dense(p, x.reshape(-1, D), idx.reshape(-1, K), w.reshape(-1, K))
+    return (y.reshape(B, L, D) * ct).sum()
+
+  with jax.set_mesh(make_mesh({"data": 2, "expert": 4})):
+    g = jax.jit(jax.grad(ep_loss, argnums=(0, 1, 2)))(p, x, w)
+  ref = jax.grad(dense_loss, argnums=(0, 1, 2))(p, x, w)
+  # float32; as in the forward only summation orders differ (here also over the tokens an expert's weight gradient
+  # sums). Measured within 3e-7 of each gradient's largest entry (~10); 1e-5 leaves a 30x margin.
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
