@@ -192,3 +192,18 @@ def test_router_replay_under_cp():
   np.testing.assert_array_equal(aux_r["experts"], flipped)
   np.testing.assert_allclose(replayed, ref, rtol=1e-4, atol=1e-5)
   assert float(jnp.abs(replayed - live).max()) > 1e-3
+
+
+@pytest.mark.slow
+def test_ring_with_expert_parallel_moe():
+  """CP ring attention + EP MoE (ep_capacity, capacity never binding) on data=2 x context=2 x expert=2."""
+  batch = jax.tree.map(lambda a: jnp.concatenate([a, a[::-1]]), _batch(256))  # B=4: data x expert divides it
+  tcfg = TrainConfig(mtp_loss="cross_entropy")
+  (loss_ref, _), g_ref = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, CFG, tcfg), has_aux=True))(_params())
+  cfg = dataclasses.replace(CFG, attention_impl="ring", moe_impl="ep_capacity", capacity_factor=4.0)
+  mesh = make_mesh({"data": 2, "context": 2, "expert": 2})
+  params = jax.device_put(_params(), shardings(cfg, mesh))
+  with jax.set_mesh(mesh):
+    (loss, _), g = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, cfg, tcfg), has_aux=True))(params)
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, g_ref)
