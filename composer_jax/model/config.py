@@ -40,6 +40,8 @@ class ModelConfig:
   rope_scaling: RopeScaling | None = None
   rope_interleave: bool = True            # DeepSeek's rope layout: rotate pairs (x0, x1), (x2, x3), ... (HF default)
   max_position_embeddings: int = 4096
+  attention_impl: str = "dense"           # "dense" | "ring" | "allgather": the last two shard the sequence on the
+                                          # mesh's `context` axis (parallel/context.py; needs `jax.set_mesh`)
   rms_norm_eps: float = 1e-6
   # MoE
   n_routed_experts: int = 8

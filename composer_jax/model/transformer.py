@@ -15,13 +15,25 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
 from composer_jax.model.rope import rope_cos_sin
+from composer_jax.parallel import context as cp_lib  # a module import: parallel.context imports model.attention
 
 
-def block(p: dict, x_BxLxD: jax.Array, rope: tuple[jax.Array, jax.Array], mask_BxLxS: jax.Array,
-          valid_BxL: jax.Array, cfg: ModelConfig, routing_BxLxK: jax.Array | None = None) -> tuple[jax.Array, dict]:
-  """One pre-norm decoder layer (attention, then dense MLP or MoE); aux is {} for dense layers."""
+def _self_attention(p: dict, x_BxLxD: jax.Array, rope, mask, cfg: ModelConfig) -> jax.Array:
+  """Dense MLA with a [B, L, L] mask, or context-parallel MLA with mask = (segment ids, original indices) [B, L]."""
   cos, sin = rope
-  h = x_BxLxD + attention(p["attn"], rms_norm(x_BxLxD, p["attn_norm"], cfg.rms_norm_eps), cos, sin, mask_BxLxS, cfg)
+  if cfg.attention_impl == "dense":
+    return attention(p, x_BxLxD, cos, sin, mask, cfg)
+  return cp_lib.context_parallel_attention(p, x_BxLxD, cos, sin, *mask, cfg)
+
+
+def block(p: dict, x_BxLxD: jax.Array, rope: tuple[jax.Array, jax.Array], mask,
+          valid_BxL: jax.Array, cfg: ModelConfig, routing_BxLxK: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """One pre-norm decoder layer (attention, then dense MLP or MoE); aux is {} for dense layers.
+
+  `mask` is the [B, L, L] bool mask for `cfg.attention_impl == "dense"`, else (segment_ids, index) [B, L] in the
+  zig-zag layout (see `forward`).
+  """
+  h = x_BxLxD + _self_attention(p["attn"], rms_norm(x_BxLxD, p["attn_norm"], cfg.rms_norm_eps), rope, mask, cfg)
   y = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
   if "moe" in p:
     out, aux = moe_block(p["moe"], y, valid_BxL, cfg, routing_BxLxK)
@@ -56,7 +68,7 @@ def _lm_head(params: dict, cfg: ModelConfig, detach: bool = False) -> jax.Array:
 
 
 def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, mask, valid, cfg: ModelConfig,
-                detach_trunk: bool = False) -> tuple[jax.Array, jax.Array]:
+                detach_trunk: bool = False, cp_size: int = 1) -> tuple[jax.Array, jax.Array]:
   """DeepSeek-V3 NextN modules; returns (logits [N, B, L, V], expert load [N, E]).
 
   Entry j at position t predicts token t+2+j.
@@ -65,6 +77,9 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
   with the embedding of token t+1+j: h' = eh_proj([enorm(emb), hnorm(h)]), then one MoE decoder block, its own
   norm (`shared_head.norm`) and the shared LM head. Embeddings past the end are of token 0 (their logits have
   no target; see `mtp_targets`).
+
+  With `cp_size` > 1, h, rope, mask and valid are in the zig-zag layout and `tokens_BxL` in natural order: the
+  shifted tokens are permuted like h, and the logits come back in natural order.
   """
   dt = jnp.dtype(cfg.compute_dtype)
   embed_VxD = jax.lax.stop_gradient(params["embed"]) if detach_trunk else params["embed"]
@@ -75,12 +90,13 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
   for j in range(cfg.num_nextn_predict_layers):
     p = jax.tree.map(lambda a, j=j: a[j], params["mtp"])
     shifted_BxL = jnp.pad(tokens_BxL[:, j + 1:], ((0, 0), (0, min(j + 1, L))))[:, :L]
-    e_BxLxD = embed_VxD[shifted_BxL].astype(dt)
+    e_BxLxD = embed_VxD[cp_lib.to_zigzag(shifted_BxL, cp_size)].astype(dt)
     cat_BxLx2D = jnp.concatenate([rms_norm(e_BxLxD, p["enorm"], cfg.rms_norm_eps),
                                   rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
     h = cat_BxLx2D @ p["eh_proj"].astype(dt)
     h, aux = block(p["block"], h, rope, mask, valid, cfg)
-    logits.append((rms_norm(h, p["norm"], cfg.rms_norm_eps) @ head_DxV).astype(jnp.float32))
+    out_BxLxD = cp_lib.from_zigzag(rms_norm(h, p["norm"], cfg.rms_norm_eps), cp_size)
+    logits.append((out_BxLxD @ head_DxV).astype(jnp.float32))
     loads.append(aux["expert_load"])
   if not logits:
     return (jnp.zeros((0, *tokens_BxL.shape, cfg.vocab_size), jnp.float32),
@@ -120,6 +136,10 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
       are recomputed from the current router scores at those indices, so the router still gets gradients.
     mtp_detach_trunk: stop gradients from the MTP logits into the trunk hidden states, embedding and LM head.
 
+  With `cfg.attention_impl` "ring" or "allgather" (context parallelism; call under `jax.set_mesh(mesh)`), the
+  sequence is sharded on the mesh's `context` axis and L must be divisible by 2 * its size. Inputs and outputs keep
+  their natural token order: the stack runs in the zig-zag layout internally (parallel/context.py).
+
   Returns:
     (logits [B, L, V] float32, aux) with aux: router_scores f32 [Lm, B, L, E], experts int32 [Lm, B, L, K],
     expert_load f32 [Lm, E], balance_loss (seq_aux_loss_coef * sum over layers), balance_loss_unweighted,
@@ -141,24 +161,35 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
       raise ValueError(f"{name} has shape {a.shape}, expected tokens' shape {(B, L)}")
   if routing is not None and routing.shape != (n_moe, B, L, K):
     raise ValueError(f"routing has shape {routing.shape}, expected (n_moe_layers, B, L, K) = {(n_moe, B, L, K)}")
-  mask_BxLxL = segment_causal_mask(segment_ids, segment_ids)
-  valid_BxL = segment_ids != 0
-  rope = rope_cos_sin(positions, cfg)
-  x = params["embed"][tokens].astype(dt)
+  # Context parallelism: run the whole stack in the zig-zag layout (parallel/context.py); the mask becomes each
+  # token's segment id and original index, and outputs are put back in natural order below.
+  n = 1 if cfg.attention_impl == "dense" else cp_lib.context_size()
+  if cfg.attention_impl == "dense":
+    mask = segment_causal_mask(segment_ids, segment_ids)
+  else:
+    index = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
+    mask = (cp_lib.to_zigzag(segment_ids, n), cp_lib.to_zigzag(index, n))
+  valid_BxL = cp_lib.to_zigzag(segment_ids, n) != 0
+  rope = rope_cos_sin(cp_lib.to_zigzag(positions, n), cfg)
+  if routing is not None:
+    routing = cp_lib.to_zigzag(routing, n, axis=2)
+  x = params["embed"][cp_lib.to_zigzag(tokens, n)].astype(dt)
   if n_dense:
-    x, _ = _run_stack(params["dense_layers"], x, rope, mask_BxLxL, valid_BxL, cfg)
+    x, _ = _run_stack(params["dense_layers"], x, rope, mask, valid_BxL, cfg)
   if n_moe:
-    x, moe_aux = _run_stack(params["moe_layers"], x, rope, mask_BxLxL, valid_BxL, cfg, routing)
+    x, moe_aux = _run_stack(params["moe_layers"], x, rope, mask, valid_BxL, cfg, routing)
+    moe_aux = dict(moe_aux, router_scores=cp_lib.from_zigzag(moe_aux["router_scores"], n, axis=2),
+                   experts=cp_lib.from_zigzag(moe_aux["experts"], n, axis=2))
   else:
     moe_aux = {"router_scores": jnp.zeros((0, B, L, E), jnp.float32), "experts": jnp.zeros((0, B, L, K), jnp.int32),
                "expert_load": jnp.zeros((0, E), jnp.float32), "balance_loss": jnp.zeros((0,), jnp.float32),
                "dropped_fraction": jnp.zeros((0,), jnp.float32)}
-  logits = (rms_norm(x, params["final_norm"], cfg.rms_norm_eps) @ _lm_head(params, cfg).astype(dt))
+  logits = cp_lib.from_zigzag(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), n) @ _lm_head(params, cfg).astype(dt)
   aux = {"router_scores": moe_aux["router_scores"], "experts": moe_aux["experts"],
          "expert_load": moe_aux["expert_load"],
          "balance_loss": cfg.seq_aux_loss_coef * moe_aux["balance_loss"].sum(),
          "balance_loss_unweighted": moe_aux["balance_loss"].sum(),
          "dropped_fraction": moe_aux["dropped_fraction"].mean() if n_moe else jnp.zeros((), jnp.float32)}
-  aux["mtp_logits"], aux["mtp_expert_load"] = mtp_forward(params, x, tokens, rope, mask_BxLxL, valid_BxL, cfg,
-                                                          mtp_detach_trunk)
+  aux["mtp_logits"], aux["mtp_expert_load"] = mtp_forward(params, x, tokens, rope, mask, valid_BxL, cfg,
+                                                          mtp_detach_trunk, cp_size=n)
   return logits.astype(jnp.float32), aux

@@ -1,0 +1,192 @@
+"""Ring attention for MLA with a hand-written backward ring (flash-attention style): per-device memory O(L/CP).
+
+Forward: queries stay; the latent KV block (c, kr, segment ids, original indices) hops around the `context` ring
+with `lax.ppermute`, merged by an online softmax (running max and sum in float32). Only the output and its
+log-sum-exp are saved. Backward: a second ring pass recomputes each block's probabilities from the saved
+log-sum-exp; dq stays local, dc/dkr accumulators travel with their KV block and take one last hop home, and the
+expansion weights' gradients are summed over the ring with `psum`. (Autodiff through a scanned forward ring would
+instead keep every step's carries: O(L) per device.)
+
+Layout: zig-zag (parallel/context.py). Device i holds query chunks (i, 2n-1-i). At ring step t it holds the KV of
+device j = i - t (mod n), chunks (j, 2n-1-j). For j < i both query chunks see KV chunk j entirely and chunk
+2n-1-j not at all: attend all queries to the first KV half. For j > i only query chunk 2n-1-i sees anything, and
+it sees both KV chunks: attend the second query half to all KV. Every device does half a block per step (the
+zig-zag balance); only step 0 (j = i) needs the causal diagonal. The segment/index mask is applied in every case.
+
+Letters: B batch, L local query length, S local key length, H heads, Q query/key head dim, R rope head dim,
+Dv value head dim, C kv_lora_rank, n context-parallel size.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.model.attention import expand_kv
+
+AXIS = "context"
+
+
+def block_mask(seg_q_BxL, idx_q_BxL, seg_k_BxS, idx_k_BxS) -> jax.Array:
+  """[B, L, S]: same segment and key index <= query index (original sequence indices)."""
+  same = seg_q_BxL[:, :, None] == seg_k_BxS[:, None, :]
+  return same & (idx_k_BxS[:, None, :] <= idx_q_BxL[:, :, None])
+
+
+def masked_logits(q_BxLxHxQ, k_BxSxHxQ, mask_BxLxS, scale) -> jax.Array:
+  """Masked logits [B, H, L, S] in float32 (-inf where masked)."""
+  logits = jnp.einsum("blhq,bshq->bhls", q_BxLxHxQ, k_BxSxHxQ, preferred_element_type=jnp.float32) * scale
+  return jnp.where(mask_BxLxS[:, None], logits, -jnp.inf)
+
+
+def online_update(acc, q_BxLxHxQ, kv, kvb, seg_q, idx_q, scale):
+  """Folds one KV block into the running (out [B,H,L,Dv], max [B,H,L], sum [B,H,L]), all float32."""
+  o_BxHxLxDv, m_BxHxL, l_BxHxL = acc
+  c_BxSxC, kr_BxSxR, seg_k, idx_k = kv
+  k_BxSxHxQ, v_BxSxHxDv = expand_kv(kvb, c_BxSxC, kr_BxSxR)
+  logits = masked_logits(q_BxLxHxQ, k_BxSxHxQ, block_mask(seg_q, idx_q, seg_k, idx_k), scale)
+  # The max only stabilises exp; the result does not depend on it, so it carries no gradient.
+  m_new = jnp.maximum(m_BxHxL, jax.lax.stop_gradient(logits.max(-1)))
+  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet: exp(-inf - 0) = 0
+  p_BxHxLxS = jnp.exp(logits - m_safe[..., None])
+  alpha = jnp.exp(m_BxHxL - m_safe)
+  o = alpha[..., None] * o_BxHxLxDv + jnp.einsum("bhls,bshv->bhlv", p_BxHxLxS.astype(v_BxSxHxDv.dtype), v_BxSxHxDv,
+                                                 preferred_element_type=jnp.float32)
+  return o, m_new, alpha * l_BxHxL + p_BxHxLxS.sum(-1)
+
+
+def empty_acc(B, H, L, Dv):
+  f32 = jnp.float32
+  acc = (jnp.zeros((B, H, L, Dv), f32), jnp.full((B, H, L), -jnp.inf, f32), jnp.zeros((B, H, L), f32))
+  return jax.lax.pcast(acc, (AXIS,), to="varying")
+
+
+def finish(o_BxHxLxDv, l_BxHxL, dtype) -> jax.Array:
+  """Normalises the accumulator → [B, L, H, Dv]; a row that saw no key gives zeros (as `attend`)."""
+  out = jnp.where(l_BxHxL[..., None] > 0, o_BxHxLxDv / jnp.where(l_BxHxL > 0, l_BxHxL, 1.0)[..., None], 0.0)
+  return out.transpose(0, 2, 1, 3).astype(dtype)
+
+
+def _split_rows(tree, half):
+  """Splits every leaf [B, X, L, ...] of `tree` at query row `half` of axis 2."""
+  return jax.tree.map(lambda a: a[:, :, :half], tree), jax.tree.map(lambda a: a[:, :, half:], tree)
+
+
+def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float, n: int):
+  """Forward ring → (out [B, L, H, Dv], lse [B, H, L] float32; -inf for rows that see no key)."""
+  B, L, H, _ = q_BxLxHxQ.shape
+  i, half = jax.lax.axis_index(AXIS), L // 2
+  kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
+  acc = online_update(empty_acc(B, H, L, kvb["v_b"].shape[-1]), q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
+
+  def earlier(acc, kv):
+    return online_update(acc, q_BxLxHxQ, tuple(a[:, :half] for a in kv), kvb, seg_BxL, idx_BxL, scale)
+
+  def later(acc, kv):
+    lo, hi = _split_rows(acc, half)
+    hi = online_update(hi, q_BxLxHxQ[:, half:], kv, kvb, seg_BxL[:, half:], idx_BxL[:, half:], scale)
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=2), lo, hi)
+
+  def step(carry):
+    t, acc, kv = carry
+    kv = jax.lax.ppermute(kv, AXIS, [(d, (d + 1) % n) for d in range(n)])
+    return t + 1, jax.lax.cond((i - t) % n < i, earlier, later, acc, kv), kv
+
+  # A while loop, not a scan: inside a differentiated layer scan, JAX's partial evaluation of a scan here would
+  # stack every step's block probabilities as residuals (measured: 3x the step's memory), though this pass is
+  # never differentiated (the custom_vjp's backward is `_bwd_region`).
+  _, (o, m, l), _ = jax.lax.while_loop(lambda carry: carry[0] < n, step, (1, acc, kv))
+  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  return finish(o, l, q_BxLxHxQ.dtype), lse
+
+
+def _block_grads(q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_q, idx_q, kv, kvb, scale):
+  """Gradients of one (query rows, KV block) pair: (dq [B,L,H,Q], dkvb, dc [B,S,C], dkr [B,S,R]), float32."""
+  c_BxSxC, kr_BxSxR, seg_k, idx_k = kv
+  (k_BxSxHxQ, v_BxSxHxDv), expand_vjp = jax.vjp(expand_kv, kvb, c_BxSxC, kr_BxSxR)
+  logits = masked_logits(q_BxLxHxQ, k_BxSxHxQ, block_mask(seg_q, idx_q, seg_k, idx_k), scale)
+  p_BxHxLxS = jnp.exp(logits - jnp.where(jnp.isfinite(lse_BxHxL), lse_BxHxL, 0.0)[..., None])
+  f32 = jnp.float32
+  dp = jnp.einsum("blhv,bshv->bhls", dout_BxLxHxDv, v_BxSxHxDv, preferred_element_type=f32)
+  ds_BxHxLxS = p_BxHxLxS * (dp - delta_BxHxL[..., None]) * scale
+  dq = jnp.einsum("bhls,bshq->blhq", ds_BxHxLxS, k_BxSxHxQ, preferred_element_type=f32)
+  dk = jnp.einsum("bhls,blhq->bshq", ds_BxHxLxS, q_BxLxHxQ, preferred_element_type=f32)
+  dv = jnp.einsum("bhls,blhv->bshv", p_BxHxLxS, dout_BxLxHxDv, preferred_element_type=f32)
+  dkvb, dc, dkr = expand_vjp((dk.astype(k_BxSxHxQ.dtype), dv.astype(v_BxSxHxDv.dtype)))
+  return dq, jax.tree.map(lambda a: a.astype(f32), dkvb), dc.astype(f32), dkr.astype(f32)
+
+
+def _bwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, out_BxLxHxDv, lse_BxHxL, dout_BxLxHxDv, *,
+                scale: float, n: int):
+  """Backward ring → (dq, dc, dkr, dkvb summed over the ring)."""
+  L = q_BxLxHxQ.shape[1]
+  i, half = jax.lax.axis_index(AXIS), L // 2
+  weights = kvb
+  # Varying copies: their per-device gradients accumulate locally and are summed once at the end (through the
+  # replicated originals, autodiff would insert a psum at every step).
+  kvb = jax.lax.pcast(kvb, (AXIS,), to="varying")
+  delta_BxHxL = jnp.einsum("blhv,blhv->bhl", dout_BxLxHxDv, out_BxLxHxDv, preferred_element_type=jnp.float32)
+  rows = (q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_BxL, idx_BxL)
+  kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
+  dq, dkvb, dc, dkr = _block_grads(*rows, kv, kvb, scale)
+
+  def earlier(grads, kv):  # all queries x first KV half
+    dq, dkvb, dc, dkr = grads
+    g = _block_grads(*rows, tuple(a[:, :half] for a in kv), kvb, scale)
+    return (dq + g[0], jax.tree.map(jnp.add, dkvb, g[1]), dc.at[:, :half].add(g[2]), dkr.at[:, :half].add(g[3]))
+
+  def later(grads, kv):  # second query half x all KV
+    dq, dkvb, dc, dkr = grads
+    hi = tuple(a[:, half:] for a in rows[:2]) + tuple(a[:, :, half:] for a in rows[2:4]) + tuple(
+        a[:, half:] for a in rows[4:])
+    g = _block_grads(*hi, kv, kvb, scale)
+    return (dq.at[:, half:].add(g[0]), jax.tree.map(jnp.add, dkvb, g[1]), dc + g[2], dkr + g[3])
+
+  ring = [(d, (d + 1) % n) for d in range(n)]
+
+  def step(carry, t):
+    (dq, dkvb, dc, dkr), kv = carry
+    kv, dc, dkr = jax.lax.ppermute((kv, dc, dkr), AXIS, ring)  # a block's gradient travels with it
+    return (jax.lax.cond((i - t) % n < i, earlier, later, (dq, dkvb, dc, dkr), kv), kv), None
+
+  ((dq, dkvb, dc, dkr), _), _ = jax.lax.scan(step, ((dq, dkvb, dc, dkr), kv), jnp.arange(1, n))
+  if n > 1:  # device i now holds the gradient of device i+1's block: one last hop home
+    dc, dkr = jax.lax.ppermute((dc, dkr), AXIS, ring)
+  dkvb = jax.tree.map(lambda g, w: jax.lax.psum(g, AXIS).astype(w.dtype), dkvb, weights)
+  return dq.astype(q_BxLxHxQ.dtype), dc.astype(c_BxSxC.dtype), dkr.astype(kr_BxSxR.dtype), dkvb
+
+
+SEQ = P(None, AXIS)
+LSE = P(None, None, AXIS)
+
+
+def _fwd_call(q, c, kr, seg, idx, kvb, scale, n):
+  fn = jax.shard_map(functools.partial(_fwd_region, scale=scale, n=n), axis_names={AXIS},
+                     in_specs=(SEQ,) * 5 + (P(),), out_specs=(SEQ, LSE))
+  with jax.named_scope("ring_attention_fwd"):
+    return fn(q, c, kr, seg, idx, kvb)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def ring(q_BxLxHxQ, c_BxLxC, kr_BxLxR, seg_BxL, idx_BxL, kvb, scale: float, n: int):
+  """Ring attention on global arrays in the zig-zag layout → [B, L, H, Dv] (see `context.ring_attention`)."""
+  return _fwd_call(q_BxLxHxQ, c_BxLxC, kr_BxLxR, seg_BxL, idx_BxL, kvb, scale, n)[0]
+
+
+def _ring_fwd(q, c, kr, seg, idx, kvb, scale, n):
+  out, lse = _fwd_call(q, c, kr, seg, idx, kvb, scale, n)
+  return out, (q, c, kr, seg, idx, kvb, out, lse)
+
+
+def _ring_bwd(scale, n, res, dout):
+  q, c, kr, seg, idx, kvb, out, lse = res
+  fn = jax.shard_map(functools.partial(_bwd_region, scale=scale, n=n), axis_names={AXIS},
+                     in_specs=(SEQ,) * 5 + (P(), SEQ, LSE, SEQ), out_specs=(SEQ, SEQ, SEQ, P()))
+  with jax.named_scope("ring_attention_bwd"):
+    dq, dc, dkr, dkvb = fn(q, c, kr, seg, idx, kvb, out, lse, dout)
+  return dq, dc, dkr, None, None, dkvb
+
+
+ring.defvjp(_ring_fwd, _ring_bwd)
