@@ -12,8 +12,9 @@ from mesh_testlib import B, batches, logged, train
 
 from composer_jax.parallel import layout
 from composer_jax.parallel import mesh as mesh_lib
-from composer_jax.train import config as train_config
 from composer_jax.train import loop
+from experiments import config_convert
+from experiments.configs import pretrain as pretrain_config
 
 STEPS = 3
 
@@ -94,12 +95,17 @@ def test_a_batch_the_data_axis_does_not_divide_is_named():
 
 
 def test_mesh_config_errors_name_the_problem():
+  c = pretrain_config.get_config("tiny")
+  assert config_convert.stage_kwargs(c)["mesh_cfg"] == mesh_lib.MeshConfig(data=1)
+  c.mesh.dtaa = 2
   with pytest.raises(ValueError, match="dtaa"):
-    train_config.from_dict(mesh_lib.MeshConfig, {"dtaa": 2})
+    config_convert.stage_kwargs(c)
   with pytest.raises(ValueError, match="At most one"):
     mesh_lib.MeshConfig(data=-1, tensor=-1)
   with pytest.raises(ValueError, match="needs 16 devices"):
     mesh_lib.mesh_from_config(mesh_lib.MeshConfig(data=16))
+  assert mesh_lib.mesh_from_config(mesh_lib.MeshConfig(data=2, tensor=2)).devices.size == 4   # the first 4 of 8
+  assert dict(mesh_lib.mesh_from_config(mesh_lib.MeshConfig(data=-1, tensor=2)).shape)["data"] == 4
 
 
 def test_process_batch_shard_on_a_fake_two_process_layout():

@@ -2,9 +2,11 @@
 
 Each process feeds only its half of every global batch; the mesh (all devices on `data`) spans both processes. The
 reference is the same trainer in this test process on as many fake devices as the two processes have together.
-The default case gives each process one device (compiles stay small); the slow one four (data=8). Tolerance: both compute identical float32 math on the same
-device layout but reduce across processes through gloo in another order (~1e-7 relative); see
-test_mesh_training.py for why three AdamW steps keep that below 1e-5 in losses and 1e-4 in params.
+The default case gives each process one device (compiles stay small); the slow one four (data=8).
+
+Tolerance: both compute the same float32 math on the same device layout, but reduce across processes through gloo
+in another order (~1e-7 relative); test_mesh_training.py says why three AdamW steps keep that below 1e-5 in losses
+and 1e-4 in params.
 """
 import os
 import socket
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from mesh_testlib import logged, train
 
+from composer_jax.parallel import distributed
 from composer_jax.parallel import mesh as mesh_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,3 +77,16 @@ def test_two_processes_match_one_process(tmp_path, devices_each):
   ckpt = os.path.join(mp_dir, "checkpoints", str(STEPS))
   assert sorted(f for f in os.listdir(os.path.join(ckpt, "data")) if f.startswith("process_")) == [
       "process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_distributed_config_from_flags_and_environment(monkeypatch):
+  assert not distributed.DistributedConfig().enabled   # single process: initialize is a no-op
+  with pytest.raises(ValueError, match="coordinator_address"):
+    distributed.DistributedConfig(num_processes=2, process_id=1)
+  with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+    distributed.DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=2)
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+  monkeypatch.setenv("JAX_PROCESS_ID", "3")
+  cfg = distributed.DistributedConfig.from_env(process_id=2, num_processes=None)   # a flag overrides, None does not
+  assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.enabled) == ("10.0.0.1:1234", 4, 2, True)
