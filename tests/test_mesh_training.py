@@ -8,8 +8,9 @@ losses to 1e-5 relative. A real sharding bug (a missing all-reduce, a wrong slic
 import jax
 import numpy as np
 import pytest
-from mesh_testlib import B, batches, logged, train
+from mesh_testlib import B, batches, logged, model_config, train
 
+from composer_jax import model
 from composer_jax.parallel import layout
 from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.train import loop
@@ -124,3 +125,16 @@ def test_process_batch_shard_on_a_fake_two_process_layout():
   mesh = jax.sharding.Mesh(devs[[0, 1, 4, 5, 2, 3, 6, 7]].reshape(4, 1, 1, 2), mesh_lib.MESH_AXES)
   with pytest.raises(ValueError, match="contiguous"):
     layout.process_batch_shard(jax.sharding.NamedSharding(mesh, layout.batch_spec(mesh, rules)), 0)
+
+
+def test_given_init_params_are_placed_on_the_mesh():
+  """A start from other params (a previous stage, a Hugging Face checkpoint) lands on the run's shardings."""
+  cfg, mesh_cfg = model_config(), mesh_lib.MeshConfig(data=2, tensor=4)
+  params = model.init(jax.random.key(0), cfg)   # one device
+  shardings = model.shardings(cfg, mesh_lib.mesh_from_config(mesh_cfg), mesh_cfg.rules())
+  placed = jax.tree.map(loop._place, params, shardings)
+  jax.tree.map(lambda p, s: p.sharding.is_equivalent_to(s, p.ndim) or pytest.fail(f"{p.sharding} != {s}"), placed,
+               shardings)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(placed), jax.device_get(params))
+  again = jax.tree.map(loop._place, placed, shardings)
+  assert all(jax.tree.leaves(jax.tree.map(lambda p, q: p is q, placed, again)))   # already placed: left as is

@@ -50,6 +50,14 @@ def state_shardings(optimizer, abstract_params, params_shardings, seed: int):
   return dataclasses.replace(out, params=params_shardings)
 
 
+def _place(x, sharding):
+  """`x` on `sharding`: as is if already there, else from a host copy (every process holds the same values)."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def _discard(_msg: str) -> None:
   """The log function of non-primary processes."""
 
@@ -132,6 +140,8 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
   else:
     if init_params is None:
       init_params = model.init(jax.random.key(train_cfg.seed), model_cfg, mesh, rules)
+    else:
+      init_params = jax.tree.map(_place, init_params, params_shardings)
     init = jax.jit(lambda p: step_lib.init_state(p, optimizer, train_cfg.seed), out_shardings=shardings)
     state = init(init_params)
   train_step = step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding)
