@@ -73,8 +73,12 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-  """Waits until every process reaches `name` (no-op for one process)."""
+def barrier(name: str, timeout_s: int = 3600) -> None:
+  """Waits until every process reaches `name` (no-op for one process).
+
+  It waits in the coordination service, not in a device collective: XLA:CPU's gloo collectives give a late peer only
+  30 s, far less than one process may spend training the tokenizer or compiling.
+  """
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
+    import orbax.checkpoint as ocp
+    ocp.multihost.get_barrier_sync_fn()(key=name, timeout_ms=timeout_s * 1000)

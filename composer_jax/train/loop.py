@@ -146,9 +146,17 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
     state = init(init_params)
   train_step = step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding)
   eval_step = step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding)
+  start = int(state.step)
+  first_batch = None
+  if jax.process_count() > 1 and start < train_cfg.steps:
+    # Processes compile at different speeds, and a gloo (CPU) collective gives a late peer only 30 s: compile both
+    # steps ahead of time, then start together.
+    first_batch = put(next(train_iter))
+    train_step = train_step.lower(state, first_batch).compile()
+    eval_step = eval_step.lower(state.params, put(next(iter(eval_batches())))).compile()
+    distributed.barrier("train_steps_compiled")
 
   writer = metrics_lib.MetricWriter(workdir) if primary else None
-  start = int(state.step)
   bar = None
   if train_cfg.progress_bar and primary:
     from tqdm import tqdm
@@ -183,7 +191,7 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
 
   try:
     for step_no in range(start + 1, train_cfg.steps + 1):
-      batch = put(next(train_iter))
+      batch, first_batch = (first_batch if first_batch is not None else put(next(train_iter))), None
       state, metrics = train_step(state, batch)
       if pending is not None:
         finish_step(*pending)
