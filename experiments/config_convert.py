@@ -4,6 +4,7 @@ from __future__ import annotations
 import ml_collections
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel.mesh import MeshConfig
 from composer_jax.train import config as train_config
 from composer_jax.train import corpus as corpus_lib
 from composer_jax.train import data as data_lib
@@ -26,6 +27,7 @@ def stage_kwargs(c: ml_collections.ConfigDict) -> dict:
       stage_cfg=stages.StageConfig(stage=c.stage, init_checkpoint=c.init.checkpoint, init_hf=c.init.hf,
                                    sft_train_path=c.sft.train_path, sft_eval_path=c.sft.eval_path),
       model_cfg=ModelConfig.from_dict(c.model.to_dict()),
+      mesh_cfg=train_config.from_dict(MeshConfig, c.mesh.to_dict()),
       train_cfg=train_config.from_dict(train_config.TrainConfig, c.train.to_dict()),
       optim_cfg=train_config.from_dict(train_config.OptimConfig, c.optim.to_dict()),
       data_cfg=train_config.from_dict(data_lib.DataConfig, c.data.to_dict()),

@@ -1,6 +1,9 @@
 r"""Language-model training stages (pretrain / long_context / sft) from an ml-collections config.
 
   python experiments/pretrain_main.py --config=experiments/configs/pretrain.py:colab --workdir=runs/pretrain_colab
+
+Multi-process: add --coordinator_address=HOST:PORT --num_processes=N --process_id=I to each of the N processes (or
+set JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or pass --distributed_auto on SLURM/Open MPI).
 """
 import os
 import sys
@@ -16,16 +19,25 @@ from experiments import config_convert  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the tokenizer.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's rank in [0, num_processes).")
+_AUTO = flags.DEFINE_bool("distributed_auto", False, "Let jax.distributed.initialize() read the cluster environment.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
+  from composer_jax.parallel import distributed
+  distributed.initialize(distributed.DistributedConfig.from_env(
+      coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
+      auto=_AUTO.value or None))
   from composer_jax.train import stages
   kwargs = config_convert.stage_kwargs(_CONFIG.value)
   last = stages.run(workdir=_WORKDIR.value, **kwargs)
-  print({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()})
+  if distributed.is_primary():
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Device mesh and logical-axis sharding rules (expert/context parallel regions come in a later issue)."""
-from composer_jax.parallel.mesh import MESH_AXES, make_mesh
+from composer_jax.parallel.mesh import MESH_AXES, MeshConfig, make_mesh, mesh_from_config
 from composer_jax.parallel.rules import ShardingRules, logical_to_sharding, logical_to_spec
 
-__all__ = ["MESH_AXES", "ShardingRules", "logical_to_sharding", "logical_to_spec", "make_mesh"]
+__all__ = ["MESH_AXES", "MeshConfig", "ShardingRules", "logical_to_sharding", "logical_to_spec", "make_mesh",
+           "mesh_from_config"]

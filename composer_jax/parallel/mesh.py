@@ -1,11 +1,14 @@
-"""Builds the device mesh with the four physical axes the sharding rules refer to."""
+"""Builds the device mesh with the four physical axes the sharding rules refer to, from sizes or a `MeshConfig`."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+
+from composer_jax.parallel.rules import ShardingRules
 
 MESH_AXES = ("data", "expert", "context", "tensor")
 
@@ -40,3 +43,49 @@ def make_mesh(axis_sizes: dict[str, int] | None = None, devices=None) -> Mesh:
     raise ValueError(f"Mesh shape {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices, "
                      f"but {len(devices)} were given")
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes (one may be -1: the remaining devices) and whether weights are FSDP-sharded over `data`.
+
+  With no -1 axis and fewer devices than the machine has, a single-process run uses the first devices (e.g. the
+  1-device CPU default); a multi-process run must cover every device.
+  """
+  data: int = 1
+  expert: int = 1
+  context: int = 1
+  tensor: int = 1
+  fsdp: bool = True   # weights' `embed` dim sharded over `data` (ZeRO-3 style); False replicates it
+
+  def __post_init__(self):
+    sizes = self.axis_sizes()
+    bad = {a: s for a, s in sizes.items() if s != -1 and s < 1}
+    if bad:
+      raise ValueError(f"Mesh axis sizes must be positive or -1, got {bad}")
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+      raise ValueError(f"At most one mesh axis may be -1, got {free}")
+
+  def axis_sizes(self) -> dict[str, int]:
+    return {a: getattr(self, a) for a in MESH_AXES}
+
+  def rules(self, base: ShardingRules | None = None) -> ShardingRules:
+    """`base` (default `ShardingRules()`) with `embed` on `data` iff FSDP is on."""
+    base = ShardingRules() if base is None else base
+    return dataclasses.replace(base, embed="data" if self.fsdp else None)
+
+
+def mesh_from_config(cfg: MeshConfig, devices=None) -> Mesh:
+  """The mesh `cfg` describes over `devices` (default: all devices of all processes)."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = cfg.axis_sizes()
+  if -1 not in sizes.values():
+    needed = math.prod(sizes.values())
+    if needed > len(devices):
+      raise ValueError(f"Mesh {sizes} needs {needed} devices, but only {len(devices)} exist")
+    if needed < len(devices) and jax.process_count() > 1:
+      raise ValueError(f"Mesh {sizes} uses {needed} of {len(devices)} devices; a multi-process run must use all "
+                       "of them (set one axis to -1)")
+    devices = devices[:needed]
+  return make_mesh(sizes, devices)

@@ -4,6 +4,11 @@ Order per step: dispatch step t, then fetch step t−1's metrics (so the host ne
 `log_every` steps, evaluate held-out perplexity every `eval_every`, checkpoint every `ckpt_every` — only after the
 host has seen that step's loss finite, so the newest checkpoint is always a good one. A non-finite loss stops the
 run with `NonFiniteLossError`.
+
+Meshes and processes: params, optimizer state and batches are placed by `ShardingRules` on the given mesh (checked
+for divisibility first). With several processes (`composer_jax.parallel.distributed`) every process runs this same
+loop; `train_iter` yields only this process's rows of the global batch (`layout.process_batch_shard` says which),
+only process 0 writes metrics and the progress bar, and all processes take part in each orbax checkpoint.
 """
 from __future__ import annotations
 
@@ -14,14 +19,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel import distributed, layout
 from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train import optim
@@ -46,14 +50,43 @@ def state_shardings(optimizer, abstract_params, params_shardings, seed: int):
   return dataclasses.replace(out, params=params_shardings)
 
 
+def _place(x, sharding):
+  """`x` on `sharding`: as is if already there, else from a host copy (every process holds the same values)."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _discard(_msg: str) -> None:
+  """The log function of non-primary processes."""
+
+
 def single_device_mesh():
   """The default mesh: one device (the parallelism config chooses bigger meshes)."""
   return mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
 
 
+def _all_processes(flag: bool) -> bool:
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))
+
+
 def evaluate(eval_step, params, batches: Iterable[dict], put) -> dict:
+  """Held-out loss over `batches`; a process whose shard runs out early feeds all-padding rows until all are done."""
   nll, count = 0.0, 0.0
-  for batch in batches:
+  it, pad = iter(batches), None
+  while True:
+    batch = next(it, None)
+    if _all_processes(batch is None):
+      break
+    if batch is None:
+      if pad is None:
+        raise ValueError("This process's held-out shard produced no batch; use fewer processes or more held-out data")
+      batch = pad
+    pad = {k: np.zeros_like(v) for k, v in batch.items()}   # all-padding rows count no tokens
     out = jax.device_get(eval_step(params, put(batch)))
     nll += float(out["nll_sum"])
     count += float(out["count"])
@@ -73,16 +106,31 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
     eval_batches: returns a fresh, finite, deterministic iterable of held-out batches.
     init_params: start from these (e.g. a previous stage or a Hugging Face checkpoint) instead of random init;
       ignored when resuming.
+    mesh: the device mesh (default: one device); a resumed run may use another mesh than the saving one.
+    rules: logical-axis table (default `ShardingRules()`, FSDP on `data`).
   Returns:
     (final params, the last logged metrics including the final held-out evaluation).
   """
   mesh = mesh if mesh is not None else single_device_mesh()
+  rules = rules if rules is not None else ShardingRules()
+  specs = jax.tree_util.tree_flatten_with_path(model.param_specs(model_cfg),
+                                               is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
+  layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)
   shardings = state_shardings(optimizer, abstract_params, params_shardings, train_cfg.seed)
-  batch_sharding = NamedSharding(mesh, P(tuple(a for a in ("data",) if a in mesh.axis_names) or None))
-  put = lambda b: jax.device_put({k: jnp.asarray(v) for k, v in b.items()}, batch_sharding)
+  batch_sharding = layout.batch_sharding(mesh, rules)
+  _, shard_count = layout.process_batch_shard(batch_sharding)
+
+  def put(batch):
+    rows, length = batch["tokens"].shape
+    layout.check_batch_shape(rows * shard_count, length, batch_sharding)
+    return layout.global_batch(batch, batch_sharding, shard_count)
+
+  primary = distributed.is_primary()
+  if not primary:
+    log_fn = _discard
 
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=train_cfg.ckpt_keep)
   if checkpointer.latest_step() is not None:
@@ -92,15 +140,25 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
   else:
     if init_params is None:
       init_params = model.init(jax.random.key(train_cfg.seed), model_cfg, mesh, rules)
+    else:
+      init_params = jax.tree.map(_place, init_params, params_shardings)
     init = jax.jit(lambda p: step_lib.init_state(p, optimizer, train_cfg.seed), out_shardings=shardings)
     state = init(init_params)
   train_step = step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding)
   eval_step = step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding)
-
-  writer = metrics_lib.MetricWriter(workdir)
   start = int(state.step)
+  first_batch = None
+  if jax.process_count() > 1 and start < train_cfg.steps:
+    # Processes compile at different speeds, and a gloo (CPU) collective gives a late peer only 30 s: compile both
+    # steps ahead of time, then start together.
+    first_batch = put(next(train_iter))
+    train_step = train_step.lower(state, first_batch).compile()
+    eval_step = eval_step.lower(state.params, put(next(iter(eval_batches())))).compile()
+    distributed.barrier("train_steps_compiled")
+
+  writer = metrics_lib.MetricWriter(workdir) if primary else None
   bar = None
-  if train_cfg.progress_bar:
+  if train_cfg.progress_bar and primary:
     from tqdm import tqdm
     bar = tqdm(total=train_cfg.steps, initial=start, desc="train", dynamic_ncols=True)
   last: dict = {}
@@ -123,7 +181,8 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
       t_log, tokens_since_log = now, 0.0
       if step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
         m.update(evaluate(eval_step, state.params, itertools.islice(eval_batches(), train_cfg.eval_batches), put))
-      writer.write(step_no, m)
+      if writer is not None:
+        writer.write(step_no, m)
       last = {"step": step_no, **m}
       if bar is not None:
         bar.set_postfix(loss=f"{m['loss']:.3f}", ppl=f"{last.get('eval_perplexity', float('nan')):.1f}")
@@ -132,7 +191,7 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
 
   try:
     for step_no in range(start + 1, train_cfg.steps + 1):
-      batch = put(next(train_iter))
+      batch, first_batch = (first_batch if first_batch is not None else put(next(train_iter))), None
       state, metrics = train_step(state, batch)
       if pending is not None:
         finish_step(*pending)
@@ -147,7 +206,8 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
       finish_step(*pending)
   finally:
     checkpointer.close()
-    writer.close()
+    if writer is not None:
+      writer.close()
     if bar is not None:
       bar.close()
   return state.params, last

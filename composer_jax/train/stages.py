@@ -4,6 +4,9 @@ Each stage is a `train.loop.train` run in its own workdir. A finished stage expo
 (`workdir/params`, an orbax PyTree) and keeps its tokenizer (`workdir/tokenizer`); the next stage names that workdir
 in `init.checkpoint` and starts from those params with a fresh optimizer, reusing the tokenizer so token ids agree.
 A Hugging Face `DeepseekV3ForCausalLM` directory can be the starting point instead (`init.hf`).
+
+The mesh comes from a `MeshConfig`; `data_cfg.batch_size` is the global batch, which a multi-process run splits
+between processes (each loads its own shard of the examples). Process 0 prepares the tokenizer; the others wait for it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import orbax.checkpoint as ocp
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel import distributed, layout
+from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.train import corpus as corpus_lib
 from composer_jax.train import data as data_lib
 from composer_jax.train import loop
@@ -70,10 +75,53 @@ def _tokenizer_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "tokenizer")
 
 
+def process_data_config(data_cfg: data_lib.DataConfig, batch_sharding) -> data_lib.DataConfig:
+  """`data_cfg` (global batch) → this process's share: its shard of the examples and of the batch rows."""
+  layout.check_batch_shape(data_cfg.batch_size, data_cfg.seq_len, batch_sharding)
+  if data_cfg.shard_count != 1:
+    raise ValueError("data.shard_index/shard_count are set by the trainer from the mesh; leave them at 0/1")
+  index, count = layout.process_batch_shard(batch_sharding)
+  if count == 1:
+    return data_cfg
+  return dataclasses.replace(data_cfg, batch_size=data_cfg.batch_size // count, shard_index=index, shard_count=count)
+
+
 def run(*, stage_cfg: StageConfig, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimConfig,
         data_cfg: data_lib.DataConfig, corpus_cfg: corpus_lib.CorpusConfig,
-        tokenizer_cfg: tokenizer_lib.TokenizerConfig, workdir: str, log_fn=print) -> dict:
+        tokenizer_cfg: tokenizer_lib.TokenizerConfig, workdir: str,
+        mesh_cfg: mesh_lib.MeshConfig | None = None, log_fn=print) -> dict:
   """Runs one stage to `train_cfg.steps` (resuming if `workdir` has a checkpoint) and exports its params."""
+  mesh_cfg = mesh_lib.MeshConfig() if mesh_cfg is None else mesh_cfg
+  mesh, rules = mesh_lib.mesh_from_config(mesh_cfg), mesh_cfg.rules()
+  data_cfg = process_data_config(data_cfg, layout.batch_sharding(mesh, rules))
+  data = None
+  if distributed.is_primary():   # the others wait, then reuse the tokenizer it wrote
+    data = _stage_data(stage_cfg, data_cfg, corpus_cfg, tokenizer_cfg, workdir)
+    with open(os.path.join(workdir, "data_stats.json"), "w") as f:
+      json.dump(data.stats, f, indent=2, default=str)
+  distributed.barrier("stage_data")
+  if data is None:
+    data = _stage_data(stage_cfg, data_cfg, corpus_cfg, tokenizer_cfg, workdir)
+  vocab = data.tokenizer.get_vocab_size()
+  if vocab > model_cfg.vocab_size:
+    raise ValueError(f"The tokenizer has {vocab} tokens but model.vocab_size is {model_cfg.vocab_size}")
+
+  init_params = None
+  if stage_cfg.init_checkpoint:
+    init_params = load_params(stage_cfg.init_checkpoint, model_cfg, mesh, rules)
+  elif stage_cfg.init_hf:
+    from composer_jax.interop import hf
+    hf_cfg, init_params = hf.load(stage_cfg.init_hf)
+    _check_same_shapes(hf_cfg, model_cfg)
+  params, last = loop.train(model_cfg=model_cfg, train_cfg=train_cfg, optim_cfg=optim_cfg, workdir=workdir,
+                    train_iter=iter(data.train), eval_batches=lambda: iter(data.eval), init_params=init_params,
+                    mesh=mesh, rules=rules, log_fn=log_fn)
+  export_params(workdir, params)
+  return last
+
+
+def _stage_data(stage_cfg: StageConfig, data_cfg, corpus_cfg, tokenizer_cfg, workdir: str) -> data_lib.Data:
+  """The stage's train/eval pipelines; writes the tokenizer into `workdir` first if it has none."""
   os.makedirs(workdir, exist_ok=True)
   tok_dir = _tokenizer_dir(workdir)
   if stage_cfg.init_checkpoint and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
@@ -90,24 +138,7 @@ def run(*, stage_cfg: StageConfig, model_cfg: ModelConfig, train_cfg: TrainConfi
     data = data_lib.pretrain_data(corpus_cfg, tokenizer_cfg, data_cfg, tok_dir)
   if data.eval is None:
     raise ValueError("The corpus split left no held-out documents; raise corpus.heldout_fraction/min_heldout_files")
-  vocab = data.tokenizer.get_vocab_size()
-  if vocab > model_cfg.vocab_size:
-    raise ValueError(f"The tokenizer has {vocab} tokens but model.vocab_size is {model_cfg.vocab_size}")
-  with open(os.path.join(workdir, "data_stats.json"), "w") as f:
-    json.dump(data.stats, f, indent=2, default=str)
-
-  init_params = None
-  if stage_cfg.init_checkpoint:
-    init_params = load_params(stage_cfg.init_checkpoint, model_cfg)
-  elif stage_cfg.init_hf:
-    from composer_jax.interop import hf
-    hf_cfg, init_params = hf.load(stage_cfg.init_hf)
-    _check_same_shapes(hf_cfg, model_cfg)
-  params, last = loop.train(model_cfg=model_cfg, train_cfg=train_cfg, optim_cfg=optim_cfg, workdir=workdir,
-                    train_iter=iter(data.train), eval_batches=lambda: iter(data.eval), init_params=init_params,
-                    log_fn=log_fn)
-  export_params(workdir, params)
-  return last
+  return data
 
 
 def _check_same_shapes(a: ModelConfig, b: ModelConfig) -> None:

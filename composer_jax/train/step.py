@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
@@ -111,10 +112,13 @@ def eval_step(params, batch, *, model_cfg):
 def make_train_step(model_cfg, train_cfg, optimizer, state_shardings, batch_sharding):
   """`train_step` jitted with explicit in/out shardings and the state donated."""
   fn = functools.partial(train_step, model_cfg=model_cfg, train_cfg=train_cfg, optimizer=optimizer)
-  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+  # Replicated metrics can be fetched by every process of a multi-process run.
+  replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
                  donate_argnums=0)
 
 
 def make_eval_step(model_cfg, params_shardings, batch_sharding):
   fn = functools.partial(eval_step, model_cfg=model_cfg)
-  return jax.jit(fn, in_shardings=(params_shardings, batch_sharding))
+  return jax.jit(fn, in_shardings=(params_shardings, batch_sharding),
+                 out_shardings=NamedSharding(batch_sharding.mesh, PartitionSpec()))

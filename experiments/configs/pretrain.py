@@ -12,7 +12,15 @@ Then the chained stages, each starting from the previous stage's exported params
       --workdir=runs/sft_colab --config.init.checkpoint=runs/long_context_colab \
       --config.sft.train_path=train.jsonl --config.sft.eval_path=eval.jsonl
 
+Multi-process (here: 2 processes on one CPU machine, 4 fake devices each; on a cluster one process per host, the
+same flags or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or --distributed_auto under SLURM):
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python experiments/pretrain_main.py \
+      --config=experiments/configs/pretrain.py:tiny --workdir=runs/mp --config.mesh.data=-1 \
+      --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0   # and --process_id=1 beside it
+
 Arg: `<variant>[,stage=pretrain|long_context|sft]`; variant is tiny (tests), colab or small (configs/model.py).
+`mesh`: axis sizes (one may be -1 = the remaining devices; colab/tiny default to one device, which is fastest on a
+CPU) and FSDP; `data.batch_size` is the global batch, split between processes.
 long_context multiplies the sequence length by 4 and sets YaRN rope scaling (factor 4 over the pretraining length).
 """
 import ml_collections
@@ -44,6 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=3e-3 if colab else 6e-4, warmup_steps=30 if colab else 1000, decay_steps=270 if colab else 19_000,
       final_lr_fraction=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0))
+  c.mesh = ml_collections.ConfigDict(dict(data=1 if colab else -1, expert=1, context=1, tensor=1, fsdp=True))
   c.init = ml_collections.ConfigDict(dict(checkpoint="", hf=""))
   c.sft = ml_collections.ConfigDict(dict(train_path="", eval_path=""))
 
