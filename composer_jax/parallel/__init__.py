@@ -1,4 +1,4 @@
-"""Device mesh and logical-axis sharding rules (expert/context parallel regions come in a later issue)."""
+"""Device mesh, logical-axis sharding rules, and the shard_map regions: expert.py (EP), ring.py / context.py (CP)."""
 from composer_jax.parallel.mesh import MESH_AXES, MeshConfig, make_mesh, mesh_from_config
 from composer_jax.parallel.rules import ShardingRules, logical_to_sharding, logical_to_spec
 
