@@ -57,14 +57,14 @@ def _rows(batch, index: int, count: int):
   return {k: v[index * n:(index + 1) * n] for k, v in batch.items()}
 
 
-def train(workdir: str, steps: int, mesh, rules):
+def train(workdir: str, steps: int, mesh, rules, model_cfg: ModelConfig | None = None):
   """Runs the trainer on `mesh`; each process feeds its rows of the fixed batches. Returns (params, last)."""
   index, count = layout.process_batch_shard(layout.batch_sharding(mesh, rules))
   train_ds = grain.MapDataset.source(batches(8)).map(lambda b: _rows(b, index, count)).to_iter_dataset()
   eval_ds = grain.MapDataset.source(batches(2, seed=1)).map(lambda b: _rows(b, index, count)).to_iter_dataset()
-  return loop.train(model_cfg=model_config(), train_cfg=train_config(steps), optim_cfg=OptimConfig(warmup_steps=2),
-                    workdir=workdir, train_iter=iter(train_ds), eval_batches=lambda: iter(eval_ds), mesh=mesh,
-                    rules=rules, log_fn=lambda s: None)
+  return loop.train(model_cfg=model_cfg or model_config(), train_cfg=train_config(steps),
+                    optim_cfg=OptimConfig(warmup_steps=2), workdir=workdir, train_iter=iter(train_ds),
+                    eval_batches=lambda: iter(eval_ds), mesh=mesh, rules=rules, log_fn=lambda s: None)
 
 
 def logged(workdir: str) -> dict[int, dict]:

@@ -5,6 +5,8 @@ sums, so per-step values differ by rounding (~1e-7 relative). Three AdamW steps 
 m / (sqrt(v) + eps) and can only move a weight by ~lr (3e-3) per step, so params agree to well under 1e-4 and
 losses to 1e-5 relative. A real sharding bug (a missing all-reduce, a wrong slice) changes losses at the 1e-2 level.
 """
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -138,3 +140,14 @@ def test_given_init_params_are_placed_on_the_mesh():
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(placed), jax.device_get(params))
   again = jax.tree.map(loop._place, placed, shardings)
   assert all(jax.tree.leaves(jax.tree.map(lambda p, q: p is q, placed, again)))   # already placed: left as is
+
+
+def test_trainer_runs_expert_and_context_parallel_regions(tmp_path, reference):
+  """moe_impl="ep_capacity" + attention_impl="ring" on data=2 x expert=2 x context=2: the trainer sets the mesh the
+  shard_map regions read, and (capacity never exceeded: factor 8) the run equals the 1-device dense-attention one."""
+  cfg = dataclasses.replace(model_config(), moe_impl="ep_capacity", capacity_factor=8.0, attention_impl="ring")
+  mesh_cfg = mesh_lib.MeshConfig(data=2, expert=2, context=2, fsdp=False)
+  rules = dataclasses.replace(mesh_cfg.rules(), batch=("data", "expert"))
+  params, _ = train(str(tmp_path), STEPS, mesh_lib.mesh_from_config(mesh_cfg), rules, cfg)
+  assert tuple(params["moe_layers"]["moe"]["gate"].sharding.spec)[1] == "expert"
+  _assert_same_run(str(tmp_path), params, reference)

@@ -112,7 +112,15 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
     (final params, the last logged metrics including the final held-out evaluation).
   """
   mesh = mesh if mesh is not None else single_device_mesh()
-  rules = rules if rules is not None else ShardingRules()
+  # The expert- and context-parallel regions (moe_impl="ep_*", attention_impl="ring"/"allgather") read the mesh
+  # from context at trace time.
+  with jax.set_mesh(mesh):
+    return _train(model_cfg=model_cfg, train_cfg=train_cfg, optim_cfg=optim_cfg, workdir=workdir,
+                  train_iter=train_iter, eval_batches=eval_batches, init_params=init_params, mesh=mesh,
+                  rules=rules if rules is not None else ShardingRules(), log_fn=log_fn)
+
+
+def _train(*, model_cfg, train_cfg, optim_cfg, workdir, train_iter, eval_batches, init_params, mesh, rules, log_fn):
   specs = jax.tree_util.tree_flatten_with_path(model.param_specs(model_cfg),
                                                is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
   layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
