@@ -16,11 +16,15 @@ $(SGLANG_STAMP): $(STAMP) rollout/engines/sglang-cpu-requirements.txt
 	bash rollout/engines/install_sglang_cpu.sh $(BIN)/python
 	touch $(SGLANG_STAMP)
 
-.PHONY: install run test test-slow lint
+.PHONY: install run pretrain test test-slow lint
 install: $(STAMP)
 
-# The main job: a Colab-scale run on the embedded defaults.
+# The main job: the Colab-scale RL run on the embedded defaults (SFT warm start, asynchronous RL, held-out eval).
 run: $(STAMP)
+	$(BIN)/python experiments/rl_main.py --workdir=runs/rl_colab
+
+# Colab-scale continued pretraining (the LM stages; not needed by `run`).
+pretrain: $(STAMP)
 	$(BIN)/python experiments/pretrain_main.py --config=experiments/configs/pretrain.py:colab --workdir=runs/pretrain_colab
 
 lint: $(STAMP)
