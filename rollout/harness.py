@@ -218,12 +218,16 @@ class _Episode:
     if len(self.builder) + len(ids) <= cfg.context_budget - cfg.max_turn_tokens - cfg.observation_reserve:
       self.builder.add_environment(ids + [cf.special_id(self.tok, cf.ASSISTANT)], self.turn - 1)
       return
+    # Below, an observation is cut where the segment would pass context_budget (the transcript keeps it whole):
+    # a segment never outgrows the engine's context or the trainer's fixed row length.
     if len(self.segments) + 1 >= cfg.max_segments:
-      self.builder.add_environment(ids, self.turn - 1)
+      self.builder.add_environment(ids[:max(0, cfg.context_budget - len(self.builder))], self.turn - 1)
       self.stop_reason = "max_segments"
       return
-    ask = self._encode_tail([{"role": "user", "content": cfg.summary_prompt}], False)
-    self.builder.add_environment(ids + ask + [cf.special_id(self.tok, cf.SUMMARY)], self.turn - 1)
+    ask = self._encode_tail([{"role": "user", "content": cfg.summary_prompt}], False) + \
+        [cf.special_id(self.tok, cf.SUMMARY)]
+    room = cfg.context_budget - cfg.summary_max_tokens - len(self.builder) - len(ask)
+    self.builder.add_environment(ids[:max(0, room)] + ask, self.turn - 1)
     self.messages.append({"role": "user", "content": cfg.summary_prompt})
     self.mode = "summary"
 
