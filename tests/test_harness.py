@@ -238,3 +238,16 @@ def test_abort_ends_the_episode(tok, envs, tasks):
   assert t.stop_reason == "abort" and t.metrics["turns"] == 1 and t.metrics["solved"] == 0.0
   seg = t.segments[0]
   assert seg.tokens_T[-1] == cf.special_id(tok, cf.END_OF_TURN) and seg.gen_mask_T[-1] == 0  # closed by the loop
+
+
+def test_segments_never_outgrow_the_context_budget(tok, envs, tasks):
+  """A long last observation is cut where the segment would pass the budget (the engine's context, the trainer's
+  row length); the transcript keeps it whole."""
+  cfg = dataclasses.replace(CFG, context_budget=600, max_turn_tokens=128, observation_reserve=16, max_segments=1)
+  call = {"name": "shell", "arguments": {"command": "python3 -c \"print('ab ' * 300)\""}}
+  trajs = harness.run_episodes(scripted.ScriptedEngine(tok, lambda prompt: {"content": "", "tool_calls": [call]}),
+                               tok, tasks, envs, cfg)
+  for t in trajs:
+    assert t.stop_reason == "max_segments" and len(t.segments) == 1
+    assert len(t.segments[0].tokens_T) == cfg.context_budget
+    assert "ab ab ab" in t.messages[-1]["content"]
