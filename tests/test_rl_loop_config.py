@@ -26,6 +26,7 @@ def _cfg(**kw):
     (dict(context_budget=100, max_turn_tokens=64, observation_reserve=64), "context_budget"),
     (dict(vocab_size=1024), "vocab_size"),
     (dict(sft_demo_accuracy=0.0), "sft_demo_accuracy"),
+    (dict(sft_steps=0), "init_checkpoint"),
 ])
 def test_bad_run_config_is_a_clear_error(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -47,7 +47,7 @@ class RunConfig:
   sft_seq_len: int = 256            # packed SFT rows; attention is most of a CPU step, so shorter rows are cheaper
   sft_lr: float = 3e-3
   sft_demo_accuracy: float = 1.0    # share of SFT demonstrations with the right fix; the rest are near misses
-  init_checkpoint: str = ""         # a finished SFT/pretraining stage workdir to start from (skips the SFT here)
+  init_checkpoint: str = ""         # a finished pretraining/SFT stage: SFT (or with sft_steps=0, RL) starts there
   eval_tasks: int = 500
   eval_every: int = 0               # held-out greedy eval every N steps in the trainer (0: only by rl_main at the end)
   progress_bar: bool = True
@@ -75,6 +75,8 @@ class RunConfig:
                        "every group would be dropped as stale before new weights arrive")
     if self.context_budget <= self.max_turn_tokens + self.observation_reserve:
       raise ValueError(f"context_budget={self.context_budget} must exceed max_turn_tokens + observation_reserve")
+    if self.sft_steps < 0 or (self.sft_steps == 0 and not self.init_checkpoint):
+      raise ValueError(f"sft_steps={self.sft_steps}: RL needs a start — SFT steps >= 1, or 0 with an init_checkpoint")
     if not 0.0 < self.sft_demo_accuracy <= 1.0:
       raise ValueError(f"sft_demo_accuracy must be in (0, 1], got {self.sft_demo_accuracy}")
     if self.vocab_size > self.model.vocab_size:

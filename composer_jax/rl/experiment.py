@@ -47,7 +47,7 @@ def run_experiment(cfg: RunConfig, *, control: bool = True, log_fn: Callable[[st
   start = loop.warm_start(cfg, log_fn)
   t_sft = time.perf_counter() - t0
   sft_rate = os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")
-  if not os.path.exists(sft_rate) and not cfg.init_checkpoint:
+  if not os.path.exists(sft_rate) and cfg.sft_steps:
     with open(sft_rate, "w") as f:
       json.dump({"seconds_per_step": t_sft / max(cfg.sft_steps, 1)}, f)
   t1 = time.perf_counter()
@@ -59,7 +59,7 @@ def run_experiment(cfg: RunConfig, *, control: bool = True, log_fn: Callable[[st
   try:
     result = {"sft": evaluate_policy(cfg, start, tok, tasks, envs),
               "rl": evaluate_policy(cfg, out["params"], tok, tasks, envs)}
-    if control and not cfg.init_checkpoint:
+    if control and cfg.sft_steps:
       ctrl = sft_control(cfg, tok, start, rl_seconds, log_fn)
       result["sft_control"] = evaluate_policy(cfg, ctrl, tok, tasks, envs)
   finally:

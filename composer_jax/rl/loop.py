@@ -1,8 +1,9 @@
 """The RL trainer: warm start, rollout workers, the queue, the jitted RL step, publishing and checkpoints.
 
 `train_rl(cfg)` runs one RL job in `cfg.workdir`:
-  1. tokenizer (fitted on training tasks) and the SFT warm start on oracle transcripts (`warmstart`), unless
-     `init_checkpoint` names a finished stage; its params are also the frozen KL reference.
+  1. tokenizer and the SFT warm start on oracle transcripts (`warmstart`): from random init with a tokenizer
+     fitted on training tasks, or from `init_checkpoint` (a finished pretraining/SFT stage, with its tokenizer);
+     `sft_steps=0` starts RL from the checkpoint as it is. The start is also the frozen KL reference.
   2. state: restored from `workdir/checkpoints` (params, optimizer, step + the queue consumer's cursor, saved in the
      same orbax checkpoint) or initialised from the warm start.
   3. per step: get `groups_per_step` whole groups from the tensorstore queue (sync: roll them out in-process with
@@ -49,13 +50,17 @@ def queue_url(cfg: RunConfig) -> str:
 
 
 def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
-  """Tokenizer in `workdir/tokenizer` and the starting params (SFT on oracle transcripts, or `init_checkpoint`)."""
+  """Tokenizer in `workdir/tokenizer` and the starting params (SFT on oracle transcripts from random init or from
+  `init_checkpoint`; with `sft_steps=0`, the checkpoint itself)."""
   tok_dir = setup.tokenizer_dir(cfg)
+  init_params = None
   if cfg.init_checkpoint:
     if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
       tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.init_checkpoint, "tokenizer"))
       tokenizer_lib.save_tokenizer(tok, tok_dir)
-    return stages.load_params(cfg.init_checkpoint, cfg.model)
+    init_params = stages.load_params(cfg.init_checkpoint, cfg.model)
+    if not cfg.sft_steps:
+      return init_params
   sft_dir = os.path.join(cfg.workdir, "sft")
   pool = setup.train_pool(cfg)
   if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
@@ -70,7 +75,8 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   log_fn(f"SFT warm start: {len(sft)} oracle transcripts, {cfg.sft_steps} steps")
   params, last = warmstart.run_sft(cfg.model, tok, sft, dev, sft_dir, steps=cfg.sft_steps,
                                    seq_len=cfg.sft_seq_len, batch_size=cfg.sft_batch,
-                                   learning_rate=cfg.sft_lr, seed=cfg.seed, log_fn=log_fn)
+                                   learning_rate=cfg.sft_lr, seed=cfg.seed, init_params=init_params,
+                                   log_fn=log_fn)
   log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
   return params
 

@@ -22,12 +22,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
                          backend="", seed=0)
   test = arg.variant == "test"
-  if arg.variant not in ("colab", "test"):
-    raise ValueError(f"unknown rl variant {arg.variant!r}; valid: colab, test")
+  if arg.variant not in ("colab", "colab_pretrained", "test"):
+    raise ValueError(f"unknown rl variant {arg.variant!r}; valid: colab, colab_pretrained, test")
   c = ml_collections.ConfigDict()
   if test:
     c.model = model_configs.get_config("tiny")
     c.model.update(num_nextn_predict_layers=0, max_position_embeddings=1024)
+  elif arg.variant == "colab_pretrained":
+    c.model = model_configs.get_config("colab")   # the shape `make pretrain` trains (runs/pretrain_colab)
   else:
     c.model = model_configs.get_config("rl_colab")
   c.mode = arg.mode
@@ -44,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.pool_size = 256 if test else 4096
   c.seed = arg.seed
   c.backend = arg.backend or ("local" if test else "sandbox")
-  c.vocab_size = 512
+  c.vocab_size = 4096 if arg.variant == "colab_pretrained" else 512
   # The harness asks for a summary once context > budget - max_turn - reserve (here 208 tokens); with
   # max_segments=1 that ends the episode. A level-1 read → edit → finish episode is ~170 tokens. RL rows are
   # context_budget long, so a tight budget makes RL steps cheaper.
@@ -68,7 +70,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft_seq_len = 256         # packed rows; a level-1 transcript is ~170 tokens, longer ones are split
   c.sft_lr = 3e-3
   c.sft_demo_accuracy = 1.0
-  c.init_checkpoint = ""
+  # colab_pretrained: SFT (then RL) starts from the colab pretraining run and uses its tokenizer.
+  c.init_checkpoint = "runs/pretrain_colab" if arg.variant == "colab_pretrained" else ""
   c.eval_tasks = 8 if test else 500
   c.eval_every = 0
   c.progress_bar = not test
