@@ -87,7 +87,10 @@ def main(argv):
                          repos=repos, jsonl=c.set.jsonl, repos_dir=c.set.repos_dir, path=c.set.path)
     tasks = suite.load_tasks(spec, envs, mcfg)
     h = c.harness
-    system = harness.SYSTEM_PROMPT
+    prompts = {"full": harness.SYSTEM_PROMPT, "short": harness.SHORT_SYSTEM_PROMPT}
+    if h.system_prompt not in prompts:
+      raise ValueError(f"harness.system_prompt={h.system_prompt!r}; valid: {sorted(prompts)}")
+    system = prompts[h.system_prompt]
     hcfg = harness.HarnessConfig(
       system_prompt=system, context_budget=h.context_budget, max_turn_tokens=h.max_turn_tokens,
       observation_reserve=h.observation_reserve, max_turns=h.max_turns, max_segments=h.max_segments,

@@ -100,3 +100,16 @@ print(P.count_params(cfg)[1])
   assert summary["oracle"]["pass@1"] == 1.0 and summary["noop"]["pass@1"] == 0.0
   assert (out / "procedural" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
   assert "ckpt:ckpt_rl@v5" in run.stdout
+
+
+def test_rl_colab_harness_preset_matches_the_rl_run():
+  """`harness=rl_colab` evaluates an RL checkpoint in the loop it was trained in; unknown presets are errors."""
+  from experiments.configs import eval as eval_config
+  from experiments.configs import rl as rl_config
+  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab")
+  assert (h.context_budget, h.max_turn_tokens, h.observation_reserve, h.max_turns) == (
+    rl.context_budget, rl.max_turn_tokens, rl.observation_reserve, rl.max_turns)
+  assert h.system_prompt == "short" and h.max_segments == 1
+  assert eval_config.get_config("procedural").harness.system_prompt == "full"
+  with pytest.raises(ValueError, match="harness preset"):
+    eval_config.get_config("procedural,harness=huge")

@@ -13,6 +13,8 @@ repositories now, `repos=` colon-separated), `swe` (SWE-bench-style JSONL agains
 written by the set builder). `build_set=PATH` mines `repos` with the filters (`min_files`, `min_lines`,
 `max_prompt_chars`) and writes a frozen, versioned set file instead of evaluating.
 
+`harness=rl_colab` runs the agent loop with the settings RL checkpoints of `rl.py:colab` were trained in (short
+system prompt, 320-token budget, 4 turns, one segment).
 Policies (`policies=a+b`): `oracle`, `noop`, `random` (scripted baselines, cost 0), `checkpoint` (an LM-stage workdir
 `checkpoint=` an LM-stage workdir (params/) or an RL-run workdir (weights/latest.json), both with tokenizer/;
 several joined by ':' appear side by side on the plot; `model=` their model-config variant; embedded JAX engine),
@@ -31,7 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          policies="oracle+noop+random", repos="", jsonl="", repos_dir="", set_file="", corpus="",
                          keep_contaminated=False, checkpoint="", model="colab", sglang_url="", backend="sandbox",
                          out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
-                         max_prompt_chars=1000, temperature=1.0)
+                         max_prompt_chars=1000, temperature=1.0, harness="default")
   c = ml_collections.ConfigDict()
   c.set = ml_collections.ConfigDict(dict(kind=arg.variant, n=arg.n_tasks, level=arg.level, seed=arg.seed,
                                          split="heldout", repos=arg.repos, jsonl=arg.jsonl, repos_dir=arg.repos_dir,
@@ -52,5 +54,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=1024, train_tasks=200))  # baselines without a checkpoint
   c.harness = ml_collections.ConfigDict(dict(context_budget=4096, max_turn_tokens=1024, observation_reserve=512,
                                              max_turns=16, max_segments=3, summary_max_tokens=256,
-                                             temperature=arg.temperature, max_output_chars=2000))
+                                             temperature=arg.temperature, max_output_chars=2000,
+                                             system_prompt="full"))
+  if arg.harness == "rl_colab":   # the loop an rl.py:colab checkpoint was trained in (a policy is judged in its own)
+    c.harness.update(context_budget=320, max_turn_tokens=48, observation_reserve=64, max_turns=4, max_segments=1,
+                     summary_max_tokens=48, max_output_chars=300, system_prompt="short")
+  elif arg.harness != "default":
+    raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, rl_colab")
   return c
