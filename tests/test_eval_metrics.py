@@ -33,8 +33,15 @@ def test_pass1_ci_is_clustered_over_tasks():
   mean, lo, hi = metrics.pass1_ci([1.0, 0.5, 0.0, 0.5])
   se = np.std([1.0, 0.5, 0.0, 0.5], ddof=1) / 2  # sqrt(1/6)/2
   assert mean == 0.5 and lo == pytest.approx(0.5 - 1.96 * se) and hi == pytest.approx(0.5 + 1.96 * se)
-  assert metrics.pass1_ci([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
   assert metrics.pass1_ci([0.0, 1.0]) == (0.5, 0.0, 1.0)  # clipped to [0, 1]
+
+
+def test_pass1_ci_is_not_a_point_at_0_or_100_percent():
+  """The standard error is 0 there; the Wilson bound over tasks takes over (hand values: z = 1.96)."""
+  mean, lo, hi = metrics.pass1_ci([0.0] * 50)
+  assert (mean, lo) == (0.0, 0.0) and hi == pytest.approx(1.96 ** 2 / (50 + 1.96 ** 2))   # 0.0713
+  mean, lo, hi = metrics.pass1_ci([1.0] * 3)
+  assert (mean, hi) == (1.0, 1.0) and lo == pytest.approx(3 / (3 + 1.96 ** 2))              # 0.438
 
 
 def _rec(solved, tokens):

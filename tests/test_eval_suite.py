@@ -85,7 +85,8 @@ def test_procedural_set_oracle_100_noop_0_invalid_excluded(tmp_path, factory, to
                                   "broken/already_fixed": "hidden tests already pass without the gold patch"}
   assert out["valid"] == 5
   s = out["summaries"]
-  assert s["oracle"]["pass@1"] == 1.0 and s["oracle"]["pass@2"] == 1.0 and s["oracle"]["pass@1_lo"] == 1.0
+  assert s["oracle"]["pass@1"] == 1.0 and s["oracle"]["pass@2"] == 1.0
+  assert s["oracle"]["pass@1_lo"] == pytest.approx(5 / (5 + 1.96 ** 2))   # Wilson over the 5 valid tasks
   assert s["noop"]["pass@1"] == 0.0 and s["noop"]["pass@2"] == 0.0
   assert out["validity_failures"] == {"oracle": [], "noop": []}
   assert s["oracle"]["cost"] == 0.0 and s["oracle"]["turns"] >= 2 and s["noop"]["tool_calls"] == 1.0

@@ -24,8 +24,9 @@ def pass1_ci(per_task_rates: Sequence[float], z: float = 1.96) -> tuple[float, f
   """(mean, low, high) of pass@1: the mean over tasks of each task's success rate over its samples.
 
   The interval is the normal approximation over tasks (samples of one task are correlated, so tasks are the
-  independent units; this is the clustered standard error), clipped to [0, 1]. With one task the interval is the
-  point.
+  independent units; this is the clustered standard error), clipped to [0, 1], widened to the Wilson interval of
+  the mean over n tasks where that is wider: at 0% or 100% the standard error is 0, and "0 of 50 tasks" must still
+  allow a rate up to ~7%. With one task the interval is the point.
   """
   r = np.asarray(per_task_rates, np.float64)
   if r.size == 0:
@@ -34,7 +35,10 @@ def pass1_ci(per_task_rates: Sequence[float], z: float = 1.96) -> tuple[float, f
   if r.size == 1:
     return mean, mean, mean
   se = float(r.std(ddof=1)) / math.sqrt(r.size)
-  return mean, max(0.0, mean - z * se), min(1.0, mean + z * se)
+  n = r.size
+  centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return mean, max(0.0, min(mean - z * se, centre - half)), min(1.0, max(mean + z * se, centre + half))
 
 
 def summarize(records: Sequence[dict], ks: Sequence[int] = (1,)) -> dict[str, float]:
