@@ -2,22 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from rollout import harness
 from rollout.engines.protocol import Engine, SamplingParams
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-  """Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one)."""
-  if n <= 0:
-    raise ValueError(f"need n > 0 trials, got {n}")
-  p = successes / n
-  denom = 1 + z * z / n
-  centre = (p + z * z / (2 * n)) / denom
-  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-  return max(0.0, centre - half), min(1.0, centre + half)
+from rollout.evaluation.metrics import wilson
 
 
 def success_rate(engine: Engine, tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig,

@@ -20,6 +20,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+  """Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one)."""
+  if n <= 0:
+    raise ValueError(f"need n > 0 trials, got {n}")
+  p = successes / n
+  denom = 1 + z * z / n
+  centre = (p + z * z / (2 * n)) / denom
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+  return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def pass1_ci(per_task_rates: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
   """(mean, low, high) of pass@1: the mean over tasks of each task's success rate over its samples.
 
@@ -35,10 +46,8 @@ def pass1_ci(per_task_rates: Sequence[float], z: float = 1.96) -> tuple[float, f
   if r.size == 1:
     return mean, mean, mean
   se = float(r.std(ddof=1)) / math.sqrt(r.size)
-  n = r.size
-  centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
-  half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-  return mean, max(0.0, min(mean - z * se, centre - half)), min(1.0, max(mean + z * se, centre + half))
+  w_lo, w_hi = wilson(mean * r.size, r.size, z)
+  return mean, max(0.0, min(mean - z * se, w_lo)), min(1.0, max(mean + z * se, w_hi))
 
 
 def summarize(records: Sequence[dict], ks: Sequence[int] = (1,)) -> dict[str, float]:
