@@ -53,14 +53,12 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   """Tokenizer in `workdir/tokenizer` and the starting params (SFT on oracle transcripts from random init or from
   `init_checkpoint`; with `sft_steps=0`, the checkpoint itself)."""
   tok_dir = setup.tokenizer_dir(cfg)
-  init_params = None
   if cfg.init_checkpoint:
     if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
       tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.init_checkpoint, "tokenizer"))
       tokenizer_lib.save_tokenizer(tok, tok_dir)
-    init_params = stages.load_params(cfg.init_checkpoint, cfg.model)
     if not cfg.sft_steps:
-      return init_params
+      return stages.load_params(cfg.init_checkpoint, cfg.model)
   sft_dir = os.path.join(cfg.workdir, "sft")
   pool = setup.train_pool(cfg)
   if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
@@ -71,6 +69,7 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
     tokenizer_lib.save_tokenizer(tok, tok_dir)
   if os.path.isdir(os.path.join(sft_dir, "params")):
     return stages.load_params(sft_dir, cfg.model)
+  init_params = stages.load_params(cfg.init_checkpoint, cfg.model) if cfg.init_checkpoint else None
   sft, dev = setup.sft_transcripts(cfg, tok, pool)
   log_fn(f"SFT warm start: {len(sft)} oracle transcripts, {cfg.sft_steps} steps")
   params, last = warmstart.run_sft(cfg.model, tok, sft, dev, sft_dir, steps=cfg.sft_steps,
