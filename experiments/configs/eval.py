@@ -26,6 +26,7 @@ oracle pass@1 = 1.0, no-op 0.0, random 0.0; out/procedural/{summary.txt,pareto.p
 import ml_collections
 
 from experiments.configs import common
+from experiments.configs import rl as rl_configs
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -57,8 +58,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                              temperature=arg.temperature, max_output_chars=2000,
                                              system_prompt="full"))
   if arg.harness == "rl_colab":   # the loop an rl.py:colab checkpoint was trained in (a policy is judged in its own)
-    c.harness.update(context_budget=320, max_turn_tokens=48, observation_reserve=64, max_turns=4, max_segments=1,
-                     summary_max_tokens=48, max_output_chars=300, system_prompt="short")
+    r = rl_configs.get_config("colab")
+    # max_segments, max_output_chars and the short prompt are what composer_jax.rl.setup.harness_config fixes.
+    c.harness.update(context_budget=r.context_budget, max_turn_tokens=r.max_turn_tokens,
+                     observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=1,
+                     summary_max_tokens=r.max_turn_tokens, max_output_chars=300, system_prompt="short")
   elif arg.harness != "default":
     raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, rl_colab")
   return c
