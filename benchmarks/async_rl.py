@@ -1,9 +1,10 @@
 r"""Wall-clock per RL step, asynchronous (worker processes + queue) vs synchronous (generate → train), same config.
 
   PYTHONPATH=. python benchmarks/async_rl.py --variant=test --steps=8 --workers=1
-  PYTHONPATH=. python benchmarks/async_rl.py --variant=colab --steps=20 --workers=2
+  PYTHONPATH=. python benchmarks/async_rl.py --variant=colab --steps=20 --init=runs/rl_colab/sft
 
-Both runs share one SFT warm start (the async run starts from the sync run's exported SFT params). Step times
+Both runs share one SFT warm start: the sync run's (the async run starts from its exported SFT params), or with
+`--init` a finished SFT stage (e.g. `make run`'s `runs/rl_colab/sft`), so no SFT runs at all. Step times
 exclude the first `--warmup` steps (compiles). The trainer idle fraction of the async run is the share of its step
 time spent waiting for groups. The last line is JSON with `async_speedup` and `trainer_idle_fraction`.
 Expect at most ~`workers + 1`× on idle cores: async overlaps rollout with training, it does not remove work, and on
@@ -36,6 +37,7 @@ def main() -> None:
   ap.add_argument("--workers", type=int, default=1)
   ap.add_argument("--staleness", type=int, default=2)
   ap.add_argument("--workdir", default="")
+  ap.add_argument("--init", default="", help="a finished SFT stage to start both runs from (skips the SFT)")
   a = ap.parse_args()
   from absl import logging
 
@@ -52,8 +54,8 @@ def main() -> None:
     c = rl_configs.get_config(f"{a.variant},mode={mode},steps={a.steps},workers={a.workers},staleness={a.staleness}")
     c.progress_bar = False
     c.ckpt_every = a.steps
-    if mode == "async":
-      c.init_checkpoint = os.path.join(sync_dir, "sft")
+    if a.init or mode == "async":
+      c.init_checkpoint, c.sft_steps = a.init or os.path.join(sync_dir, "sft"), 0
     cfg = rl_main.run_config(c, os.path.join(root, mode))
     loop.train_rl(cfg, log_fn=lambda s: None)
     out[mode] = _step_stats(cfg.workdir, a.warmup)

@@ -274,7 +274,7 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
 def _plot(workdir: str) -> None:
   try:
     metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "reward.png"),
-                             ("reward", "pass_rate"), title="RL reward and pass rate per step")
+                             ("reward", "pass_rate"), title="RL reward and pass rate per step", smooth=10)
   except Exception as e:  # noqa: BLE001 - a missing matplotlib must not fail a finished run
     print(f"(no reward plot: {e})")
 

@@ -43,8 +43,20 @@ def read_metrics(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str = "") -> None:
-  """Plots each key of the JSONL file against step (one panel per key) into a PNG."""
+def moving_average(values, window: int) -> list[float]:
+  """Trailing mean over the last `window` values (fewer at the start)."""
+  out, total = [], 0.0
+  for i, v in enumerate(values):
+    total += v
+    if i >= window:
+      total -= values[i - window]
+    out.append(total / min(i + 1, window))
+  return out
+
+
+def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str = "", smooth: int = 0) -> None:
+  """Plots each key of the JSONL file against step (one panel per key) into a PNG; with `smooth` > 1 the raw
+  values are drawn faintly under their trailing `smooth`-step mean (noisy per-step RL metrics)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -52,7 +64,12 @@ def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str =
   fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
   for ax, key in zip(axes[0], keys):
     pts = [(r["step"], r[key]) for r in rows if key in r]
-    if pts:
+    if pts and smooth > 1 and len(pts) > smooth:
+      steps, vals = zip(*pts)
+      ax.plot(steps, vals, alpha=0.3, label="per step")
+      ax.plot(steps, moving_average(vals, smooth), label=f"mean of last {smooth}")
+      ax.legend(loc="best", fontsize="small")
+    elif pts:
       ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
     ax.set_xlabel("step")
     ax.set_title(key)

@@ -1,0 +1,21 @@
+"""Metric files and plots: the trailing mean drawn over noisy per-step RL metrics."""
+import json
+
+import pytest
+
+from composer_jax.train import metrics
+
+
+def test_moving_average_hand_computed():
+  # window 3: [1], [1,2], [1,2,3], [2,3,4], [3,4,5]
+  assert metrics.moving_average([1.0, 2.0, 3.0, 4.0, 5.0], 3) == pytest.approx([1.0, 1.5, 2.0, 3.0, 4.0])
+  assert metrics.moving_average([4.0, 0.0], 1) == [4.0, 0.0]
+
+
+def test_plot_metrics_smoothed_and_raw(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s, "reward": s % 2}) + "\n" for s in range(1, 41)))
+  for smooth in (0, 10):
+    out = tmp_path / f"reward{smooth}.png"
+    metrics.plot_metrics(str(path), str(out), ("reward",), smooth=smooth)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
