@@ -1,7 +1,8 @@
 """Shared by the SGLang tests: a tiny DeepSeek-V3 model exported with our HF exporter, and our own reference forward.
 
 The reference is the trainer's forward (`composer_jax.model.forward`) on prompt + output: its log-softmax at position
-P - 1 + t scores output token t, and its routing there is what SGLang must report as routed_experts[t].
+P - 1 + t scores output token t, and its routing at P + t (output t as input) is what the client must report as
+routed_experts[t] (-1 for the last output token, which is never fed back).
 """
 import functools
 import importlib.util
@@ -68,7 +69,8 @@ def reference(seed: int, prompt: tuple[int, ...], output: np.ndarray):
   seq = np.asarray(prompt + tuple(int(t) for t in output[:-1]), np.int32)
   logp_LxV, experts_NxLxK = _forward(params(seed), jnp.asarray(seq[None]))
   logp = np.asarray(logp_LxV[0, P - 1:P - 1 + T])
-  experts_TxNxK = np.asarray(experts_NxLxK[:, 0, P - 1:P - 1 + T]).transpose(1, 0, 2)
+  experts_TxNxK = np.full((T, experts_NxLxK.shape[0], experts_NxLxK.shape[-1]), -1, np.int32)
+  experts_TxNxK[:T - 1] = np.asarray(experts_NxLxK[:, 0, P:P + T - 1]).transpose(1, 0, 2)
   return logp.argmax(-1), logp[np.arange(T), output], experts_TxNxK, logp
 
 

@@ -7,7 +7,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.rl.step import RLConfig
 
 MODES = ("sync", "async")
-ENGINES = ("jax",)          # the SGLang fleet (rollout/engines/sglang_fleet.py) is the GPU/cluster path, not wired yet
+ENGINES = ("jax", "sglang")   # embedded JAX engine in each worker; or a trainer-owned SGLang fleet (`rl/fleet.py`)
 STALENESS_POLICIES = ("drop", "keep")
 
 
@@ -18,6 +18,9 @@ class RunConfig:
   workdir: str
   mode: str = "async"               # 'sync': generate → train in one process, staleness 0; 'async': worker processes
   engine: str = "jax"
+  sglang_servers: int = 1           # engine='sglang': servers in the fleet (the trainer starts and updates them)
+  sglang_device: str = "cpu"        # 'cuda' on GPU machines
+  sglang_python: str = ""           # interpreter with sglang installed ('' = this one)
   steps: int = 60
   groups_per_step: int = 4          # prompts per RL step
   samples_per_prompt: int = 8       # G
@@ -56,7 +59,7 @@ class RunConfig:
     if self.mode not in MODES:
       raise ValueError(f"mode {self.mode!r} not in {MODES}")
     if self.engine not in ENGINES:
-      raise ValueError(f"engine {self.engine!r} not in {ENGINES} (the SGLang fleet is not wired into rl_main yet)")
+      raise ValueError(f"engine {self.engine!r} not in {ENGINES}")
     if self.staleness_policy not in STALENESS_POLICIES:
       raise ValueError(f"staleness_policy {self.staleness_policy!r} not in {STALENESS_POLICIES}")
     if self.mode == "sync" and self.max_staleness != 0:
@@ -67,7 +70,7 @@ class RunConfig:
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
     for name in ("steps", "groups_per_step", "publish_every", "ckpt_every", "n_workers", "pool_size", "sft_batch",
-                 "sft_seq_len", "eval_tasks"):
+                 "sft_seq_len", "eval_tasks", "sglang_servers"):
       if getattr(self, name) < 1:
         raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":

@@ -186,18 +186,26 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
   batch_sh = rl_step.batch_shardings(mesh)
   step_fn = rl_step.make_rl_step(cfg.model, cfg.rl, optimizer, state_sh, batch_sh, params_sh)
   wdir = os.path.join(cfg.workdir, "weights")
-  got = publish.latest(wdir)
-  if got is None or got[0] != start:
-    publish.publish(wdir, state.params, start)
+  fleet = None
+  if cfg.engine == "sglang":
+    from composer_jax.rl import fleet as fleet_lib
+    fleet = fleet_lib.FleetPublisher(cfg, state.params, start, log_fn)   # before the workers: they attach to it
+  else:
+    got = publish.latest(wdir)
+    if got is None or got[0] != start:
+      publish.publish(wdir, state.params, start)
 
   writer = metrics_lib.MetricWriter(cfg.workdir)
   pool = sync_engine = sync_envs = None
   if cfg.mode == "async":
     pool = _WorkerPool(cfg, log_fn)
   else:
-    from composer_jax.rl.worker import engine_config
-    from composer_jax.sampling.engine import JaxEngine
-    sync_engine = JaxEngine(state.params, cfg.model, engine_config(cfg), policy_version=start)
+    if fleet is not None:
+      sync_engine = fleet.fleet
+    else:
+      from composer_jax.rl.worker import engine_config
+      from composer_jax.sampling.engine import JaxEngine
+      sync_engine = JaxEngine(state.params, cfg.model, engine_config(cfg), policy_version=start)
     sync_envs = setup.make_envs(cfg)
     producer = QueueProducer(queue_url(cfg), "sync0")
     task_pool = setup.train_pool(cfg)
@@ -212,8 +220,12 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
       t0 = time.perf_counter()
       version = step_no - 1
       rollout_s = 0.0
+      publish_s = 0.0
       if sync_engine is not None:
-        sync_engine.update_weights(state.params, version)
+        if fleet is None:
+          sync_engine.update_weights(state.params, version)
+        elif fleet.fleet.policy_version != version:
+          publish_s = fleet.publish(state.params, version)
         workers.run_worker(sync_engine, tok, task_pool, sync_envs, setup.harness_config(cfg), producer, wcfg,
                            os.path.join(cfg.workdir, "sync0.json"))
         rollout_s = time.perf_counter() - t0
@@ -239,14 +251,17 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
       with open(applied_path, "a") as f:
         f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
       if step_no % cfg.publish_every == 0 and pool is not None:
-        publish.publish(wdir, state.params, step_no)
+        if fleet is not None:
+          publish_s = fleet.publish(state.params, step_no)
+        else:
+          publish.publish(wdir, state.params, step_no)
       qs = consumer.stats()
       hist = qs.pop("staleness_hist")
       m.update({k: float(v) for k, v in qs.items()})
       m.update({f"staleness_{k}": float(v) for k, v in hist.items()})
       step_s = time.perf_counter() - t0
       m.update(step_s=step_s, trainer_idle_s=idle_s, trainer_idle_fraction=idle_s / max(step_s, 1e-9),
-               train_s=train_s, rollout_s=rollout_s)
+               train_s=train_s, rollout_s=rollout_s, publish_s=publish_s)
       writer.write(step_no, m)
       last = {"step": step_no, **m}
       if bar is not None:
@@ -267,6 +282,8 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
       pool.close()
     if sync_envs is not None:
       sync_envs.factory.close()
+    if fleet is not None:
+      fleet.close()
   _plot(cfg.workdir)
   return {"params": state.params, "ref_params": ref_params, "last": last}
 

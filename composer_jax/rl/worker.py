@@ -1,7 +1,9 @@
-"""The embedded-engine rollout worker process: `python -m composer_jax.rl.worker <workdir> <worker_index>`.
+"""The rollout worker process: `python -m composer_jax.rl.worker <workdir> <worker_index>`.
 
 It reads the run's pickled `RunConfig`, waits for the first published weights, builds a `JaxEngine` on them and
-runs `rollout.workers.run_worker`, reloading weights whenever the trainer publishes a newer version. It asks the
+runs `rollout.workers.run_worker`, reloading weights whenever the trainer publishes a newer version. With
+`engine='sglang'` it attaches to the trainer's SGLang fleet instead (`rl/fleet.py`): the trainer pushes weights to
+the servers, and the worker only follows the served version (for its per-version throttle). It asks the
 kernel to SIGKILL it when its parent (the trainer) dies, so a killed trainer never leaves a second producer with
 the same id running beside the restarted one's workers.
 """
@@ -46,31 +48,49 @@ def main(workdir: str, worker_index: int) -> None:
   pool = setup.train_pool(cfg)
   envs = setup.make_envs(cfg)
   wdir = os.path.join(workdir, "weights")
-  while publish.latest(wdir) is None:
-    time.sleep(0.2)
-  like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
-  version, path = publish.latest(wdir)
-  # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
-  dev = jax.devices()[0]
-  engine = JaxEngine(jax.device_put(publish.load(path, like), dev), cfg.model, engine_config(cfg),
-                     policy_version=version)
+  if cfg.engine == "sglang":
+    # The trainer's fleet: it pushes new weights to the servers; each sample reports the version that made it.
+    from composer_jax.rl import fleet as fleet_lib
+    engine = fleet_lib.attach(cfg)
 
-  # Throttle: at most this many groups per policy version, i.e. what the trainer can use before they go stale.
-  # Without it a fast worker floods the queue with groups that are then dropped as stale.
-  per_version = max(1, math.ceil(cfg.groups_per_step * (cfg.max_staleness + 1) / cfg.n_workers))
-  made = {"version": version, "groups": 0}
-  stop_file = os.path.join(workdir, "workers", "STOP")
+    def current_version() -> int:
+      v = fleet_lib.served_version(workdir)
+      return engine.policy_version if v is None else v
 
-  def refresh() -> None:
-    while True:
+    def load_newer() -> None:
+      pass
+  else:
+    while publish.latest(wdir) is None:
+      time.sleep(0.2)
+    like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
+    version, path = publish.latest(wdir)
+    # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
+    dev = jax.devices()[0]
+    engine = JaxEngine(jax.device_put(publish.load(path, like), dev), cfg.model, engine_config(cfg),
+                       policy_version=version)
+
+    def current_version() -> int:
+      return engine.policy_version
+
+    def load_newer() -> None:
       got = publish.latest(wdir)
       if got is not None and got[0] > engine.policy_version:
         try:
           engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
         except FileNotFoundError:
-          continue   # pruned between the pointer read and the load: a newer one is there
-      if made["version"] != engine.policy_version:
-        made.update(version=engine.policy_version, groups=0)
+          pass   # pruned between the pointer read and the load: a newer one is there (next call)
+
+  # Throttle: at most this many groups per policy version, i.e. what the trainer can use before they go stale.
+  # Without it a fast worker floods the queue with groups that are then dropped as stale.
+  per_version = max(1, math.ceil(cfg.groups_per_step * (cfg.max_staleness + 1) / cfg.n_workers))
+  made = {"version": current_version(), "groups": 0}
+  stop_file = os.path.join(workdir, "workers", "STOP")
+
+  def refresh() -> None:
+    while True:
+      load_newer()
+      if made["version"] != current_version():
+        made.update(version=current_version(), groups=0)
       if made["groups"] < per_version or os.getppid() != ppid or os.path.exists(stop_file):
         made["groups"] += 1
         return

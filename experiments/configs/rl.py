@@ -10,7 +10,8 @@ last line is JSON. Measured (idle 2-core CPU, README): 24.5 min in all — SFT 8
 control 6 min, evaluations 3 min; at T=1 the SFT start solves 45%, RL 72%, the SFT control 60% of 500 held-out tasks.
 Variants: `colab` (default), `colab_pretrained` (SFT from the colab pretraining run, `make pretrain`, and its
 tokenizer), `test` (tiny model, few tasks, local workspaces; for tests). Overrides:
-`mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`.
+`mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`, `engine=jax|sglang`
+(rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make test`'s), `seed=`.
 Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt).
 """
 import ml_collections
@@ -21,7 +22,7 @@ from experiments.configs import model as model_configs
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
-                         backend="", seed=0)
+                         backend="", seed=0, engine="jax", servers=1)
   test = arg.variant == "test"
   if arg.variant not in ("colab", "colab_pretrained", "test"):
     raise ValueError(f"unknown rl variant {arg.variant!r}; valid: colab, colab_pretrained, test")
@@ -34,7 +35,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   else:
     c.model = model_configs.get_config("rl_colab")
   c.mode = arg.mode
-  c.engine = "jax"
+  c.engine = arg.engine            # 'sglang': the trainer starts `sglang_servers` SGLang servers, workers attach
+  c.sglang_servers = arg.servers
+  c.sglang_device = "cpu"
+  c.sglang_python = ""
   c.steps = arg.steps or (4 if test else 100)
   c.groups_per_step = 2 if test else 4
   c.samples_per_prompt = arg.samples or (2 if test else 8)

@@ -59,7 +59,9 @@ class GenerateResult:
   Attributes:
     output_ids: int32 [T] generated tokens (including the stop token when finish_reason == 'stop').
     logprobs: float32 [T] log-probability of each generated token under the sampling policy.
-    routed_experts: int32 [T, N, K] experts the engine routed each token to, or None for dense/scripted engines.
+    routed_experts: int32 [T, N, K] experts each output token was routed to when it was fed back as input, at its
+      own position (the layout the trainer replays, `model.forward(routing=...)`); rows of -1 where the engine never
+      fed that token (SGLang: the last one); None for dense/scripted engines.
     policy_version: version of the weights that produced the tokens.
     finish_reason: 'stop' (stop token), 'length' (max_tokens) or 'abort'.
   """

@@ -4,9 +4,11 @@ Turns a protocol `GenerateRequest` into SGLang's JSON and SGLang's answer into a
 per-token logprobs (`meta_info.output_token_logprobs`, `[logprob, token_id, null]` rows) and the routing log
 (`meta_info.routed_experts`, base64 int32 [S - 1, n_layers, K] over every position the model ran).
 
-Routing alignment: `routed_experts[t]` is the routing of the forward pass that produced output token t, i.e. of
-sequence position P - 1 + t (P prompt tokens). This is the position whose logits give `logprobs[t]`, so a trainer
-replaying it recomputes exactly that token's log-probability. Dense layers are dropped: N counts MoE layers only.
+Routing alignment (the protocol's): `routed_experts[t]` is the routing of output token t as an input, at its own
+sequence position P + t (P prompt tokens) — the layout the trainer replays. SGLang logs positions 0..S-2, so the
+last output token (never fed back) gets a row of -1 ("not recorded": the trainer uses its own routing there), and
+the log's row P - 1 (the last prompt token) is dropped with the prompt. Dense layers are dropped: N counts MoE
+layers only.
 
 Shapes: P prompt tokens, T output tokens, S = P + T, L all hidden layers, N MoE layers, K experts per token.
 Only the standard library and numpy: `rollout/` must run without JAX or torch.
@@ -153,7 +155,8 @@ def from_response(body: dict[str, Any], prompt_len: int, layout: RoutingLayout |
   if layout is not None and meta.get("routed_experts") is not None and T:
     n_positions = prompt_len + T - 1  # every position the model ran; the last output token is never fed back
     all_SxLxK = decode_routed_experts(meta["routed_experts"], n_positions, layout)
-    routed = all_SxLxK[prompt_len - 1:prompt_len - 1 + T][:, list(layout.moe_layers)]
+    routed = np.full((T, len(layout.moe_layers), layout.top_k), -1, np.int32)
+    routed[:T - 1] = all_SxLxK[prompt_len:prompt_len + T - 1][:, list(layout.moe_layers)]
   elif layout is not None and T == 0:
     routed = np.zeros((0, len(layout.moe_layers), layout.top_k), np.int32)
   return GenerateResult(out_T, logprobs_T, routed, _version(meta), reason)

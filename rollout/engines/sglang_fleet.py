@@ -67,6 +67,24 @@ class FleetConfig:
       raise ValueError(f"pause_mode must be retract|abort|in_place, got {self.pause_mode!r}")
 
 
+class RemoteServer:
+  """A server another process started and owns (e.g. the RL trainer's fleet, seen from a rollout worker).
+
+  `alive()` is always True — a server that stopped answering is skipped by the fleet's per-request fail-over and
+  suspect list instead — and `stop()` leaves it running: its owner stops it.
+  """
+
+  def __init__(self, url: str):
+    self.url = url.rstrip("/")
+    self.name = self.url
+
+  def alive(self) -> bool:
+    return True
+
+  def stop(self, grace_s: float = 0.0) -> None:
+    del grace_s
+
+
 class SGLangFleet:
   """Owns N servers (+ router): health, generation with fail-over, weight updates. Use as a context manager."""
 

@@ -1,0 +1,132 @@
+"""The SGLang rollout fleet of an RL run (`RunConfig.engine='sglang'`): the trainer owns the servers, workers attach.
+
+Weight sync: at every publish the trainer writes the policy as a Hugging Face checkpoint (`interop.hf.save`, in
+`workdir/hf/v<version>`) and the fleet loads it with `/update_weights_from_disk`, one server at a time so the others
+keep serving. Every sample carries the weight version of the server that produced it, so staleness is exact.
+`workdir/fleet.json` holds the server URLs and the served version and checkpoint; worker processes attach to those
+servers (`attach`) and never start or stop them. The servers run in their own process groups and are stopped by
+`FleetPublisher.close()` (and at the trainer's exit).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import jax
+
+from composer_jax.interop import hf
+from composer_jax.rl.config import RunConfig
+from rollout.engines.sglang_fleet import FleetConfig, RemoteServer, SGLangFleet
+from rollout.engines.sglang_launcher import ServerConfig
+
+FLEET_FILE = "fleet.json"
+KEEP_CHECKPOINTS = 2   # the served one and the one before (a server still loading it)
+
+
+def server_config(cfg: RunConfig, model_path: str, version: int) -> ServerConfig:
+  """One server of the run's fleet: float32 on CPU, routing logged for router replay, KV cache for a few groups."""
+  return ServerConfig(model_path=model_path, device=cfg.sglang_device, weight_version=version, random_seed=cfg.seed,
+                      max_total_tokens=max(4096, 2 * cfg.samples_per_prompt * cfg.context_budget),
+                      max_running_requests=max(8, 2 * cfg.samples_per_prompt),
+                      python=cfg.sglang_python or sys.executable)
+
+
+def export(cfg: RunConfig, params, version: int) -> str:
+  """Writes `params` as a Hugging Face checkpoint `workdir/hf/v<version>` (complete before it appears)."""
+  path = os.path.join(os.path.abspath(cfg.workdir), "hf", f"v{version}")
+  tmp = path + ".tmp"
+  for p in (tmp, path):
+    shutil.rmtree(p, ignore_errors=True)
+  hf.save(tmp, cfg.model, jax.device_get(params))
+  os.replace(tmp, path)
+  return path
+
+
+def _stop_orphans(workdir: str) -> None:
+  """Stops the servers a killed trainer of this run left behind (its `fleet.json` lists their process groups)."""
+  path = os.path.join(workdir, FLEET_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    pgids = json.load(f).get("pgids", [])
+  os.remove(path)   # workers must not attach to the old servers
+  for pgid in pgids:
+    with contextlib.suppress(OSError), open(f"/proc/{pgid}/cmdline", "rb") as f:
+      if b"sglang" in f.read():   # still that server, not a reused pid
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _write_state(workdir: str, state: dict) -> None:
+  path = os.path.join(workdir, FLEET_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump(state, f)
+  os.replace(path + ".tmp", path)
+
+
+class FleetPublisher:
+  """Starts the fleet on the starting policy and pushes each published policy to it."""
+
+  def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
+    python = cfg.sglang_python or sys.executable
+    if python == sys.executable and importlib.util.find_spec("sglang") is None:
+      raise RuntimeError("engine='sglang' needs SGLang in this interpreter (CPU: `bash "
+                         "rollout/engines/install_sglang_cpu.sh .venv/bin/python`, or `make test` installs it), or "
+                         "sglang_python= pointing at one that has it")
+    self.cfg, self.log_fn = cfg, log_fn
+    _stop_orphans(cfg.workdir)
+    path = export(cfg, params, version)
+    t0 = time.perf_counter()
+    self.fleet = SGLangFleet(FleetConfig(server_config(cfg, path, version), n_servers=cfg.sglang_servers),
+                             log_dir=os.path.join(cfg.workdir, "sglang_logs"))
+    log_fn(f"SGLang fleet: {cfg.sglang_servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
+           f"{[s.url for s in self.fleet.servers]}")
+    self._written = [version]
+    self._write(version, path)
+
+  def _write(self, version: int, path: str) -> None:
+    _write_state(self.cfg.workdir, {"urls": [s.url for s in self.fleet.live_servers()], "version": version,
+                                    "model_path": path, "pgids": [s.popen.pid for s in self.fleet.servers]})
+
+  def publish(self, params, version: int) -> float:
+    """Exports `params` and loads them on every server as `version`; returns the seconds the servers took."""
+    path = export(self.cfg, params, version)
+    seconds = self.fleet.update_weights(path, version)
+    self._write(version, path)
+    self._written.append(version)
+    for old in self._written[:-KEEP_CHECKPOINTS]:
+      shutil.rmtree(os.path.join(os.path.abspath(self.cfg.workdir), "hf", f"v{old}"), ignore_errors=True)
+    self._written = self._written[-KEEP_CHECKPOINTS:]
+    return seconds
+
+  def close(self) -> None:
+    self.fleet.close()
+
+
+def served_version(workdir: str) -> int | None:
+  """The policy version the fleet serves (None before the trainer started it)."""
+  try:
+    with open(os.path.join(workdir, FLEET_FILE)) as f:
+      return int(json.load(f)["version"])
+  except FileNotFoundError:
+    return None
+
+
+def attach(cfg: RunConfig, timeout_s: float = 1800.0) -> SGLangFleet:
+  """A client of the trainer's fleet (for a worker process): waits for `fleet.json`, then uses its servers."""
+  path = os.path.join(cfg.workdir, FLEET_FILE)
+  deadline = time.monotonic() + timeout_s
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"no {path} after {timeout_s:.0f} s: the trainer did not start its SGLang fleet")
+    time.sleep(0.2)
+  with open(path) as f:
+    state = json.load(f)
+  scfg = server_config(cfg, state["model_path"], int(state["version"]))
+  return SGLangFleet(FleetConfig(scfg, n_servers=len(state["urls"])),
+                     servers=[RemoteServer(u) for u in state["urls"]])
