@@ -7,7 +7,8 @@ r"""RL on procedural repair tasks: SFT warm start on oracle trajectories, then (
 Does: SFT warm start on oracle transcripts, RL for `steps`, then held-out evaluation of the SFT start, the RL
 policy and an equal-wall-clock SFT control on `eval_tasks` held-out tasks, greedy and at T=1 (Wilson 95% CIs); the
 last line is JSON. Measured (idle 2-core CPU, README): 24.5 min in all — SFT 8 min, 100 RL steps 6 min (3.5 s/step),
-control 6 min, evaluations 3 min; at T=1 the SFT start solves 45%, RL 72%, the SFT control 60% of 500 held-out tasks.
+control 6 min, evaluations 3 min; at T=1 the SFT start solves 45%, RL 72%, the SFT control 60% of 500 held-out tasks
+(a rerun: RL 65%, control 60% — async RL varies from run to run).
 Variants: `colab` (default), `colab_pretrained` (SFT from the colab pretraining run, `make pretrain`, and its
 tokenizer), `test` (tiny model, few tasks, local workspaces; for tests). Overrides:
 `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`, `engine=jax|sglang`
