@@ -37,9 +37,13 @@ def server_config(cfg: RunConfig, model_path: str, version: int) -> ServerConfig
                       python=cfg.sglang_python or sys.executable)
 
 
+def _hf_dir(cfg: RunConfig) -> str:
+  return os.path.join(os.path.abspath(cfg.workdir), "hf")
+
+
 def export(cfg: RunConfig, params, version: int) -> str:
   """Writes `params` as a Hugging Face checkpoint `workdir/hf/v<version>` (complete before it appears)."""
-  path = os.path.join(os.path.abspath(cfg.workdir), "hf", f"v{version}")
+  path = os.path.join(_hf_dir(cfg), f"v{version}")
   tmp = path + ".tmp"
   for p in (tmp, path):
     shutil.rmtree(p, ignore_errors=True)
@@ -48,15 +52,31 @@ def export(cfg: RunConfig, params, version: int) -> str:
   return path
 
 
+def _prune(cfg: RunConfig, keep: int, current: int) -> None:
+  """Deletes all exports but the newest `keep` and the served `current` one (as `publish.publish` prunes)."""
+  versions = sorted(int(n[1:]) for n in os.listdir(_hf_dir(cfg)) if n.startswith("v") and n[1:].isdigit())
+  for v in versions[:-keep]:
+    if v == current:
+      continue
+    shutil.rmtree(os.path.join(_hf_dir(cfg), f"v{v}"), ignore_errors=True)
+
+
+def _read_state(workdir: str) -> dict | None:
+  """The contents of `fleet.json` (None before a trainer started its fleet)."""
+  try:
+    with open(os.path.join(workdir, FLEET_FILE)) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
 def _stop_orphans(workdir: str) -> None:
   """Stops the servers a killed trainer of this run left behind (its `fleet.json` lists their process groups)."""
-  path = os.path.join(workdir, FLEET_FILE)
-  if not os.path.exists(path):
+  state = _read_state(workdir)
+  if state is None:
     return
-  with open(path) as f:
-    pgids = json.load(f).get("pgids", [])
-  os.remove(path)   # workers must not attach to the old servers
-  for pgid in pgids:
+  os.remove(os.path.join(workdir, FLEET_FILE))   # workers must not attach to the old servers
+  for pgid in state.get("pgids", []):
     with contextlib.suppress(OSError), open(f"/proc/{pgid}/cmdline", "rb") as f:
       if b"sglang" in f.read():   # still that server, not a reused pid
         os.killpg(pgid, signal.SIGKILL)
@@ -78,15 +98,15 @@ class FleetPublisher:
       raise RuntimeError("engine='sglang' needs SGLang in this interpreter (CPU: `bash "
                          "rollout/engines/install_sglang_cpu.sh .venv/bin/python`, or `make test` installs it), or "
                          "sglang_python= pointing at one that has it")
-    self.cfg, self.log_fn = cfg, log_fn
+    self.cfg = cfg
     _stop_orphans(cfg.workdir)
+    shutil.rmtree(_hf_dir(cfg), ignore_errors=True)   # a killed trainer's exports: its servers are gone
     path = export(cfg, params, version)
     t0 = time.perf_counter()
     self.fleet = SGLangFleet(FleetConfig(server_config(cfg, path, version), n_servers=cfg.sglang_servers),
                              log_dir=os.path.join(cfg.workdir, "sglang_logs"))
     log_fn(f"SGLang fleet: {cfg.sglang_servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
            f"{[s.url for s in self.fleet.servers]}")
-    self._written = [version]
     self._write(version, path)
 
   def _write(self, version: int, path: str) -> None:
@@ -98,10 +118,7 @@ class FleetPublisher:
     path = export(self.cfg, params, version)
     seconds = self.fleet.update_weights(path, version)
     self._write(version, path)
-    self._written.append(version)
-    for old in self._written[:-KEEP_CHECKPOINTS]:
-      shutil.rmtree(os.path.join(os.path.abspath(self.cfg.workdir), "hf", f"v{old}"), ignore_errors=True)
-    self._written = self._written[-KEEP_CHECKPOINTS:]
+    _prune(self.cfg, KEEP_CHECKPOINTS, version)
     return seconds
 
   def close(self) -> None:
@@ -110,23 +127,18 @@ class FleetPublisher:
 
 def served_version(workdir: str) -> int | None:
   """The policy version the fleet serves (None before the trainer started it)."""
-  try:
-    with open(os.path.join(workdir, FLEET_FILE)) as f:
-      return int(json.load(f)["version"])
-  except FileNotFoundError:
-    return None
+  state = _read_state(workdir)
+  return None if state is None else int(state["version"])
 
 
 def attach(cfg: RunConfig, timeout_s: float = 1800.0) -> SGLangFleet:
   """A client of the trainer's fleet (for a worker process): waits for `fleet.json`, then uses its servers."""
-  path = os.path.join(cfg.workdir, FLEET_FILE)
   deadline = time.monotonic() + timeout_s
-  while not os.path.exists(path):
+  while (state := _read_state(cfg.workdir)) is None:
     if time.monotonic() > deadline:
-      raise TimeoutError(f"no {path} after {timeout_s:.0f} s: the trainer did not start its SGLang fleet")
+      raise TimeoutError(f"no {os.path.join(cfg.workdir, FLEET_FILE)} after {timeout_s:.0f} s: the trainer did "
+                         "not start its SGLang fleet")
     time.sleep(0.2)
-  with open(path) as f:
-    state = json.load(f)
   scfg = server_config(cfg, state["model_path"], int(state["version"]))
   return SGLangFleet(FleetConfig(scfg, n_servers=len(state["urls"])),
                      servers=[RemoteServer(u) for u in state["urls"]])

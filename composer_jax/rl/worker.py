@@ -73,12 +73,11 @@ def main(workdir: str, worker_index: int) -> None:
       return engine.policy_version
 
     def load_newer() -> None:
-      got = publish.latest(wdir)
-      if got is not None and got[0] > engine.policy_version:
+      while (got := publish.latest(wdir)) is not None and got[0] > engine.policy_version:
         try:
           engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
         except FileNotFoundError:
-          pass   # pruned between the pointer read and the load: a newer one is there (next call)
+          continue   # pruned between the pointer read and the load: a newer one is there
 
   # Throttle: at most this many groups per policy version, i.e. what the trainer can use before they go stale.
   # Without it a fast worker floods the queue with groups that are then dropped as stale.
