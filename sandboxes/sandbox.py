@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from sandboxes import checks, fsops
 from sandboxes.process import ProcessOutcome
-from sandboxes.types import RunResult, SandboxClosedError, SandboxConfig, SandboxError, Snapshot
+from sandboxes.types import RunResult, SandboxClosedError, SandboxConfig, Snapshot
 
 # 128+N is how a shell (and bwrap) reports a command killed by signal N; subprocess reports -N.
 _SIGNAL_LIMITS = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
@@ -221,7 +221,3 @@ class Backend(abc.ABC):
   def __exit__(self, *exc) -> None:
     self.close()
 
-
-def check_snapshot(backend: Backend, snapshot: Snapshot) -> None:
-  if not isinstance(snapshot, Snapshot) or snapshot.backend != backend.name:
-    raise SandboxError(f"not a snapshot of this {backend.name} backend: {snapshot!r}")
