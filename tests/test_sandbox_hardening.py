@@ -340,3 +340,21 @@ def test_no_sandbox_mount_left_after_close(backend, tmp_path):
   assert mounts_under(d)
   s.close()
   assert mounts_under(d) == [] and not os.path.exists(d)
+
+
+def test_staged_etc_holds_only_world_readable_host_files(tmp_path):
+  from sandboxes import bwrap
+
+  host = tmp_path / "host_etc"
+  (host / "ssl" / "certs").mkdir(parents=True)
+  (host / "ssl" / "certs" / "ca.pem").write_text("public")
+  os.symlink("ca.pem", host / "ssl" / "certs" / "link.pem")
+  (host / "ssl" / "private").mkdir(mode=0o700)
+  (host / "ssl" / "private" / "key.pem").write_text("secret")
+  (host / "hosts").write_text("127.0.0.1 localhost")
+  (host / "profile").write_text("root only")
+  os.chmod(host / "profile", 0o600)
+  bwrap.stage_etc(str(tmp_path / "etc"), host_etc=str(host))
+  got = sorted(str(p.relative_to(tmp_path / "etc")) for p in (tmp_path / "etc").rglob("*"))
+  assert got == ["group", "hosts", "passwd", "ssl", "ssl/certs", "ssl/certs/ca.pem", "ssl/certs/link.pem"]
+  assert os.readlink(tmp_path / "etc" / "ssl" / "certs" / "link.pem") == "ca.pem"
