@@ -46,9 +46,11 @@ def sb(backend, tmp_path):
 
 
 # -- 1. the host environment -------------------------------------------------------------------------------
-def test_host_environment_is_not_visible_inside(sb, monkeypatch):
+@pytest.mark.parametrize("launcher", ["exec", "preexec"])
+def test_host_environment_is_not_visible_inside(state_root, tmp_path, monkeypatch, launcher):
   monkeypatch.setenv("COMPOSER_CANARY_SECRET", "hunter2-canary")
-  r = sb.run("for f in /proc/[0-9]*/environ; do tr '\\0' '\\n' < $f; done; env")
+  with BwrapBackend(state_root=state_root, launcher=launcher) as be, be.create(str(tmp_path)) as s:
+    r = s.run("for f in /proc/[0-9]*/environ; do tr '\\0' '\\n' < $f; done; env")
   assert r.exit_code == 0, r.stderr_text
   assert "hunter2-canary" not in r.stdout_text and "COMPOSER_CANARY_SECRET" not in r.stdout_text
   assert "WORKSPACE=/workspace" in r.stdout_text  # the command's own environment is still there
