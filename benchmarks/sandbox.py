@@ -96,6 +96,25 @@ def fork_close(backend, snap, n: int) -> tuple[float, float, float]:
   return statistics.median(forks), statistics.median(closes_used), statistics.median(closes_fresh)
 
 
+def report(out: dict, sandbox: dict, plain: dict, unfilt: dict, preexec: dict, python_figs: dict) -> None:
+  """The human-readable lines (the JSON line follows them)."""
+  print(f"repository: {out['files']} files, imported in {out['import_s'] * 1e3:.0f} ms (one copy; forks share it)")
+  print(f"fork (overlay + tmpfs + cgroup): median {out['fork_ms_median']:.2f} ms (target <= 10); close after a "
+        f"run {out['close_ms_median']:.2f} ms (target <= 5), unused {out['close_unused_ms_median']:.2f} ms; "
+        f"load {out['fork_close_load_avg_1m']:.1f}")
+  print(f"`true`: sandbox {sandbox['wall_ms']:.2f} ms vs plain subprocess {plain['wall_ms']:.2f} ms -> overhead "
+        f"{out['exec_overhead_ms']:.2f} ms (target <= 15 at load <= 2); load {sandbox['load']:.1f} on "
+        f"{os.cpu_count()} cores")
+  print(f"  CPU per launch (load-independent): sandbox {sandbox['cpu_ms']:.2f} ms vs plain {plain['cpu_ms']:.2f} ms")
+  print(f"  syscall filter: {out['hardening_ms']:.2f} ms wall, {out['hardening_cpu_ms']:.2f} ms CPU "
+        f"(sandbox without it: {unfilt['wall_ms']:.2f} ms)")
+  print(f"  launcher='preexec' (fork of this {out['ballast_gb']} GB-ballast process): "
+        f"{preexec['wall_ms']:.2f} ms")
+  print(f"`python3 -c pass`: sandbox {python_figs['sandbox']['wall_ms']:.1f} ms vs plain "
+        f"{python_figs['plain']['wall_ms']:.1f} ms")
+  print(f"pool of {out['concurrency']}: {out['forks_runs_per_s']:.1f} fork+run+close per second")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--files", type=int, default=5000)
@@ -166,20 +185,7 @@ def main() -> None:
     "python_overhead_ms": round(python_figs["sandbox"]["wall_ms"] - python_figs["plain"]["wall_ms"], 3),
     "forks_runs_per_s": round(throughput, 2), "concurrency": args.concurrency, "load_avg_1m": os.getloadavg()[0],
   }
-  print(f"repository: {args.files} files, imported in {import_s * 1e3:.0f} ms (one copy; forks share it)")
-  print(f"fork (overlay + tmpfs + cgroup): median {fork_ms:.2f} ms (target <= 10); close after a run "
-        f"{close_ms:.2f} ms (target <= 5), unused {close_fresh_ms:.2f} ms; load {fork_load:.1f}")
-  print(f"`true`: sandbox {sandbox['wall_ms']:.2f} ms vs plain subprocess {plain['wall_ms']:.2f} ms -> overhead "
-        f"{out['exec_overhead_ms']:.2f} ms (target <= 15 at load <= 2); load {sandbox['load']:.1f} on "
-        f"{os.cpu_count()} cores")
-  print(f"  CPU per launch (load-independent): sandbox {sandbox['cpu_ms']:.2f} ms vs plain {plain['cpu_ms']:.2f} ms")
-  print(f"  syscall filter: {out['hardening_ms']:.2f} ms wall, {out['hardening_cpu_ms']:.2f} ms CPU "
-        f"(sandbox without it: {unfilt['wall_ms']:.2f} ms)")
-  print(f"  launcher='preexec' (fork of this {args.ballast_gb} GB-ballast process): "
-        f"{preexec_figs['sandbox_preexec']['wall_ms']:.2f} ms")
-  print(f"`python3 -c pass`: sandbox {python_figs['sandbox']['wall_ms']:.1f} ms vs plain "
-        f"{python_figs['plain']['wall_ms']:.1f} ms")
-  print(f"pool of {args.concurrency}: {throughput:.1f} fork+run+close per second")
+  report(out, sandbox, plain, unfilt, preexec_figs["sandbox_preexec"], python_figs)
   print(json.dumps(out))
 
 
