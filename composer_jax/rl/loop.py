@@ -166,16 +166,16 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
   ocfg = OptimConfig(learning_rate=cfg.learning_rate, warmup_steps=1, decay_steps=max(cfg.steps, 2),
                      final_lr_fraction=1.0, weight_decay=0.0, grad_clip=1.0)
   optimizer = rl_step.freeze_subtrees(optim.make_optimizer(ocfg, abstract), abstract)
-  state_sh = train_loop.state_shardings(optimizer, abstract, params_sh, cfg.seed)
+  state_sh = step_lib.state_shardings(optimizer, abstract, params_sh)
   ckpts = _Checkpoints(cfg.workdir)
   applied_path = os.path.join(cfg.workdir, "applied.jsonl")
   if ckpts.latest_step() is not None:
-    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract, optimizer, cfg.seed))
+    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract, optimizer))
     from composer_jax.train import checkpoint as ckpt_lib
     state, qstate = ckpts.restore(ckpt_lib.abstract_like(abstract_state, state_sh))
     log_fn(f"Resumed RL at step {int(state.step)}")
   else:
-    state = jax.jit(lambda p: step_lib.init_state(p, optimizer, cfg.seed), out_shardings=state_sh)(init_params)
+    state = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=state_sh)(init_params)
     qstate = None
   start = int(state.step)
   _truncate_applied(applied_path, start)
