@@ -23,18 +23,16 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/rl_colab", "Directory for checkp
 
 def run_config(c, workdir: str):
   """ConfigDict → frozen RunConfig (unknown keys are errors)."""
-  from composer_jax.model.config import ModelConfig
+  import dataclasses
+
+  from composer_jax import configs
   from composer_jax.rl import losses
   from composer_jax.rl.config import RunConfig
-  from composer_jax.rl.step import RLConfig
-  from composer_jax.train.config import from_dict
   d = c.to_dict()
   d.pop("control")
   rl = dict(d.pop("rl"))
-  loss_names = {"kl_coef", "is_cap", "importance", "normalize", "adv_std"}
-  loss = from_dict(losses.LossConfig, {k: rl.pop(k) for k in list(rl) if k in loss_names})
-  return from_dict(RunConfig, {**d, "model": ModelConfig.from_dict(d["model"]), "workdir": workdir,
-                               "rl": from_dict(RLConfig, {**rl, "loss": loss})})
+  loss = {k: rl.pop(k) for k in list(rl) if k in {f.name for f in dataclasses.fields(losses.LossConfig)}}
+  return configs.from_dict(RunConfig, {**d, "rl": {**rl, "loss": loss}}, workdir=workdir)
 
 
 def main(argv):

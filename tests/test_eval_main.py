@@ -56,13 +56,14 @@ def test_checkpoint_is_evaluated_and_plotted_with_baselines(tmp_path):
   script = f"""
 import jax
 import numpy as np
+from composer_jax import configs
 from composer_jax.model import params as P
 from composer_jax.model.config import ModelConfig
 from composer_jax.train import stages, tokenizer as T
 from experiments.configs import model as M
 from rollout import harness
 from rollout.tasks import procedural
-cfg = ModelConfig.from_dict(M.get_config("tiny").to_dict())
+cfg = configs.from_dict(ModelConfig, M.get_config("tiny").to_dict())
 texts = [f for t in procedural.generate(40, level=1) for f in t.environment.files.values()] + [harness.SYSTEM_PROMPT]
 tc = T.TokenizerConfig(vocab_size=cfg.vocab_size)
 T.save_tokenizer(T.train_tokenizer(texts, tc), "{workdir}/tokenizer", tc)
