@@ -107,7 +107,7 @@ def test_rl_colab_harness_preset_matches_the_rl_run():
   """`harness=rl_colab` evaluates an RL checkpoint in the loop it was trained in; unknown presets are errors."""
   from experiments.configs import eval as eval_config
   from experiments.configs import rl as rl_config
-  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab")
+  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab").harness
   assert (h.context_budget, h.max_turn_tokens, h.observation_reserve, h.max_turns) == (
     rl.context_budget, rl.max_turn_tokens, rl.observation_reserve, rl.max_turns)
   assert h.system_prompt == "short" and h.max_segments == 1

@@ -31,10 +31,11 @@ KEEP_CHECKPOINTS = 2   # the served one and the one before (a server still loadi
 
 def server_config(cfg: RunConfig, model_path: str, version: int) -> ServerConfig:
   """One server of the run's fleet: float32 on CPU, routing logged for router replay, KV cache for a few groups."""
-  return ServerConfig(model_path=model_path, device=cfg.sglang_device, weight_version=version, random_seed=cfg.seed,
-                      max_total_tokens=max(4096, 2 * cfg.samples_per_prompt * cfg.context_budget),
-                      max_running_requests=max(8, 2 * cfg.samples_per_prompt),
-                      python=cfg.sglang_python or sys.executable)
+  return ServerConfig(model_path=model_path, device=cfg.rollout.sglang.device, weight_version=version,
+                      random_seed=cfg.seed,
+                      max_total_tokens=max(4096, 2 * cfg.rollout.samples_per_prompt * cfg.harness.context_budget),
+                      max_running_requests=max(8, 2 * cfg.rollout.samples_per_prompt),
+                      python=cfg.rollout.sglang.python or sys.executable)
 
 
 def _hf_dir(cfg: RunConfig) -> str:
@@ -93,7 +94,7 @@ class FleetPublisher:
   """Starts the fleet on the starting policy and pushes each published policy to it."""
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
-    python = cfg.sglang_python or sys.executable
+    python = cfg.rollout.sglang.python or sys.executable
     if python == sys.executable and importlib.util.find_spec("sglang") is None:
       raise RuntimeError("engine='sglang' needs SGLang in this interpreter (CPU: `bash "
                          "rollout/engines/install_sglang_cpu.sh .venv/bin/python`, or `make test` installs it), or "
@@ -103,9 +104,9 @@ class FleetPublisher:
     shutil.rmtree(_hf_dir(cfg), ignore_errors=True)   # a killed trainer's exports: its servers are gone
     path = export(cfg, params, version)
     t0 = time.perf_counter()
-    self.fleet = SGLangFleet(FleetConfig(server_config(cfg, path, version), n_servers=cfg.sglang_servers),
+    self.fleet = SGLangFleet(FleetConfig(server_config(cfg, path, version), n_servers=cfg.rollout.sglang.servers),
                              log_dir=os.path.join(cfg.workdir, "sglang_logs"))
-    log_fn(f"SGLang fleet: {cfg.sglang_servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
+    log_fn(f"SGLang fleet: {cfg.rollout.sglang.servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
            f"{[s.url for s in self.fleet.servers]}")
     self._write(version, path)
 

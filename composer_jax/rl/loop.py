@@ -39,7 +39,6 @@ from composer_jax.train import metrics as metrics_lib
 from composer_jax.train import optim, stages
 from composer_jax.train import step as step_lib
 from composer_jax.train import tokenizer as tokenizer_lib
-from composer_jax.train.config import OptimConfig
 from rollout import workers
 from rollout.queue import QueueConsumer, QueueProducer
 from rollout.staleness import StalenessConfig
@@ -53,28 +52,28 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   """Tokenizer in `workdir/tokenizer` and the starting params (SFT on oracle transcripts from random init or from
   `init_checkpoint`; with `sft_steps=0`, the checkpoint itself)."""
   tok_dir = setup.tokenizer_dir(cfg)
-  if cfg.init_checkpoint:
+  if cfg.sft.init_checkpoint:
     if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-      tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.init_checkpoint, "tokenizer"))
+      tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.sft.init_checkpoint, "tokenizer"))
       tokenizer_lib.save_tokenizer(tok, tok_dir)
-    if not cfg.sft_steps:
-      return stages.load_params(cfg.init_checkpoint, cfg.model)
+    if not cfg.sft.steps:
+      return stages.load_params(cfg.sft.init_checkpoint, cfg.model)
   sft_dir = os.path.join(cfg.workdir, "sft")
   pool = setup.train_pool(cfg)
   if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
     tok = tokenizer_lib.load_tokenizer(tok_dir)
   else:
-    tok = warmstart.fit_tokenizer(pool[:max(cfg.sft_tasks, 256)], setup.harness_config(cfg).system_prompt,
-                                  cfg.vocab_size)
+    tok = warmstart.fit_tokenizer(pool[:max(cfg.sft.tasks, 256)], cfg.harness.system_prompt,
+                                  cfg.tokenizer.vocab_size)
     tokenizer_lib.save_tokenizer(tok, tok_dir)
   if os.path.isdir(os.path.join(sft_dir, "params")):
     return stages.load_params(sft_dir, cfg.model)
-  init_params = stages.load_params(cfg.init_checkpoint, cfg.model) if cfg.init_checkpoint else None
+  init_params = stages.load_params(cfg.sft.init_checkpoint, cfg.model) if cfg.sft.init_checkpoint else None
   sft, dev = setup.sft_transcripts(cfg, tok, pool)
-  log_fn(f"SFT warm start: {len(sft)} oracle transcripts, {cfg.sft_steps} steps")
-  params, last = warmstart.run_sft(cfg.model, tok, sft, dev, sft_dir, steps=cfg.sft_steps,
-                                   seq_len=cfg.sft_seq_len, batch_size=cfg.sft_batch,
-                                   learning_rate=cfg.sft_lr, seed=cfg.seed, init_params=init_params,
+  log_fn(f"SFT warm start: {len(sft)} oracle transcripts, {cfg.sft.steps} steps")
+  params, last = warmstart.run_sft(cfg.model, tok, sft, dev, sft_dir, steps=cfg.sft.steps,
+                                   seq_len=cfg.sft.seq_len, batch_size=cfg.sft.batch,
+                                   learning_rate=cfg.sft.learning_rate, seed=cfg.seed, init_params=init_params,
                                    log_fn=log_fn)
   log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
   return params
@@ -125,7 +124,7 @@ class _WorkerPool:
     stop = os.path.join(self.logs, "STOP")
     if os.path.exists(stop):
       os.remove(stop)
-    self.procs = [self._start(i) for i in range(cfg.n_workers)]
+    self.procs = [self._start(i) for i in range(cfg.rollout.workers)]
     self.restarts = 0
 
   def _start(self, i: int) -> subprocess.Popen:
@@ -139,7 +138,7 @@ class _WorkerPool:
       if p.poll() is not None:
         self.log_fn(f"worker{i} exited with {p.returncode}; restarting it (see {self.logs}/worker{i}.log)")
         self.restarts += 1
-        if self.restarts > 10 * self.cfg.n_workers:
+        if self.restarts > 10 * self.cfg.rollout.workers:
           raise RuntimeError(f"workers keep dying; see {self.logs}/worker*.log")
         self.procs[i] = self._start(i)
 
@@ -155,7 +154,7 @@ class _WorkerPool:
 
 
 def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
-  """Runs (or resumes) the RL job of `cfg` to `cfg.steps`; returns the final params and the last metrics."""
+  """Runs (or resumes) the RL job of `cfg` to `cfg.train.steps`; returns the final params and the last metrics."""
   setup.save_run_config(cfg)
   init_params = warm_start(cfg, log_fn)
   ref_params = init_params
@@ -163,9 +162,7 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
   mesh = train_loop.single_device_mesh()
   params_sh = model.shardings(cfg.model, mesh)
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
-  ocfg = OptimConfig(learning_rate=cfg.learning_rate, warmup_steps=1, decay_steps=max(cfg.steps, 2),
-                     final_lr_fraction=1.0, weight_decay=0.0, grad_clip=1.0)
-  optimizer = rl_step.freeze_subtrees(optim.make_optimizer(ocfg, abstract), abstract)
+  optimizer = rl_step.freeze_subtrees(optim.make_optimizer(cfg.train.optim, abstract), abstract)
   state_sh = train_loop.state_shardings(optimizer, abstract, params_sh, cfg.seed)
   ckpts = _Checkpoints(cfg.workdir)
   applied_path = os.path.join(cfg.workdir, "applied.jsonl")
@@ -179,15 +176,16 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
     qstate = None
   start = int(state.step)
   _truncate_applied(applied_path, start)
-  consumer = QueueConsumer(queue_url(cfg), StalenessConfig(cfg.max_staleness, cfg.staleness_policy), state=qstate)
-  bcfg = rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.context_budget,
+  consumer = QueueConsumer(queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness, cfg.rollout.staleness_policy),
+                           state=qstate)
+  bcfg = rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget,
                               n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
                               top_k=cfg.model.num_experts_per_tok)
   batch_sh = rl_step.batch_shardings(mesh)
   step_fn = rl_step.make_rl_step(cfg.model, cfg.rl, optimizer, state_sh, batch_sh, params_sh)
   wdir = os.path.join(cfg.workdir, "weights")
   fleet = None
-  if cfg.engine == "sglang":
+  if cfg.rollout.engine == "sglang":
     from composer_jax.rl import fleet as fleet_lib
     fleet = fleet_lib.FleetPublisher(cfg, state.params, start, log_fn)   # before the workers: they attach to it
   else:
@@ -197,7 +195,7 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
 
   writer = metrics_lib.MetricWriter(cfg.workdir)
   pool = sync_engine = sync_envs = None
-  if cfg.mode == "async":
+  if cfg.rollout.mode == "async":
     pool = _WorkerPool(cfg, log_fn)
   else:
     if fleet is not None:
@@ -209,14 +207,14 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
     sync_envs = setup.make_envs(cfg)
     producer = QueueProducer(queue_url(cfg), "sync0")
     task_pool = setup.train_pool(cfg)
-    wcfg = workers.WorkerConfig(samples_per_prompt=cfg.samples_per_prompt, max_groups=cfg.groups_per_step)
+    wcfg = workers.WorkerConfig(samples_per_prompt=cfg.rollout.samples_per_prompt, max_groups=cfg.train.groups_per_step)
   bar = None
   if cfg.progress_bar:
     from tqdm import tqdm
-    bar = tqdm(total=cfg.steps, initial=start, desc="rl", dynamic_ncols=True)
+    bar = tqdm(total=cfg.train.steps, initial=start, desc="rl", dynamic_ncols=True)
   last: dict = {}
   try:
-    for step_no in range(start + 1, cfg.steps + 1):
+    for step_no in range(start + 1, cfg.train.steps + 1):
       t0 = time.perf_counter()
       version = step_no - 1
       rollout_s = 0.0
@@ -226,15 +224,15 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
           sync_engine.update_weights(state.params, version)
         elif fleet.fleet.policy_version != version:
           publish_s = fleet.publish(state.params, version)
-        workers.run_worker(sync_engine, tok, task_pool, sync_envs, setup.harness_config(cfg), producer, wcfg,
+        workers.run_worker(sync_engine, tok, task_pool, sync_envs, cfg.harness, producer, wcfg,
                            os.path.join(cfg.workdir, "sync0.json"))
         rollout_s = time.perf_counter() - t0
       groups, rows, t_wait = [], 0, time.perf_counter()
-      while len(groups) < cfg.groups_per_step:
-        got = consumer.poll(version, max_groups=cfg.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows)
+      while len(groups) < cfg.train.groups_per_step:
+        got = consumer.poll(version, max_groups=cfg.train.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows)
         groups += got
         rows += sum(g.key.n_rows for g in got)
-        if len(groups) < cfg.groups_per_step:
+        if len(groups) < cfg.train.groups_per_step:
           if pool is not None:
             pool.check()
           time.sleep(0.05)
@@ -250,7 +248,7 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
       train_s = time.perf_counter() - t_train
       with open(applied_path, "a") as f:
         f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
-      if step_no % cfg.publish_every == 0 and pool is not None:
+      if step_no % cfg.rollout.publish_every == 0 and pool is not None:
         if fleet is not None:
           publish_s = fleet.publish(state.params, step_no)
         else:
@@ -270,7 +268,7 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
       else:
         log_fn(f"step {step_no}: reward {m['reward']:.3f} pass {m['pass_rate']:.2f} kl {m['kl']:.4f} "
                f"idle {idle_s:.2f}s/{step_s:.2f}s")
-      if step_no % cfg.ckpt_every == 0 or step_no == cfg.steps:
+      if step_no % cfg.train.ckpt_every == 0 or step_no == cfg.train.steps:
         qsave = consumer.state()
         ckpts.save(step_no, state, qsave)
         consumer.commit(qsave)      # GC only what a finished checkpoint no longer needs

@@ -28,8 +28,9 @@ def _die_with_parent() -> None:
 def engine_config(cfg):
   from composer_jax.sampling.engine import EngineConfig
   # Fixed buckets: one group per call, prompts padded to the context budget, turns to max_turn_tokens.
-  return EngineConfig(min_batch_bucket=cfg.samples_per_prompt, min_prompt_bucket=cfg.context_budget // 2,
-                      min_len_bucket=cfg.max_turn_tokens, seed=cfg.seed)
+  return EngineConfig(min_batch_bucket=cfg.rollout.samples_per_prompt,
+                      min_prompt_bucket=cfg.harness.context_budget // 2,
+                      min_len_bucket=cfg.harness.max_turn_tokens, seed=cfg.seed)
 
 
 def main(workdir: str, worker_index: int) -> None:
@@ -48,7 +49,7 @@ def main(workdir: str, worker_index: int) -> None:
   pool = setup.train_pool(cfg)
   envs = setup.make_envs(cfg)
   wdir = os.path.join(workdir, "weights")
-  if cfg.engine == "sglang":
+  if cfg.rollout.engine == "sglang":
     # The trainer's fleet: it pushes new weights to the servers; each sample reports the version that made it.
     from composer_jax.rl import fleet as fleet_lib
     engine = fleet_lib.attach(cfg)
@@ -81,7 +82,7 @@ def main(workdir: str, worker_index: int) -> None:
 
   # Throttle: at most this many groups per policy version, i.e. what the trainer can use before they go stale.
   # Without it a fast worker floods the queue with groups that are then dropped as stale.
-  per_version = max(1, math.ceil(cfg.groups_per_step * (cfg.max_staleness + 1) / cfg.n_workers))
+  per_version = max(1, math.ceil(cfg.train.groups_per_step * (cfg.rollout.max_staleness + 1) / cfg.rollout.workers))
   made = {"version": current_version(), "groups": 0}
   stop_file = os.path.join(workdir, "workers", "STOP")
 
@@ -95,15 +96,15 @@ def main(workdir: str, worker_index: int) -> None:
         return
       time.sleep(0.05)
 
-  wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=cfg.n_workers,
-                              samples_per_prompt=cfg.samples_per_prompt)
+  wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=cfg.rollout.workers,
+                              samples_per_prompt=cfg.rollout.samples_per_prompt)
   producer = QueueProducer(f"file://{os.path.join(os.path.abspath(workdir), 'queue')}", wcfg.producer_id)
   sdir = os.path.join(workdir, "workers")
   os.makedirs(sdir, exist_ok=True)
   with open(os.path.join(sdir, f"{wcfg.producer_id}.pid"), "w") as f:
     f.write(str(os.getpid()))
   try:
-    workers.run_worker(engine, tok, pool, envs, setup.harness_config(cfg), producer, wcfg,
+    workers.run_worker(engine, tok, pool, envs, cfg.harness, producer, wcfg,
                        os.path.join(sdir, f"{wcfg.producer_id}.json"), refresh=refresh,
                        should_stop=lambda: os.getppid() != ppid or os.path.exists(os.path.join(sdir, "STOP")),
                        log_fn=lambda s: print(s, flush=True))
