@@ -6,7 +6,7 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import evaluate, publish, setup
+from composer_jax.rl import evaluate, publish, warmstart
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout.tasks import procedural
@@ -111,8 +111,56 @@ def test_colab_level1_is_todays_colab_recipe():
 
 def test_sft_demo_accuracy_sets_the_share_of_near_miss_demonstrations():
   pool = procedural.generate(400, seed=1, level=1)
-  assert not any(t.metadata.get("near_miss") for t in setup.sft_tasks(_cfg(**{"sft.tasks": 300}), pool))
-  tasks = setup.sft_tasks(_cfg(**{"sft.tasks": 300, "sft.demo_accuracy": 0.5}), pool)
+  assert not any(t.metadata.get("near_miss") for t in warmstart.sft_tasks(_cfg(**{"sft.tasks": 300}), pool))
+  tasks = warmstart.sft_tasks(_cfg(**{"sft.tasks": 300, "sft.demo_accuracy": 0.5}), pool)
   assert [t.id for t in tasks] == [t.id for t in pool[-300:]]
   misses = sum(bool(t.metadata.get("near_miss")) for t in tasks)
   assert 120 <= misses <= 180, misses   # binomial(300, 0.5): ±3.5 sd
+
+
+def test_publisher_and_source_registries_list_valid_names():
+  from composer_jax.rl import publishers, sources
+  with pytest.raises(ValueError, match=r"unknown publisher 'npz'; valid: \['files', 'fleet', 'in_place'\]"):
+    publishers.publisher_class("npz")
+  assert publishers.publisher_name(_cfg()) == "files"
+  assert publishers.publisher_name(_cfg(**{"rollout.mode": "sync", "rollout.max_staleness": 0})) == "in_place"
+  assert publishers.publisher_name(_cfg(**{"rollout.engine": "sglang"})) == "fleet"
+  with pytest.raises(ValueError, match="no worker processes"):
+    publishers.follow(_cfg(**{"rollout.mode": "sync", "rollout.max_staleness": 0}))
+  assert sorted(sources.SOURCES) == ["async", "sync"]
+  with pytest.raises(ValueError, match="needs an in-process engine"):
+    sources.InProcess(_cfg(**{"rollout.mode": "sync", "rollout.max_staleness": 0}), None, None, None)
+
+
+def test_worker_throttle_allows_per_version_groups_then_waits_for_a_newer_version():
+  from composer_jax.rl import publishers, worker
+  state = {"version": 0, "loads": 0}
+
+  def load_newer():
+    state["loads"] += 1
+    if state["loads"] == 5:          # the trainer publishes v1 while the worker waits
+      state["version"] = 1
+
+  follower = publishers.Follower(engine=None, version=lambda: state["version"], load_newer=load_newer)
+  refresh = worker.throttle(follower, per_version=2, stopping=lambda: False)
+  refresh()
+  refresh()
+  assert state["loads"] == 2 and state["version"] == 0      # two groups of v0 without waiting
+  refresh()                                                  # a third one waits until v1 arrives
+  assert state["version"] == 1 and state["loads"] == 5
+  stopped = worker.throttle(follower, per_version=1, stopping=lambda: True)
+  stopped()
+  stopped()                                                  # a stopping worker is never held back
+
+
+def test_checkpointer_saves_the_queue_cursor_with_the_state(tmp_path):
+  import jax
+  from composer_jax.train import checkpoint
+  ck = checkpoint.Checkpointer(str(tmp_path), keep=2, async_save=False)
+  state = {"w": np.arange(4.0)}
+  ck.save(3, state, meta={"cursor": {"worker0": 7}}, force=True)
+  ck.wait()
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  np.testing.assert_array_equal(ck.restore(like)["w"], state["w"])
+  assert ck.restore_meta() == {"cursor": {"worker0": 7}} and ck.latest_step() == 3
+  ck.close()

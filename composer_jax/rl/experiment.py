@@ -1,8 +1,8 @@
 """The full experiment behind `experiments/rl_main.py`: warm start → RL → held-out evaluation (+ SFT control).
 
-Three policies are evaluated on the same held-out tasks, greedy and at T=1, with Wilson 95% CIs: the SFT start,
-the RL policy, and a control that spends RL's wall-clock on more SFT from the same start (so a gain is RL's, not
-more supervised training).
+Three policies are evaluated on the same held-out tasks, greedy and at T=1 (`eval.temperatures`), with Wilson 95%
+CIs: the SFT start, the RL policy, and a control that spends RL's wall-clock on more SFT from the same start (so a
+gain is RL's, not more supervised training).
 """
 from __future__ import annotations
 
@@ -12,40 +12,34 @@ import os
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import evaluate, loop, setup, warmstart
+from composer_jax.rl import evaluate, loop, publishers, setup, warmstart
 from composer_jax.rl.config import RunConfig
-from composer_jax.rl.worker import engine_config
 from composer_jax.sampling.engine import JaxEngine
-from composer_jax.train import stages
 
 
 def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs) -> dict:
-  """Greedy and T=1 success on `tasks`."""
-  eng = JaxEngine(params, cfg.model, dataclasses.replace(engine_config(cfg), min_batch_bucket=64, max_batch=64))
+  """Success on `tasks` at each of `eval.temperatures` (0 = greedy)."""
+  eng = JaxEngine(params, cfg.model, dataclasses.replace(publishers.engine_config(cfg), min_batch_bucket=64,
+                                                         max_batch=64))
   return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, cfg.harness, temperature=t)
           for t in cfg.eval.temperatures}
 
 
 def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> dict:
   """More SFT from the same start for about `seconds` of wall-clock (steps from the warm start's measured rate)."""
-  sft_dir = os.path.join(cfg.workdir, "sft")
-  rate_path = os.path.join(sft_dir, "sft_seconds_per_step.json")
-  with open(rate_path) as f:
+  with open(os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")) as f:
     s_per_step = json.load(f)["seconds_per_step"]
   steps = max(1, int(seconds / s_per_step))
-  train, dev = setup.sft_transcripts(cfg, tok, setup.train_pool(cfg))
   log_fn(f"SFT control: {steps} more steps (~{seconds:.0f} s at {s_per_step:.2f} s/step)")
-  params, _ = warmstart.run_sft(cfg.model, tok, train, dev, os.path.join(cfg.workdir, "sft_control"), steps=steps,
-                                seq_len=cfg.sft.seq_len, batch_size=cfg.sft.batch,
-                                learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, init_params=start_params,
-                                log_fn=log_fn)
+  params, _ = warmstart.sft(cfg, tok, start_params, os.path.join(cfg.workdir, "sft_control"), steps=steps,
+                            learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
   return params
 
 
 def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
-  """Runs (or resumes) the RL job and evaluates SFT start, RL and (optionally) the SFT control; returns numbers."""
+  """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers."""
   t0 = time.perf_counter()
-  start = loop.warm_start(cfg, log_fn)
+  start = warmstart.warm_start(cfg, log_fn)
   t_sft = time.perf_counter() - t0
   sft_rate = os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")
   if not os.path.exists(sft_rate) and cfg.sft.steps:
@@ -70,8 +64,3 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
     json.dump(result, f, indent=2)
   return result
-
-
-def load_start(cfg: RunConfig):
-  """The SFT start of a finished run (for notebooks)."""
-  return stages.load_params(os.path.join(cfg.workdir, "sft"), cfg.model)

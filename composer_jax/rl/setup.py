@@ -1,11 +1,9 @@
-"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, harness."""
+"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, workspaces."""
 from __future__ import annotations
 
 import os
 import pickle
-import random
 
-from composer_jax.rl import warmstart
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout.tasks import procedural
@@ -25,23 +23,8 @@ def make_envs(cfg: RunConfig) -> EnvironmentCache:
   return EnvironmentCache(make_factory(cfg.rollout.backend))
 
 
-def sft_tasks(cfg: RunConfig, pool: list) -> list:
-  """The SFT tasks: the end of the pool (the workers' streams start at its beginning), a `1 - sft_demo_accuracy`
-  share of them (chosen by seed) with near-miss demonstrations (`procedural.near_miss`)."""
-  rng = random.Random(f"near-miss/{cfg.seed}")
-  return [procedural.near_miss(t, rng) if rng.random() >= cfg.sft.demo_accuracy else t
-          for t in pool[-cfg.sft.tasks:]]
-
-
-def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
-  """Demonstration transcripts for SFT (`sft_tasks`) and 32 held-out dev transcripts (right fixes)."""
-  envs = make_envs(cfg)
-  try:
-    h = cfg.harness
-    return (warmstart.oracle_transcripts(tok, sft_tasks(cfg, pool), envs, h),
-            warmstart.oracle_transcripts(tok, heldout_tasks(cfg, 32), envs, h))
-  finally:
-    envs.factory.close()
+def queue_url(cfg: RunConfig) -> str:
+  return f"file://{os.path.join(os.path.abspath(cfg.workdir), 'queue')}"
 
 
 def tokenizer_dir(cfg: RunConfig) -> str:
