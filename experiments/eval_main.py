@@ -20,7 +20,8 @@ def _baseline_tokenizer(c, system: str):
   from composer_jax.train import tokenizer as tokenizer_lib
   from rollout import chat_format, harness
   from rollout.tasks import procedural
-  fit = procedural.generate(c.tokenizer.train_tasks, seed=c.seed + 1, split="train", level=c.set.level)
+  fit = [t for lv in c.set.levels for t in procedural.generate(c.tokenizer.train_tasks, seed=c.seed + 1, split="train",
+                                                                   level=lv)]
   texts = [f for t in fit for f in t.environment.files.values()] + [system, harness.SUMMARY_PROMPT]
   texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in fit]
   return tokenizer_lib.train_tokenizer(texts, tokenizer_lib.TokenizerConfig(vocab_size=c.tokenizer.vocab_size))
@@ -62,30 +63,29 @@ def main(argv):
   from rollout import harness
   from rollout.engines import protocol
   from rollout.evaluation import builder, runner, suite
-  from rollout.tasks import miner
+  from rollout.tasks import miner, registry
   from rollout.tasks.environment import EnvironmentCache
   from rollout.tools import ToolConfig
   from rollout.workspace import make_factory
 
   c = _CONFIG.value
-  mcfg = miner.MinerConfig(**{k: v for k, v in c.miner.items() if v})
-  repos = tuple(r for r in c.set.repos.split(":") if r)
+  set_cfg = c.set.to_dict()
+  set_cfg["miner"] = miner.MinerConfig(**{k: v for k, v in set_cfg["miner"].items() if v})
+  spec = registry.SetSpec(**set_cfg)
   factory = make_factory(c.backend)
   try:
     envs = EnvironmentCache(factory)
     if c.builder.path:
       b = c.builder
       built, excluded = builder.build_set(
-        repos, envs, builder.SetFilters(b.min_files, b.min_lines, b.max_prompt_chars), mcfg,
+        spec.repos, envs, builder.SetFilters(b.min_files, b.min_lines, b.max_prompt_chars), spec.miner,
         name=os.path.splitext(os.path.basename(b.path))[0], version=b.version)
       builder.write_set(b.path, built)
       for what, why in excluded:
         print(f"excluded {what}: {why}")
       print(f"wrote {len(built['tasks'])} tasks to {b.path} (sha256 {built['sha256'][:12]})")
       return
-    spec = suite.SetSpec(kind=c.set.kind, n=c.set.n, seed=c.set.seed, split=c.set.split, level=c.set.level,
-                         repos=repos, jsonl=c.set.jsonl, repos_dir=c.set.repos_dir, path=c.set.path)
-    tasks = suite.load_tasks(spec, envs, mcfg)
+    tasks = registry.load_tasks(spec, envs)
     h = c.harness
     prompts = {"full": harness.SYSTEM_PROMPT, "short": harness.SHORT_SYSTEM_PROMPT}
     if h.system_prompt not in prompts:

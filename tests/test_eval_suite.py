@@ -11,7 +11,7 @@ import pytest
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout import harness
 from rollout.evaluation import builder, policies, runner, suite
-from rollout.tasks import miner, procedural
+from rollout.tasks import miner, procedural, registry, setfile
 from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.task import Task
 
@@ -120,8 +120,8 @@ def test_mined_set_builder_contamination_oracle_noop(tmp_path, factory, repo, to
   assert builder.filter_reason(mined[0], builder.SetFilters(max_prompt_chars=5)).startswith("prompt has")
   assert "min_lines=99" in builder.filter_reason(mined[0], builder.SetFilters(min_lines=99))
   path = str(tmp_path / "tiny.json")
-  builder.write_set(path, built)
-  header, tasks = builder.read_set(path)
+  setfile.write_set(path, built)
+  header, tasks = setfile.read_set(path)
   assert header["version"] == "1" and {t.prompt for t in tasks} == {"score caps at 100", "Add double"}
   corpus = tmp_path / "corpus"
   corpus.mkdir()
@@ -138,10 +138,10 @@ def test_mined_set_builder_contamination_oracle_noop(tmp_path, factory, repo, to
 
 
 def test_tampered_set_file_is_rejected(tmp_path):
-  task_set = {"format": builder.FORMAT, "name": "x", "version": "1", "tasks": [], "sha256": "0"}
+  task_set = {"format": setfile.FORMAT, "name": "x", "version": "1", "tasks": [], "sha256": "0"}
   (tmp_path / "s.json").write_text(json.dumps(task_set))
   with pytest.raises(ValueError, match="sha256"):
-    builder.read_set(str(tmp_path / "s.json"))
+    setfile.read_set(str(tmp_path / "s.json"))
 
 
 def test_swe_jsonl_set_gold_validated_oracle_noop(tmp_path, factory, repo, tok):
@@ -161,7 +161,7 @@ def test_swe_jsonl_set_gold_validated_oracle_noop(tmp_path, factory, repo, tok):
   path = tmp_path / "swe.jsonl"
   path.write_text(json.dumps(inst) + "\n" + json.dumps(bad) + "\n")
   envs = EnvironmentCache(factory)
-  tasks = suite.load_tasks(suite.SetSpec("swe", jsonl=str(path), repos_dir=os.path.dirname(repo)), envs)
+  tasks = registry.load_tasks(registry.SetSpec("swe", jsonl=str(path), repos_dir=os.path.dirname(repo)), envs)
   out = suite.evaluate({"swe": tasks}, _baselines(tok), envs, CFG, str(tmp_path / "run"), log=lambda s: None)["swe"]
   assert [i for i, _ in out["invalid"]] == ["swe/local__r-2"] and "test_missing" in out["invalid"][0][1]
   assert out["summaries"]["oracle"]["pass@1"] == 1.0 and out["summaries"]["noop"]["pass@1"] == 0.0

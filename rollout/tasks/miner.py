@@ -12,11 +12,13 @@ Every rejected commit is reported with its reason.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 import subprocess
 
 from rollout.tasks.environment import EnvironmentCache, apply_patch, parse_results
+from rollout.tasks.progress import Progress
 from rollout.tasks.task import Environment, HiddenTests, Task
 
 
@@ -33,6 +35,7 @@ class MinerConfig:
     timeout_s: limit for one test run.
     setup: environment setup commands (e.g. offline installs), run once per base commit.
     prompt_max_chars: commit subjects are cut to this length.
+    progress: show a progress bar (stderr) with counts and rejection reasons.
   """
   test_pattern: str = r"(^|/)(tests?/.*\.py|test_[^/]*\.py|[^/]*_test\.py)$"
   code_suffixes: tuple[str, ...] = (".py",)
@@ -41,6 +44,7 @@ class MinerConfig:
   timeout_s: float = 120.0
   setup: tuple[str, ...] = ()
   prompt_max_chars: int = 200
+  progress: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,19 +134,29 @@ def mine_commit(repo: str, commit: str, parent: str, subject: str, envs: Environ
                                                                                if s != "PASSED")})
 
 
-def mine(repo: str, envs: EnvironmentCache, cfg: MinerConfig = MinerConfig()) -> tuple[list[Task], list[Rejection]]:
+def mine(repo: str, envs: EnvironmentCache, cfg: MinerConfig = MinerConfig(),
+         log=print) -> tuple[list[Task], list[Rejection]]:
   """Mines every candidate commit of `repo` (newest first).
 
   Args:
     repo: path of a local git repository.
     envs: environment cache (its factory makes the validation sandboxes).
     cfg: miner settings.
+    log: progress lines.
 
   Returns:
     (valid tasks, rejections with reasons).
   """
   tasks, rejected = [], []
-  for commit, parent, subject in _candidates(repo, cfg):
-    out = mine_commit(repo, commit, parent, subject, envs, cfg)
-    (tasks if isinstance(out, Task) else rejected).append(out)
+  candidates = _candidates(repo, cfg)
+  with Progress(f"mine {os.path.basename(repo.rstrip('/'))}", len(candidates), cfg.progress) as bar:
+    for commit, parent, subject in candidates:
+      out = mine_commit(repo, commit, parent, subject, envs, cfg)
+      if isinstance(out, Task):
+        tasks.append(out)
+        bar.kept()
+      else:
+        rejected.append(out)
+        bar.rejected(out.reason)
+  log(f"[mine] {repo}: {bar.summary()}")
   return tasks, rejected
