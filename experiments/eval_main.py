@@ -35,14 +35,14 @@ def _policies(c, system: str) -> dict:
     raise ValueError(f"unknown policies {unknown or names}; valid: {POLICIES}")
   out, tok = {}, None
   if "checkpoint" in names:
-    from composer_jax import eval_policies
+    from composer_jax import configs, eval_policies
     from composer_jax.model.config import ModelConfig
     from experiments.configs import model as model_configs
     workdirs = [w for w in c.checkpoint.workdir.split(":") if w]
     if not workdirs:
       raise ValueError("policy 'checkpoint' needs checkpoint=<workdir>[:<workdir>...] (params/ or weights/, "
                        "and tokenizer/)")
-    model_cfg = ModelConfig.from_dict(model_configs.get_config(c.checkpoint.model).to_dict())
+    model_cfg = configs.from_dict(ModelConfig, model_configs.get_config(c.checkpoint.model).to_dict())
     for w in workdirs:  # several checkpoints of one model (e.g. SFT start and RL steps) share a tokenizer
       engine, tok, active = eval_policies.checkpoint_policy(w, model_cfg)
       label = f"ckpt:{os.path.basename(os.path.normpath(w))}@v{engine.policy_version}"
