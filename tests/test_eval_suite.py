@@ -11,12 +11,12 @@ import pytest
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout import harness
 from rollout.evaluation import builder, policies, runner, suite
-from rollout.tasks import miner, procedural, registry, setfile
+from rollout.tasks import procedural, registry, setfile
 from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.task import Task
+from tests.tasks_testlib import FAST
 
 CFG = harness.HarnessConfig(context_budget=2048, max_turn_tokens=768, observation_reserve=256, max_turns=8)
-FAST = miner.MinerConfig(test_command="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + miner.MinerConfig().test_command)
 
 UTIL_V1 = "def clamp(x, lo, hi):\n    return max(lo, x)\n"
 API_V1 = "from util import clamp\n\n\ndef score(x):\n    return clamp(x, 0, 10)\n"
@@ -45,7 +45,7 @@ def repo(tmp_path_factory):
   _commit(repo, {"README.md": "# r\n"}, "Docs")
   api3 = api2 + "\n\ndef double(x):\n    return 2 * x\n"
   test3 = test2.replace("import score", "import double, score") + "\n\ndef test_double():\n    assert double(4) == 8\n"
-  _commit(repo, {"api.py": api3, "tests/test_api.py": test3}, "Add double")
+  _commit(repo, {"api.py": api3, "tests/test_api.py": test3}, "Add double to the api")
   return str(repo)
 
 
@@ -122,7 +122,7 @@ def test_mined_set_builder_contamination_oracle_noop(tmp_path, factory, repo, to
   path = str(tmp_path / "tiny.json")
   setfile.write_set(path, built)
   header, tasks = setfile.read_set(path)
-  assert header["version"] == "1" and {t.prompt for t in tasks} == {"score caps at 100", "Add double"}
+  assert header["version"] == "1" and {t.prompt for t in tasks} == {"score caps at 100", "Add double to the api"}
   corpus = tmp_path / "corpus"
   corpus.mkdir()
   (corpus / "leak.py").write_text("# scraped\ndef clamp(x, lo, hi):\n    return min(hi, max(lo, x))\n")
