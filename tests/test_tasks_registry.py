@@ -72,10 +72,10 @@ def test_mined_source_from_a_relative_path(tmp_path, envs, monkeypatch):
   commit(repo, {"calc.py": "def sub(a, b):\n    return a - b\n", "tests/test_calc.py": "def test_x():\n  pass\n"},
          "Initial")
   commit(repo, {"calc.py": "def sub(a, b):\n    return a - b\n\n\ndef add(a, b):\n    return a + b\n",
-                "tests/test_calc.py": TEST}, "Add add")
+                "tests/test_calc.py": TEST}, "Add add for sums")
   monkeypatch.chdir(tmp_path)
   tasks = registry.load_tasks(registry.SetSpec("mined", repos=["r"], miner=FAST), envs, log=lambda s: None)
-  assert [t.prompt for t in tasks] == ["Add add"]
+  assert [t.prompt for t in tasks] == ["Add add for sums"]
   assert tasks[0].environment.repo == str(repo)  # stored absolute: the set works from any directory
 
 
