@@ -152,3 +152,25 @@ def test_two_processes_read_their_share_and_save_together(ckpts, tmp_path):
   cfg, params = hf.load(os.path.join(out, "saved"))
   assert cfg.num_nextn_predict_layers == CFG.num_nextn_predict_layers
   _assert_equal_trees(params, _params())
+
+
+def test_host_memory_arithmetic_matches_real_shardings():
+  """benchmarks/checkpoint_host_memory.py's per-host sums equal the distinct blocks of real NamedShardings, with
+  hosts taken as consecutive groups of 4 of the 8 fake devices."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("chm", os.path.join(ROOT, "benchmarks", "checkpoint_host_memory.py"))
+  chm = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(chm)
+  sizes = {"data": 2, "expert": 2, "context": 1, "tensor": 2}
+  rules = ShardingRules()
+  got = chm.per_host(CFG, sizes, 2, rules)["mem"]
+  mesh = make_mesh({k: v for k, v in sizes.items() if v > 1})
+  want = np.zeros(2)
+  for path, s in leaf_paths(shardings(CFG, mesh, rules)).items():
+    aval = leaf_paths(jax.eval_shape(lambda: init(jax.random.key(0), CFG)))[path]
+    for h in range(2):
+      blocks = {tuple(i.indices(n)[:2] for i, n in zip(ix, aval.shape))
+                for d, ix in s.devices_indices_map(aval.shape).items() if d.id // 4 == h}
+      want[h] += sum(math.prod(b - a for a, b in blk) for blk in blocks) * aval.dtype.itemsize
+  np.testing.assert_array_equal(got, want)
+  assert got[0] < sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(_params()))   # a real saving
