@@ -3,7 +3,9 @@
 Each stage is a `train.loop.train` run in its own workdir. A finished stage exports its final params
 (`workdir/params`, an orbax PyTree) and keeps its tokenizer (`workdir/tokenizer`); the next stage names that workdir
 in `init.checkpoint` and starts from those params with a fresh optimizer, reusing the tokenizer so token ids agree.
-A Hugging Face `DeepseekV3ForCausalLM` directory can be the starting point instead (`init.hf`).
+A Hugging Face `DeepseekV3ForCausalLM` directory can be the starting point instead (`init.hf`): its params are read
+sliced onto the run's mesh, its tokenizer (with the chat-format tokens added) replaces a trained one, and
+`workdir/init_hf.json` records what was adapted (see `interop.start`).
 
 The mesh comes from a `MeshConfig`; `data_cfg.batch_size` is the global batch, which a multi-process run splits
 between processes (each loads its own shard of the examples). Process 0 prepares the tokenizer; the others wait for it.
@@ -102,17 +104,23 @@ def run(*, stage_cfg: StageConfig, model_cfg: ModelConfig, train_cfg: TrainConfi
   distributed.barrier("stage_data")
   if data is None:
     data = _stage_data(stage_cfg, data_cfg, corpus_cfg, tokenizer_cfg, workdir)
-  vocab = data.tokenizer.get_vocab_size()
-  if vocab > model_cfg.vocab_size:
-    raise ValueError(f"The tokenizer has {vocab} tokens but model.vocab_size is {model_cfg.vocab_size}")
-
+  vocab = tokenizer_lib.id_space(data.tokenizer)
   init_params = None
   if stage_cfg.init_checkpoint:
     init_params = load_params(stage_cfg.init_checkpoint, model_cfg, mesh, rules)
   elif stage_cfg.init_hf:
-    from composer_jax.interop import hf
-    hf_cfg, init_params = hf.load(stage_cfg.init_hf)
-    _check_same_shapes(hf_cfg, model_cfg)
+    from composer_jax.interop import start
+    model_cfg, init_params, notes = start.from_hf(
+        stage_cfg.init_hf, model_cfg, min_vocab=vocab, mesh=mesh, rules=rules,
+        may_differ=start.ROPE_FIELDS if stage_cfg.stage == "long_context" else ())
+    for note in notes:
+      log_fn(f"init.hf: {note}")
+    if distributed.is_primary():
+      with open(os.path.join(workdir, "init_hf.json"), "w") as f:
+        json.dump({"source": os.path.abspath(stage_cfg.init_hf), "vocab_size": model_cfg.vocab_size,
+                   "notes": notes}, f, indent=2)
+  if vocab > model_cfg.vocab_size:
+    raise ValueError(f"The tokenizer has {vocab} tokens but model.vocab_size is {model_cfg.vocab_size}")
   params, last = loop.train(model_cfg=model_cfg, train_cfg=train_cfg, optim_cfg=optim_cfg, workdir=workdir,
                     train_iter=iter(data.train), eval_batches=lambda: iter(data.eval), init_params=init_params,
                     mesh=mesh, rules=rules, log_fn=log_fn)
@@ -126,11 +134,12 @@ def _stage_data(stage_cfg: StageConfig, data_cfg, corpus_cfg, tokenizer_cfg, wor
   tok_dir = _tokenizer_dir(workdir)
   if stage_cfg.init_checkpoint and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
     shutil.copytree(_tokenizer_dir(stage_cfg.init_checkpoint), tok_dir, dirs_exist_ok=True)
-  if stage_cfg.init_hf and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-    if os.path.isfile(os.path.join(stage_cfg.init_hf, "tokenizer.json")):
-      os.makedirs(tok_dir, exist_ok=True)
-      for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(stage_cfg.init_hf, name), tok_dir)
+  if stage_cfg.init_hf and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) and any(
+      os.path.isfile(os.path.join(stage_cfg.init_hf, n)) for n in ("tokenizer.json", "tiktoken.model")):
+    _, added = tokenizer_lib.from_checkpoint(stage_cfg.init_hf, tok_dir, tokenizer_cfg)
+    print(f"init.hf: tokenizer from {stage_cfg.init_hf} ({added['format']}) with {len(added['added'])} chat-format "
+          f"special tokens added, ids {added['id_space_before']} → {added['id_space_after']} (recorded in "
+          f"{os.path.join(tok_dir, tokenizer_lib.ADDITIONS_FILE)})")
   if stage_cfg.stage == "sft":
     data = data_lib.sft_data(tokenizer_lib.load_tokenizer(tok_dir), stage_cfg.sft_train_path,
                              stage_cfg.sft_eval_path, data_cfg)
@@ -139,12 +148,3 @@ def _stage_data(stage_cfg: StageConfig, data_cfg, corpus_cfg, tokenizer_cfg, wor
   if data.eval is None:
     raise ValueError("The corpus split left no held-out documents; raise corpus.heldout_fraction/min_heldout_files")
   return data
-
-
-def _check_same_shapes(a: ModelConfig, b: ModelConfig) -> None:
-  sa = jax.eval_shape(lambda: model.init(jax.random.key(0), a))
-  sb = jax.eval_shape(lambda: model.init(jax.random.key(0), b))
-  if jax.tree.structure(sa) != jax.tree.structure(sb) or any(
-      x.shape != y.shape for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb))):
-    raise ValueError("The Hugging Face checkpoint's shapes differ from the configured model; set the model config "
-                     "to the checkpoint's config.json")
