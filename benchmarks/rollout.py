@@ -37,10 +37,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from composer_jax import (
-  configs,  # noqa: E402
-  model,  # noqa: E402
-)
+from composer_jax import configs, model  # noqa: E402
 from composer_jax.model.config import ModelConfig  # noqa: E402
 from composer_jax.sampling.engine import EngineConfig, JaxEngine  # noqa: E402
 from experiments.configs import model as model_configs  # noqa: E402
