@@ -237,6 +237,7 @@ class BwrapBackend(Backend):
         raise SandboxError(f"unknown snapshot {snapshot!r}: deleted, or not made by this backend instance")
       self._pending.append(snapshot.layers)  # keeps _gc off these layers until the fork is registered
     try:
+      self.ro_binds(config or self.config)  # refuses bad binds now, not at the first run; stages the rest
       if self.rootless:
         from sandboxes.rootless import RootlessSandbox  # a subclass of BwrapSandbox: imported here, not above
 

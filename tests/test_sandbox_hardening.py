@@ -315,6 +315,13 @@ def test_invalid_limits_and_config_are_refused():
     Limits(cpu_seconds=float("nan"))
   with pytest.raises(ValueError, match="whole host"):
     SandboxConfig(ro_binds=("/",))
+  with pytest.raises(ValueError, match="SandboxConfig.env key 'A=B'"):
+    SandboxConfig.make(env={"A=B": "x"})
+
+
+def test_ro_bind_exposing_the_state_root_is_refused(backend, state_root, tmp_path):
+  with pytest.raises(ValueError, match="state root"):
+    backend.create(str(tmp_path), SandboxConfig(ro_binds=(os.path.dirname(state_root),)))
 
 
 def test_failing_constructor_leaves_no_state_root_behind():
