@@ -380,8 +380,8 @@ class BwrapSandbox(Sandbox):
     finally:
       if fd is not None:
         os.close(fd)
-    hit = (cg.limit_hit() if cg is not None else None) or self._layer_full() or full_seen[0]
-    hit = hit or self._file_size_hit()
+    at_file_limit = self._file_size_hit()  # always: it also records this run's files for the next one
+    hit = (cg.limit_hit() if cg is not None else None) or self._layer_full() or full_seen[0] or at_file_limit
     if out.returncode == 1 and out.stderr.startswith(b"bwrap: execvp "):
       out = dataclasses.replace(out, returncode=127)  # bwrap's report of a missing argv[0]; a shell says 127
     return result_from(out, hit)
