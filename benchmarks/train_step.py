@@ -23,7 +23,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from composer_jax import model  # noqa: E402
+from composer_jax import (
+  configs,  # noqa: E402
+  model,  # noqa: E402
+)
 from composer_jax.interop import hf  # noqa: E402
 from composer_jax.train import loop, optim, step  # noqa: E402
 from composer_jax.train.config import OptimConfig, TrainConfig  # noqa: E402
@@ -103,7 +106,7 @@ def main():
   d["num_nextn_predict_layers"] = 0
   if args.moe_impl:
     d["moe_impl"] = args.moe_impl
-  cfg = model.ModelConfig.from_dict(d)
+  cfg = configs.from_dict(model.ModelConfig, d)
   B, L = args.batch, args.seq
   params = model.init(jax.random.key(0), cfg)
   rng = np.random.default_rng(0)

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from composer_jax import model
+from composer_jax import configs, model
 from composer_jax.train import optim, step
 from composer_jax.train.config import OptimConfig, TrainConfig
 from experiments.configs import model as model_configs
 
-CFG = model.ModelConfig.from_dict(model_configs.get_config("tiny").to_dict())
+CFG = configs.from_dict(model.ModelConfig, model_configs.get_config("tiny").to_dict())
 
 
 def _batch(B=2, L=32, seed=0):
