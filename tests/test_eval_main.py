@@ -113,3 +113,16 @@ def test_rl_colab_harness_preset_matches_the_rl_run():
   assert eval_config.get_config("procedural").harness.system_prompt == "full"
   with pytest.raises(ValueError, match="harness preset"):
     eval_config.get_config("procedural,harness=huge")
+
+
+@pytest.mark.parametrize("args, message", [
+  ([], "--config is required"),
+  (["--config=experiments/configs/eval.py:file"], "no set file given"),
+  (["--config=experiments/configs/eval.py:procedural,samples=two"], "'samples' expects int (like 2), got 'two'"),
+  (["--config=experiments/configs/eval.py:mined,repos=/nonexistent,policies=oracle+noopp"],  # before any mining
+   "unknown policies ['noopp']"),
+])
+def test_bad_input_gets_a_clear_error(args, message):
+  run = subprocess.run(MAIN + args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+  assert run.returncode != 0 and message in run.stdout + run.stderr, run.stderr[-1500:]
+  assert "AttributeError" not in run.stderr and "FileNotFoundError: ''" not in run.stderr
