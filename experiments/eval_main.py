@@ -45,10 +45,10 @@ def _policies(c, names: list[str], system: str) -> dict:
   from rollout.evaluation import policies, suite
   out, tok = {}, None
   if "checkpoint" in names:
-    from composer_jax import eval_policies
+    from composer_jax import configs, eval_policies
     from composer_jax.model.config import ModelConfig
     from experiments.configs import model as model_configs
-    model_cfg = ModelConfig.from_dict(model_configs.get_config(c.checkpoint.model).to_dict())
+    model_cfg = configs.from_dict(ModelConfig, model_configs.get_config(c.checkpoint.model).to_dict())
     for w in (w for w in c.checkpoint.workdir.split(":") if w):  # checkpoints of one model share a tokenizer
       engine, tok, active = eval_policies.checkpoint_policy(w, model_cfg)
       label = f"ckpt:{os.path.basename(os.path.normpath(w))}@v{engine.policy_version}"

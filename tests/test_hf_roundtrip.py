@@ -126,3 +126,16 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
   os.remove(file)
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     hf.load(path)
+
+
+def test_partial_mtp_module_is_an_error(tmp_path):
+  path = str(tmp_path)
+  hf.save(path, CFG, _params())
+  file = os.path.join(path, hf.SINGLE_FILE)
+  tensors = load_file(file)
+  del tensors["model.layers.2.eh_proj.weight"]
+  save_file(tensors, file)
+  with pytest.raises(ValueError) as e:
+    hf.load(path)
+  assert "missing 1 tensor(s):\n  model.layers.2.eh_proj.weight" in str(e.value)
+  assert "model.layers.2.* is MTP module 0" in str(e.value) and "a partial one cannot" in str(e.value)

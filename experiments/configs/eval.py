@@ -70,12 +70,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                              system_prompt="full", grade_workers=4,
                                              auto_budget=arg.variant != "procedural"))
   if arg.harness == "rl_colab":   # the loop an rl.py:colab checkpoint was trained in (a policy is judged in its own)
-    r = rl_configs.get_config("colab")
-    # max_segments, max_output_chars and the short prompt are what composer_jax.rl.setup.harness_config fixes.
+    r = rl_configs.get_config("colab").harness
     c.harness.update(context_budget=r.context_budget, max_turn_tokens=r.max_turn_tokens,
-                     observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=1,
-                     summary_max_tokens=r.max_turn_tokens, max_output_chars=300, system_prompt="short",
-                     auto_budget=False)
+                     observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=r.max_segments,
+                     summary_max_tokens=r.summary_max_tokens, max_output_chars=r.tools.max_output_chars,
+                     system_prompt=r.system_prompt, auto_budget=False)
   elif arg.harness != "default":
     raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, rl_colab")
   return c
