@@ -9,7 +9,8 @@ def test_references_links_and_trailers_are_dropped():
           "Fixes #12\nCloses: owner/repo#7\nSigned-off-by: A <a@b>\nCo-authored-by: X <x@y>\nChange-Id: I0123")
   assert prompts.prompt_from_message("Fix crash in parser (#1234)", body) == (
     "Fix crash in parser\n\nThe parser crashed on empty input; it now returns [].")  # "See ... and ." is gone
-  assert prompts.prompt_from_message("Fix #387: Handle obj=None in _Base.") == "Fix: Handle obj=None in _Base."
+  assert prompts.prompt_from_message("Fix #387: Handle obj=None in _Base.") == "Handle obj=None in _Base."
+  assert prompts.prompt_from_message("Parser #12: keep the word") == "Parser: keep the word"
   assert prompts.prompt_from_message("Use the helper from 1a2b3c4d (see PR 55)") == "Use the helper from 1a2b3c4d"
   assert prompts.prompt_from_message("x" * 50, max_chars=10) == "xxxxxxx..."
 

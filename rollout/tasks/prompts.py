@@ -3,7 +3,7 @@ reject commits whose message is no request.
 
 Dropped (the agent has no network and no issue tracker): URLs; issue and pull-request references (`#123`,
 `owner/repo#123`, `GH-123`, `PR 123`, `issue #123`, `pull request 123`); trailer lines (`Signed-off-by:`,
-`Co-authored-by:`, `Change-Id:` ...); a bracketed aside holding a reference ("(see #12)", "(#1234)"); and lines
+`Co-authored-by:`, `Change-Id:` ...); a leading "Fix #12:" / "#12 -"; a bracketed aside holding a reference ("(see #12)", "(#1234)"); and lines
 left with only linking words ("Fixes", "See also:", "Closes"). Commit shas stay: the workspace holds the history, so they can be followed.
 
 Rejected: a revert of a commit in the same set (`reverted_commit`; its task would be the inverse of another one),
@@ -27,8 +27,13 @@ _REVERTS = re.compile(r"This reverts commit ([0-9a-f]{7,40})", re.IGNORECASE)
 _WORD = re.compile(r"[A-Za-z]{2,}")
 
 
+def _drop_lead(m: re.Match) -> str:
+  return "" if (m.group(1) or "").strip().lower() in _LINKING | {""} else m.group(0)
+
+
 def _clean_line(line: str) -> str:
-  line = _REF_BRACKETS.sub("", _REF.sub(_GONE, _URL.sub(_GONE, line))).replace(_GONE, "")
+  line = _REF_BRACKETS.sub("", _REF.sub(_GONE, _URL.sub(_GONE, line)))
+  line = re.sub(r"^\s*([A-Za-z]+\s*)?\x00\s*[:-]\s*", _drop_lead, line).replace(_GONE, "")  # "Fix #387: ..." 
   line = re.sub(r"\s+([:,;.])", r"\1", re.sub(r"\s+", " ", line)).strip(" ,;")
   if all(w.lower() in _LINKING for w in _WORD.findall(line)):
     return ""  # nothing but linking words (or punctuation) left
