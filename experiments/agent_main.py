@@ -17,13 +17,13 @@ def _random_model_engine(c, tok):
   """The embedded JAX engine serving a randomly initialised model of `c.model` (vocab sized to the tokenizer)."""
   import jax
 
-  from composer_jax import model
+  from composer_jax import configs, model
   from composer_jax.sampling.engine import EngineConfig, JaxEngine
   from composer_jax.train import tokenizer as tokenizer_lib
   from experiments.configs import model as model_configs
   d = model_configs.get_config(c.model).to_dict()
   d["vocab_size"] = tokenizer_lib.padded_vocab_size(tok)
-  cfg = model.ModelConfig.from_dict(d)
+  cfg = configs.from_dict(model.ModelConfig, d)
   return JaxEngine(model.init(jax.random.key(c.seed), cfg), cfg, EngineConfig(seed=c.seed))
 
 

@@ -20,7 +20,8 @@ def _baseline_tokenizer(c, system: str):
   from composer_jax.train import tokenizer as tokenizer_lib
   from rollout import chat_format, harness
   from rollout.tasks import procedural
-  fit = procedural.generate(c.tokenizer.train_tasks, seed=c.seed + 1, split="train", level=c.set.level)
+  fit = [t for lv in c.set.levels for t in procedural.generate(c.tokenizer.train_tasks, seed=c.seed + 1, split="train",
+                                                                   level=lv)]
   texts = [f for t in fit for f in t.environment.files.values()] + [system, harness.SUMMARY_PROMPT]
   texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in fit]
   return tokenizer_lib.train_tokenizer(texts, tokenizer_lib.TokenizerConfig(vocab_size=c.tokenizer.vocab_size))
@@ -34,14 +35,14 @@ def _policies(c, system: str) -> dict:
     raise ValueError(f"unknown policies {unknown or names}; valid: {POLICIES}")
   out, tok = {}, None
   if "checkpoint" in names:
-    from composer_jax import eval_policies
+    from composer_jax import configs, eval_policies
     from composer_jax.model.config import ModelConfig
     from experiments.configs import model as model_configs
     workdirs = [w for w in c.checkpoint.workdir.split(":") if w]
     if not workdirs:
       raise ValueError("policy 'checkpoint' needs checkpoint=<workdir>[:<workdir>...] (params/ or weights/, "
                        "and tokenizer/)")
-    model_cfg = ModelConfig.from_dict(model_configs.get_config(c.checkpoint.model).to_dict())
+    model_cfg = configs.from_dict(ModelConfig, model_configs.get_config(c.checkpoint.model).to_dict())
     for w in workdirs:  # several checkpoints of one model (e.g. SFT start and RL steps) share a tokenizer
       engine, tok, active = eval_policies.checkpoint_policy(w, model_cfg)
       label = f"ckpt:{os.path.basename(os.path.normpath(w))}@v{engine.policy_version}"
@@ -62,30 +63,29 @@ def main(argv):
   from rollout import harness
   from rollout.engines import protocol
   from rollout.evaluation import builder, runner, suite
-  from rollout.tasks import miner
+  from rollout.tasks import miner, registry
   from rollout.tasks.environment import EnvironmentCache
   from rollout.tools import ToolConfig
   from rollout.workspace import make_factory
 
   c = _CONFIG.value
-  mcfg = miner.MinerConfig(**{k: v for k, v in c.miner.items() if v})
-  repos = tuple(r for r in c.set.repos.split(":") if r)
+  set_cfg = c.set.to_dict()
+  set_cfg["miner"] = miner.MinerConfig(**{k: v for k, v in set_cfg["miner"].items() if v})
+  spec = registry.SetSpec(**set_cfg)
   factory = make_factory(c.backend)
   try:
     envs = EnvironmentCache(factory)
     if c.builder.path:
       b = c.builder
       built, excluded = builder.build_set(
-        repos, envs, builder.SetFilters(b.min_files, b.min_lines, b.max_prompt_chars), mcfg,
+        spec.repos, envs, builder.SetFilters(b.min_files, b.min_lines, b.max_prompt_chars), spec.miner,
         name=os.path.splitext(os.path.basename(b.path))[0], version=b.version)
       builder.write_set(b.path, built)
       for what, why in excluded:
         print(f"excluded {what}: {why}")
       print(f"wrote {len(built['tasks'])} tasks to {b.path} (sha256 {built['sha256'][:12]})")
       return
-    spec = suite.SetSpec(kind=c.set.kind, n=c.set.n, seed=c.set.seed, split=c.set.split, level=c.set.level,
-                         repos=repos, jsonl=c.set.jsonl, repos_dir=c.set.repos_dir, path=c.set.path)
-    tasks = suite.load_tasks(spec, envs, mcfg)
+    tasks = registry.load_tasks(spec, envs)
     h = c.harness
     prompts = {"full": harness.SYSTEM_PROMPT, "short": harness.SHORT_SYSTEM_PROMPT}
     if h.system_prompt not in prompts:

@@ -39,6 +39,8 @@ SYSTEM_PROMPT = (
   "list_dir(path), grep(pattern, path), edit(path, old, new), write_file(path, content), shell(command, timeout), "
   "todo(write, add, update, done), finish(message). Finish with a short message to the user.")
 SHORT_SYSTEM_PROMPT = "Fix the code with tools, then finish."
+# System prompts a config may name (`system_prompt="short"`); any other string is used as the prompt itself.
+SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
 SUMMARY_PROMPT = ("Your context is full. Summarize the task, what you did, what you learned and what is left, "
                   "so that you can continue from the summary alone.")
 
@@ -48,7 +50,7 @@ class HarnessConfig:
   """Loop limits and prompts.
 
   Attributes:
-    system_prompt: the first message.
+    system_prompt: the first message, or the name of one in `SYSTEM_PROMPTS` (replaced by its text).
     context_budget: most tokens in one segment (the engine's context length).
     max_turn_tokens: most tokens the model may generate in one turn.
     observation_reserve: room kept for the tool results that follow a turn when deciding to summarise.
@@ -78,6 +80,8 @@ class HarnessConfig:
   grade_workers: int = 4
 
   def __post_init__(self):
+    if self.system_prompt in SYSTEM_PROMPTS:
+      object.__setattr__(self, "system_prompt", SYSTEM_PROMPTS[self.system_prompt])
     if self.context_budget <= self.max_turn_tokens + self.observation_reserve:
       raise ValueError(f"context_budget={self.context_budget} must exceed max_turn_tokens + observation_reserve "
                        f"({self.max_turn_tokens} + {self.observation_reserve})")

@@ -74,20 +74,10 @@ def default_path(config: SandboxConfig) -> str:
   return ":".join(dirs + ["/usr/local/bin", "/usr/bin", "/bin", "/usr/local/sbin", "/usr/sbin", "/sbin"])
 
 
-def shell_argv(cmd: str | Sequence[str]) -> list[str]:
-  if isinstance(cmd, str):
-    shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-    return [shell, "-c", cmd]
-  argv = list(cmd)
-  if not argv or not all(isinstance(a, str) for a in argv):
-    raise ValueError(f"cmd must be a non-empty string or list of strings, got {cmd!r}")
-  return argv
-
-
 def build_argv(
   bwrap: str, config: SandboxConfig, workspace: str | tuple[tuple[str, ...], str | None, str | None], etc_dir: str,
-  cmd: str | Sequence[str], env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
-  rw_binds: Sequence[tuple[str, str]] = (),
+  argv: Sequence[str], env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
+  rw_binds: Sequence[tuple[str, str]] = (), seccomp_fd: int | None = None,
 ) -> list[str]:
   """The full bwrap command line for one run.
 
@@ -98,17 +88,18 @@ def build_argv(
       (layers topmost first, upper, work) for bwrap to mount an overlay there itself (rootless mode; upper None
       for a read-only overlay).
     etc_dir: host dir with the synthesized passwd/group files.
-    cmd: the command (see `Sandbox.run`).
+    argv: the command (already a list; see `checks.shell_argv`).
     env: per-run extra environment.
     ro_binds: (host source, path inside) pairs bound read-only, e.g. the host Python and `config.ro_binds`
       (the backend passes staged sources the unprivileged bwrap can reach).
     rw_binds: (host source, path inside) pairs bound read-write (internal use: flattening a snapshot).
+    seccomp_fd: an fd (inherited by bwrap) holding the BPF syscall filter to install before the command runs.
   """
   a = [bwrap, "--unshare-all"]
   if config.network:
     a.append("--share-net")
   # The backend already runs bwrap as an unprivileged host uid; inside, a user namespace with every capability
-  # dropped and no nested user namespaces (FACTS: without these flags a root-started bwrap keeps its capabilities).
+  # dropped and no nested user namespaces (without these flags a root-started bwrap keeps its capabilities).
   a += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
         "--disable-userns", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
   for d in SYSTEM_DIRS:
@@ -120,7 +111,11 @@ def build_argv(
     a += ["--ro-bind-try", f"/etc/{f}", f"/etc/{f}"]
   a += ["--ro-bind", os.path.join(etc_dir, "passwd"), "/etc/passwd",
         "--ro-bind", os.path.join(etc_dir, "group"), "/etc/group"]
-  a += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.limits.tmp_bytes), "--tmpfs", "/tmp"]
+  # /dev is bwrap's own small tmpfs (device nodes bound from the host); its /dev/shm gets a capped tmpfs of its
+  # own and /dev itself is made read-only, so neither is an uncapped writable place.
+  tmp = str(config.limits.tmp_bytes)
+  a += ["--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+        "--size", tmp, "--tmpfs", "/tmp"]
   for src, dst in ro_binds:  # after /tmp's tmpfs, which would otherwise hide binds below /tmp
     a += ["--ro-bind", src, dst]
   for src, dst in rw_binds:
@@ -139,7 +134,9 @@ def build_argv(
   full_env.update(env or {})
   for k, v in sorted(full_env.items()):
     a += ["--setenv", k, v]
-  return a + ["--"] + shell_argv(cmd)
+  if seccomp_fd is not None:
+    a += ["--seccomp", str(seccomp_fd)]
+  return a + ["--"] + list(argv)
 
 
 def etc_files() -> dict[str, str]:

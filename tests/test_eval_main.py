@@ -56,13 +56,14 @@ def test_checkpoint_is_evaluated_and_plotted_with_baselines(tmp_path):
   script = f"""
 import jax
 import numpy as np
+from composer_jax import configs
 from composer_jax.model import params as P
 from composer_jax.model.config import ModelConfig
 from composer_jax.train import stages, tokenizer as T
 from experiments.configs import model as M
 from rollout import harness
 from rollout.tasks import procedural
-cfg = ModelConfig.from_dict(M.get_config("tiny").to_dict())
+cfg = configs.from_dict(ModelConfig, M.get_config("tiny").to_dict())
 texts = [f for t in procedural.generate(40, level=1) for f in t.environment.files.values()] + [harness.SYSTEM_PROMPT]
 tc = T.TokenizerConfig(vocab_size=cfg.vocab_size)
 T.save_tokenizer(T.train_tokenizer(texts, tc), "{workdir}/tokenizer", tc)
@@ -106,7 +107,7 @@ def test_rl_colab_harness_preset_matches_the_rl_run():
   """`harness=rl_colab` evaluates an RL checkpoint in the loop it was trained in; unknown presets are errors."""
   from experiments.configs import eval as eval_config
   from experiments.configs import rl as rl_config
-  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab")
+  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab").harness
   assert (h.context_budget, h.max_turn_tokens, h.observation_reserve, h.max_turns) == (
     rl.context_budget, rl.max_turn_tokens, rl.observation_reserve, rl.max_turns)
   assert h.system_prompt == "short" and h.max_segments == 1

@@ -9,7 +9,6 @@ import pytest
 
 from composer_jax import model
 from composer_jax.sampling.engine import EngineConfig, JaxEngine, sample
-from composer_jax.sampling.random_params import random_params
 from rollout.engines.protocol import Engine, GenerateRequest, SamplingParams
 
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -38,7 +37,7 @@ def _requests(seed=0):
 
 @pytest.fixture(scope="module")
 def params():
-  return random_params(CFG, seed=0, std=0.2)
+  return model.init(jax.random.key(0), dataclasses.replace(CFG, initializer_range=0.2))
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "speculative"])
@@ -124,7 +123,7 @@ def test_seeds_make_rows_reproducible(engine):
 
 
 def test_unseeded_requests_differ():
-  eng = JaxEngine(random_params(CFG, seed=0, std=0.2), CFG, ECFG)
+  eng = JaxEngine(model.init(jax.random.key(0), dataclasses.replace(CFG, initializer_range=0.2)), CFG, ECFG)
   reqs = [GenerateRequest((1, 2), SamplingParams(temperature=1.0, max_tokens=8))] * 8
   outs = {tuple(r.output_ids) for r in eng.generate(reqs)}
   assert len(outs) > 1
@@ -134,7 +133,7 @@ def test_update_weights_in_place(params):
   eng = JaxEngine(params, CFG, ECFG, policy_version=3)
   reqs = [GenerateRequest(r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=8)) for r in _requests(3)]
   before = eng.generate(reqs)
-  new = random_params(CFG, seed=5, std=0.2)
+  new = model.init(jax.random.key(5), dataclasses.replace(CFG, initializer_range=0.2))
   eng.update_weights(new, policy_version=4)
   after = eng.generate(reqs)
   assert {r.policy_version for r in before} == {3} and {r.policy_version for r in after} == {4}

