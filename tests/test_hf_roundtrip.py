@@ -39,7 +39,7 @@ def _tokens():
 def test_save_then_transformers_from_pretrained(tmp_path):
   hf.save(str(tmp_path), CFG, _params())
   d = json.load(open(tmp_path / "config.json"))
-  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes (FACTS.md).
+  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes (its model config reads these keys).
   assert d["rope_scaling"]["type"] == "yarn" and d["moe_layer_freq"] == 1
   assert d["topk_method"] == "noaux_tc" and d["scoring_func"] == "sigmoid" and d["num_nextn_predict_layers"] == 1
   assert d["architectures"] == ["DeepseekV3ForCausalLM"] and d["torch_dtype"] == "float32"

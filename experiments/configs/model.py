@@ -30,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.initializer_range = 0.02
   c.param_dtype = "float32"
   c.compute_dtype = "float32"
-  c.scan_layers = True
+  c.scan_layers = None                 # None: by platform (unrolled on CPU, where it is faster; scanned elsewhere)
   c.remat = False
   if arg.variant == "tiny":
     c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
