@@ -37,7 +37,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from composer_jax import model  # noqa: E402
+from composer_jax import configs, model  # noqa: E402
 from composer_jax.model.config import ModelConfig  # noqa: E402
 from composer_jax.sampling.engine import EngineConfig, JaxEngine  # noqa: E402
 from experiments.configs import model as model_configs  # noqa: E402
@@ -45,7 +45,7 @@ from rollout.engines.protocol import GenerateRequest, SamplingParams  # noqa: E4
 
 
 def model_config(variant: str) -> ModelConfig:
-  return ModelConfig.from_dict(model_configs.get_config(variant).to_dict())
+  return configs.from_dict(ModelConfig, model_configs.get_config(variant).to_dict())
 
 
 def load_or_random(cfg: ModelConfig, workdir: str | None) -> tuple[dict, str]:
@@ -69,9 +69,8 @@ def heldout_prompts(workdir: str, n: int, length: int) -> np.ndarray:
   """n windows of `length` tokens from the held-out documents of the colab pretraining corpus."""
   from composer_jax.train import corpus as corpus_lib
   from composer_jax.train import tokenizer as tokenizer_lib
-  from experiments.config_convert import stage_kwargs
   from experiments.configs import pretrain
-  corpus = corpus_lib.load_corpus(stage_kwargs(pretrain.get_config("colab"))["corpus_cfg"])
+  corpus = corpus_lib.load_corpus(configs.from_dict(corpus_lib.CorpusConfig, pretrain.get_config("colab").corpus))
   tok = tokenizer_lib.load_tokenizer(os.path.join(workdir, "tokenizer"))
   out = []
   for doc in corpus.heldout:

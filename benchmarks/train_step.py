@@ -23,7 +23,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from composer_jax import model  # noqa: E402
+from composer_jax import (
+  configs,  # noqa: E402
+  model,  # noqa: E402
+)
 from composer_jax.interop import hf  # noqa: E402
 from composer_jax.train import loop, optim, step  # noqa: E402
 from composer_jax.train.config import OptimConfig, TrainConfig  # noqa: E402
@@ -53,8 +56,8 @@ def time_ours(cfg, params, batch, steps):
   opt = optim.make_optimizer(OptimConfig(), params)
   mesh = loop.single_device_mesh()
   p_shard = model.shardings(cfg, mesh)
-  shardings = loop.state_shardings(opt, jax.eval_shape(lambda: params), p_shard, 0)
-  state = jax.jit(lambda p: step.init_state(p, opt, 0), out_shardings=shardings)(params)
+  shardings = step.state_shardings(opt, jax.eval_shape(lambda: params), p_shard)
+  state = jax.jit(lambda p: step.init_state(p, opt), out_shardings=shardings)(params)
   batch_sharding = NamedSharding(mesh, P("data"))
   batch = jax.device_put(batch, batch_sharding)
   fn = step.make_train_step(cfg, TrainConfig(mtp_loss="none"), opt, shardings, batch_sharding)
@@ -103,7 +106,7 @@ def main():
   d["num_nextn_predict_layers"] = 0
   if args.moe_impl:
     d["moe_impl"] = args.moe_impl
-  cfg = model.ModelConfig.from_dict(d)
+  cfg = configs.from_dict(model.ModelConfig, d)
   B, L = args.batch, args.seq
   params = model.init(jax.random.key(0), cfg)
   rng = np.random.default_rng(0)

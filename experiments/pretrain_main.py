@@ -15,8 +15,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from experiments import config_convert  # noqa: E402
-
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the tokenizer.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
@@ -33,9 +31,9 @@ def main(argv):
   distributed.initialize(distributed.DistributedConfig.from_env(
       coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
       auto=_AUTO.value or None))
+  from composer_jax import configs
   from composer_jax.train import stages
-  kwargs = config_convert.stage_kwargs(_CONFIG.value)
-  last = stages.run(workdir=_WORKDIR.value, **kwargs)
+  last = stages.run(configs.from_dict(stages.StageConfig, _CONFIG.value), _WORKDIR.value)
   if distributed.is_primary():
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()})
 

@@ -39,6 +39,8 @@ SYSTEM_PROMPT = (
   "list_dir(path), grep(pattern, path), edit(path, old, new), write_file(path, content), shell(command, timeout), "
   "todo(write, add, update, done), finish(message). Finish with a short message to the user.")
 SHORT_SYSTEM_PROMPT = "Fix the code with tools, then finish."
+# System prompts a config may name (`system_prompt="short"`); any other string is used as the prompt itself.
+SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
 SUMMARY_PROMPT = ("Your context is full. Summarize the task, what you did, what you learned and what is left, "
                   "so that you can continue from the summary alone.")
 
@@ -48,7 +50,7 @@ class HarnessConfig:
   """Loop limits and prompts.
 
   Attributes:
-    system_prompt: the first message.
+    system_prompt: the first message, or the name of one in `SYSTEM_PROMPTS` (replaced by its text).
     context_budget: most tokens in one segment (the engine's context length).
     max_turn_tokens: most tokens the model may generate in one turn.
     observation_reserve: room kept for the tool results that follow a turn when deciding to summarise.
@@ -78,6 +80,8 @@ class HarnessConfig:
   grade_workers: int = 4
 
   def __post_init__(self):
+    if self.system_prompt in SYSTEM_PROMPTS:
+      object.__setattr__(self, "system_prompt", SYSTEM_PROMPTS[self.system_prompt])
     if self.context_budget <= self.max_turn_tokens + self.observation_reserve:
       raise ValueError(f"context_budget={self.context_budget} must exceed max_turn_tokens + observation_reserve "
                        f"({self.max_turn_tokens} + {self.observation_reserve})")
@@ -148,7 +152,8 @@ class _Episode:
     """Records the model's output and runs its tool calls (or finishes the summary)."""
     start = len(self.builder)
     out = [int(i) for i in res.output_ids]
-    self.builder.add_generated(out, res.logprobs, res.routed_experts, res.policy_version, self.turn)
+    self.builder.add_generated(out, res.logprobs, res.routed_experts, res.policy_version, self.turn,
+                               prompt_routed_PxNxK=res.prompt_routed_experts)
     closed = bool(out) and out[-1] in self.stop_ids
     if not closed:  # cut by max_tokens or aborted: close the turn so the context stays well-formed
       self.builder.add_environment([self.stop_ids[0]], self.turn)

@@ -1,7 +1,7 @@
 """The trajectory queue: rollout workers append groups, the trainer consumes each exactly once, on any kvstore.
 
-Storage is a tensorstore KvStore (`file:///path/`, `memory://`, and for several machines `gs://bucket/path/` or
-`s3://bucket/path/`, which tensorstore opens the same way). Keys:
+Storage is a tensorstore KvStore (`file:///path/`, `memory://`, and for several machines `gs://bucket/path/`,
+`s3://bucket/path/` or an S3-compatible server's JSON spec; see `open_store`). Keys:
 
   groups/<producer>/<t_ns:020d>_v<version>_n<rows>   one group (see `queue_codec`: arrays + JSON, checksummed)
   committed.json                                     the last cursor a trainer checkpoint has made durable
@@ -48,12 +48,21 @@ _NAME_RE = re.compile(r"^(\d{20})_v(-?\d+)_n(\d+)$")
 
 
 def open_store(store: str | dict | ts.KvStore, context: ts.Context | None = None) -> ts.KvStore:
-  """Opens a kvstore from a URL (`file:///tmp/q/`, `memory://`, `gs://b/p/`), a JSON spec, or passes one through.
+  """Opens a kvstore from a URL (`file:///tmp/q/`, `memory://`, `gs://b/p/`), a JSON spec (a dict, or a string
+  starting with `{`: what a config flag can carry), or passes an open one through.
 
+  An S3-compatible store other than AWS needs the spec form, for its endpoint:
+  `{"driver": "s3", "bucket": "b", "path": "q/", "endpoint": "http://10.0.0.5:9000", "aws_region": "us-east-1"}`
+  (credentials from the usual AWS_* environment variables or ~/.aws files).
   `memory://` stores are private to the opened object: share the returned KvStore between producer and consumer.
   """
   if isinstance(store, ts.KvStore):
     return store
+  if isinstance(store, str) and store.lstrip().startswith("{"):
+    try:
+      store = json.loads(store)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"queue store {store!r} starts with '{{' but is not a JSON kvstore spec: {e}") from None
   if isinstance(store, str) and not store.endswith("/") and not store.endswith("://"):
     store = store + "/"   # keys are appended to the path: make it a directory
   kw = {} if context is None else {"context": context}

@@ -39,7 +39,8 @@ def _tokens():
 def test_save_then_transformers_from_pretrained(tmp_path):
   hf.save(str(tmp_path), CFG, _params())
   d = json.load(open(tmp_path / "config.json"))
-  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes (its model config reads these keys).
+  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes: a YaRN rope_scaling (its CPU rope
+  # factory has no other) and the MoE keys real DeepSeek-V3/Kimi configs carry (moe_layer_freq, topk_method, ...).
   assert d["rope_scaling"]["type"] == "yarn" and d["moe_layer_freq"] == 1
   assert d["topk_method"] == "noaux_tc" and d["scoring_func"] == "sigmoid" and d["num_nextn_predict_layers"] == 1
   assert d["architectures"] == ["DeepseekV3ForCausalLM"] and d["torch_dtype"] == "float32"
@@ -126,3 +127,16 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
   os.remove(file)
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     hf.load(path)
+
+
+def test_partial_mtp_module_is_an_error(tmp_path):
+  path = str(tmp_path)
+  hf.save(path, CFG, _params())
+  file = os.path.join(path, hf.SINGLE_FILE)
+  tensors = load_file(file)
+  del tensors["model.layers.2.eh_proj.weight"]
+  save_file(tensors, file)
+  with pytest.raises(ValueError) as e:
+    hf.load(path)
+  assert "missing 1 tensor(s):\n  model.layers.2.eh_proj.weight" in str(e.value)
+  assert "model.layers.2.* is MTP module 0" in str(e.value) and "a partial one cannot" in str(e.value)

@@ -1,9 +1,11 @@
 """Trajectory queue in one process: codec, FIFO/exactly-once bookkeeping, GC, producer restart, staleness, batching.
 
+Every queue test runs on the memory, file and S3 kvstores (S3: a real moto server on 127.0.0.1, `s3_testlib`).
 The crash tests with real SIGKILLs are in test_queue_crash.py.
 """
 import numpy as np
 import pytest
+from s3_testlib import BACKENDS, queue_store, s3_endpoint  # noqa: F401  (s3_endpoint: a fixture)
 
 from rollout import queue as queue_lib
 from rollout import queue_codec
@@ -86,14 +88,16 @@ class TestCodec:
     assert group_version(tree) == 4
 
 
-def _mem():
-  return open_store("memory://")
+@pytest.fixture(params=BACKENDS)
+def store(request, tmp_path):
+  """(KvStore, string spec another process could open or None) on each backend."""
+  return queue_store(request.param, tmp_path, request)
 
 
 class TestQueue:
 
-  def test_fifo_exactly_once_restore_and_gc(self):
-    kv = _mem()
+  def test_fifo_exactly_once_restore_and_gc(self, store):
+    kv, _ = store
     a, b = QueueProducer(kv, "a"), QueueProducer(kv, "b")
     keys = []
     for i in range(6):
@@ -115,8 +119,8 @@ class TestQueue:
         {GroupKey.parse(k).name for k in keys[2:]}
     assert c2.stats()["consumed_groups"] == 6 and c2.stats()["queue_depth_groups"] == 0
 
-  def test_producer_restart_after_gc_sorts_after_cursor(self, monkeypatch):
-    kv = _mem()
+  def test_producer_restart_after_gc_sorts_after_cursor(self, store, monkeypatch):
+    kv, _ = store
     p = QueueProducer(kv, "w0")
     p.append({}, {"i": 0}, policy_version=0)
     c = QueueConsumer(kv)
@@ -129,8 +133,8 @@ class TestQueue:
     p2.append({}, {"i": 1}, policy_version=0)
     assert [g.meta["i"] for g in c.poll(0)] == [1]
 
-  def test_append_group_and_rows_batching(self):
-    kv = _mem()
+  def test_append_group_and_rows_batching(self, store):
+    kv, _ = store
     p = QueueProducer(kv, "w")
     p.append_group([_traj(8, 3, 1.0, n_segments=2), _traj(8, 3, 0.0)], group_id="g0")   # 3 rows
     p.append_group([_traj(8, 4, 1.0), _traj(8, 5, 0.0)], group_id="g1")                 # 2 rows
@@ -147,8 +151,8 @@ class TestQueue:
       c.poll(5, max_rows=2)
 
   @pytest.mark.parametrize("policy", ["drop", "keep"])
-  def test_staleness_policies(self, policy):
-    kv = _mem()
+  def test_staleness_policies(self, store, policy):
+    kv, _ = store
     p = QueueProducer(kv, "w")
     for v in [0, 1, 2, 3, 4]:
       p.append({"x": np.full((3,), v)}, {"v": v}, policy_version=v, n_rows=2)
@@ -167,17 +171,21 @@ class TestQueue:
     assert st["queue_depth_groups"] == 0                   # dropped groups are passed too (never re-examined)
     assert c.poll(4) == []
 
-  def test_file_store_and_foreign_keys(self, tmp_path):
-    url = f"file://{tmp_path}/q"
-    p = QueueProducer(url, "w")
+  def test_reopened_store_and_foreign_keys(self, store):
+    kv, spec = store
+    p = QueueProducer(kv, "w")
     p.append({"a": np.arange(3)}, None, policy_version=1)
-    (tmp_path / "q" / "groups" / "w" / "README").write_text("not a group")
-    c = QueueConsumer(url)
+    kv.write("groups/w/README", b"not a group").result()
+    c = QueueConsumer(kv if spec is None else spec)             # a second handle opened from the spec string
     (g,) = c.poll(1)
     np.testing.assert_array_equal(g.arrays["a"], np.arange(3))
 
+  def test_open_store_rejects_bad_json_spec(self):
+    with pytest.raises(ValueError, match="not a JSON kvstore spec"):
+      open_store('{"driver": "s3", bucket}')
+
   def test_bad_arguments(self):
-    kv = _mem()
+    kv = open_store("memory://")
     with pytest.raises(ValueError, match="producer_id"):
       QueueProducer(kv, "a/b")
     with pytest.raises(ValueError, match="policy_version"):
@@ -187,8 +195,8 @@ class TestQueue:
     with pytest.raises(ValueError, match="unknown consumer state"):
       QueueConsumer(kv, state={"cursr": {}})
 
-  def test_corrupt_record_is_skipped_and_counted(self):
-    kv = _mem()
+  def test_corrupt_record_is_skipped_and_counted(self, store):
+    kv, _ = store
     p = QueueProducer(kv, "w")
     k = p.append({"a": np.arange(4)}, {"i": 0}, policy_version=0)
     p.append({"a": np.arange(4)}, {"i": 1}, policy_version=0)

@@ -1,12 +1,11 @@
 """Frozen model configuration: the one object library code takes (STYLE.md §5).
 
 Field names follow Hugging Face's `DeepseekV3Config` so that interop is a rename-free copy. Built once from the
-ml-collections ConfigDict in `experiments/` with `ModelConfig.from_dict(cfg.model.to_dict())`.
+ml-collections ConfigDict in `experiments/` with `composer_jax.configs.from_dict(ModelConfig, cfg.model)`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,23 +68,6 @@ class ModelConfig:
   scan_layers: bool | None = None         # lax.scan over each stack of identical layers (True), a Python loop
                                           # (False), or None: by platform (`transformer.scans_layers`)
   remat: bool = False
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-    """Builds from a plain dict (e.g. `cfg.model.to_dict()`); unknown keys are an error naming them."""
-    d = dict(d)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"Unknown ModelConfig field(s) {unknown}; valid fields: {sorted(names)}")
-    if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
-      rs = dict(d["rope_scaling"])
-      rs_names = {f.name for f in dataclasses.fields(RopeScaling)}
-      bad = sorted(set(rs) - rs_names)
-      if bad:
-        raise ValueError(f"Unknown rope_scaling field(s) {bad}; valid fields: {sorted(rs_names)}")
-      d["rope_scaling"] = RopeScaling(**rs)
-    return cls(**d)
 
   @property
   def qk_head_dim(self) -> int:
