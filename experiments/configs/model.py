@@ -30,7 +30,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.initializer_range = 0.02
   c.param_dtype = "float32"
   c.compute_dtype = "float32"
-  c.scan_layers = True
+  # None: by platform (unrolled on CPU, where it is faster; scanned elsewhere); a typed reference so that
+  # --config.model.scan_layers=True|False still parses.
+  c.scan_layers = ml_collections.FieldReference(None, field_type=bool)
   c.remat = False
   if arg.variant == "tiny":
     c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
