@@ -41,8 +41,10 @@ def _batch(tokens, inf_logprobs, routing, reward=(1.0, 0.0, 0.5, 0.0), group=(0,
 
 
 def _logp(params, tokens, routing=None):
+  """The reference: full logits from `model.forward` and a plain log-softmax (the step runs the chunked head)."""
   logits, aux = model.forward(params, tokens, CFG, routing=routing)
-  return losses.token_logprobs(logits, tokens), aux["experts"]
+  lp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), tokens[:, 1:, None], -1)[..., 0]
+  return jnp.pad(lp, ((0, 0), (1, 0))), aux["experts"]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import model
+from composer_jax.model import head
 from composer_jax.model.config import ModelConfig
 from composer_jax.train import losses, optim
 from composer_jax.train.config import TrainConfig
@@ -96,17 +97,20 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
 
 
 def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
-  """Total loss and its parts. The MTP modules see a detached trunk in self-distillation mode."""
+  """Total loss and its parts. The MTP modules see a detached trunk (and head) in self-distillation mode."""
   tokens, seg, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
-  logits, aux = model.forward(params, tokens, model_cfg, segment_ids=seg, positions=batch["positions"],
-                              mtp_detach_trunk=train_cfg.mtp_loss == "self_distill")
+  detach = train_cfg.mtp_loss == "self_distill"
+  h, aux = model.hidden_states(params, tokens, model_cfg, segment_ids=seg, positions=batch["positions"],
+                               mtp_detach_trunk=detach)
+  w = model.lm_head(params, model_cfg)
   targets, tmask = losses.shifted_targets(tokens, seg, mask, 1)
-  ce, n_tokens = losses.cross_entropy(logits, targets, tmask)
+  ce, n_tokens = head.cross_entropy(h, w, targets, tmask)
   total = ce + aux["balance_loss"]
   metrics = {"ce": ce, "balance_loss": aux["balance_loss"], "target_tokens": n_tokens}
-  n_mtp = aux["mtp_logits"].shape[0]
+  n_mtp = aux["mtp_hidden"].shape[0]
   if n_mtp and train_cfg.mtp_loss != "none":
-    mtp, agree = losses.mtp_losses(logits, aux["mtp_logits"], tokens, seg, mask, train_cfg.mtp_loss)
+    mtp, agree = losses.mtp_losses(h, aux["mtp_hidden"], w, model.lm_head(params, model_cfg, detach=detach), tokens,
+                                   seg, mask, train_cfg.mtp_loss)
     total = total + train_cfg.mtp_weight * jnp.mean(mtp)
     for k in range(n_mtp):
       metrics[f"mtp{k + 1}_loss"] = mtp[k]
@@ -162,10 +166,10 @@ def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
 
 def eval_step(params, batch, *, model_cfg):
   """Summed next-token NLL and target count on a held-out batch (perplexity = exp(sum / count))."""
-  logits, _ = model.forward(params, batch["tokens"], model_cfg, segment_ids=batch["segment_ids"],
-                            positions=batch["positions"])
+  h, _ = model.hidden_states(params, batch["tokens"], model_cfg, segment_ids=batch["segment_ids"],
+                             positions=batch["positions"])
   targets, tmask = losses.shifted_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], 1)
-  ce, n = losses.cross_entropy(logits, targets, tmask)
+  ce, n = head.cross_entropy(h, model.lm_head(params, model_cfg), targets, tmask)
   return {"nll_sum": ce * n, "count": n}
 
 
