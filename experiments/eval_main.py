@@ -60,6 +60,8 @@ def _policies(c, system: str) -> dict:
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   from rollout import harness
   from rollout.engines import protocol
   from rollout.evaluation import builder, runner, suite
