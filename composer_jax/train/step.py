@@ -97,10 +97,12 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
 
 
 def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
-  """Total loss and its parts. The MTP modules see a detached trunk (and head) in self-distillation mode."""
+  """Total loss and its parts. The MTP modules see a detached trunk (and head) in self-distillation mode, and do
+  not run at all with mtp_loss="none"."""
   tokens, seg, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
   detach = train_cfg.mtp_loss == "self_distill"
-  h, aux = model.hidden_states(params, tokens, model_cfg, segment_ids=seg, positions=batch["positions"],
+  fwd_cfg = model_cfg if train_cfg.mtp_loss != "none" else dataclasses.replace(model_cfg, num_nextn_predict_layers=0)
+  h, aux = model.hidden_states(params, tokens, fwd_cfg, segment_ids=seg, positions=batch["positions"],
                                mtp_detach_trunk=detach)
   w = model.lm_head(params, model_cfg)
   targets, tmask = losses.shifted_targets(tokens, seg, mask, 1)
@@ -154,8 +156,10 @@ def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   load = aux["expert_load"]
-  params = update_router_bias(params, {"moe_layers": load, "mtp": aux["mtp_expert_load"]},
-                              train_cfg.bias_update_rate)
+  loads = {"moe_layers": load}
+  if aux["mtp_expert_load"].shape[0]:   # the MTP modules ran (not with mtp_loss='none')
+    loads["mtp"] = aux["mtp_expert_load"]
+  params = update_router_bias(params, loads, train_cfg.bias_update_rate)
   if load.shape[0]:
     ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)   # per-layer max/mean expert load
     metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
