@@ -194,12 +194,7 @@ def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: Mode
   if rl_cfg.mtp_weight > 0:   # the MTP blocks ran (on their own routing) only when they are trained
     loads["mtp"] = aux["mtp_expert_load"]
   params = train_step_lib.update_router_bias(params, loads, rl_cfg.bias_update_rate)
-  norm = lambda t: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), t))
-  metrics.update(grad_norm=norm(grads), update_norm=norm(updates), param_norm=norm(params))
-  load = aux["expert_load"]
-  if load.shape[0]:   # per-layer max/mean tokens per expert, as the LM step logs it
-    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)
-    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
+  metrics.update(train_step_lib.update_metrics(grads, updates, params, aux["expert_load"]))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

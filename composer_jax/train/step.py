@@ -149,22 +149,26 @@ def _global_norm(tree):
   return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
 
 
+def update_metrics(grads, updates, params, expert_load_LmxE: jax.Array) -> dict:
+  """What every trainer logs about an update: grad / update / param norms and the per-layer max/mean expert load."""
+  metrics = {"grad_norm": _global_norm(grads), "update_norm": _global_norm(updates), "param_norm": _global_norm(params)}
+  if expert_load_LmxE.shape[0]:
+    ratio = jnp.max(expert_load_LmxE, -1) / jnp.maximum(jnp.mean(expert_load_LmxE, -1), 1e-9)
+    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
+  return metrics
+
+
 def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
   """One optimizer step; returns the new state and scalar metrics."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (_, (metrics, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  load = aux["expert_load"]
-  loads = {"moe_layers": load}
+  loads = {"moe_layers": aux["expert_load"]}
   if aux["mtp_expert_load"].shape[0]:   # the MTP modules ran (not with mtp_loss='none')
     loads["mtp"] = aux["mtp_expert_load"]
   params = update_router_bias(params, loads, train_cfg.bias_update_rate)
-  if load.shape[0]:
-    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)   # per-layer max/mean expert load
-    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
-  metrics.update(grad_norm=_global_norm(grads), param_norm=_global_norm(params),
-                 update_norm=_global_norm(updates), dropped_fraction=aux["dropped_fraction"])
+  metrics.update(update_metrics(grads, updates, params, aux["expert_load"]), dropped_fraction=aux["dropped_fraction"])
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
