@@ -32,8 +32,9 @@ def main(argv):
   from composer_jax.compile_cache import enable_compilation_cache
   enable_compilation_cache()   # a second run skips its compiles
   from composer_jax.train import tokenizer as tokenizer_lib
-  from rollout import chat_format, evaluate, harness
+  from rollout import chat_format, harness
   from rollout.engines import protocol, scripted
+  from rollout.evaluation import runner
   from rollout.rewards import RewardConfig
   from rollout.tasks import procedural
   from rollout.tasks.environment import EnvironmentCache
@@ -68,8 +69,9 @@ def main(argv):
     raise ValueError(f"unknown policies {unknown}; valid: {sorted(available)}")
   factory = make_factory(c.backend)
   try:
-    evaluate.evaluate({n: available[n]() for n in names}, tok, tasks, EnvironmentCache(factory), cfg,
-                      n_transcripts=c.n_transcripts)
+    envs = EnvironmentCache(factory)
+    for n in names:
+      runner.evaluate_policy(n, available[n](), tok, tasks, envs, cfg, transcripts=c.n_transcripts)
   finally:
     factory.close()
 

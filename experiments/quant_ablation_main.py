@@ -21,7 +21,7 @@ def main(argv):
   from composer_jax.compile_cache import enable_compilation_cache
   enable_compilation_cache()   # a second run skips its compiles
   from composer_jax import configs
-  from kernels_pallas.quant_ablation import AblationConfig, run
+  from composer_jax.quant_ablation import AblationConfig, run
   run(configs.from_dict(AblationConfig, _CONFIG.value.ablation, "ablation."), _WORKDIR.value)
 
 
