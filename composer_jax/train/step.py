@@ -1,7 +1,11 @@
 """The pure language-model training step (pretraining, long-context and SFT stages share it).
 
 `train_step(state, batch) -> (state, metrics)` is built by `make_train_step`, jitted with explicit shardings and
-the state donated. Shapes: B batch, L length, V vocab, E experts, M MoE layers.
+the state donated. In a notebook, `jax.jit(functools.partial(train_step, ...))` on `init_state(model.init(...), opt)`
+compiles once too: `init_state` places every leaf where the jitted step hands it back. The loss runs the chunked
+LM head (`model.head`): no [B, L, V] logits, in the forward or the backward.
+
+Shapes: B batch, L length, D hidden, V vocab, E experts, Lm MoE layers.
 """
 from __future__ import annotations
 
@@ -125,9 +129,9 @@ def update_router_bias(params, loads: dict, rate: float):
   """DeepSeek-V3 aux-loss-free balancing: b_i += γ·sign(mean load − load_i), outside the gradient.
 
   Args:
-    params: the model params; every router correction bias (`.../moe/bias`, [M, E]) under a top-level key of
+    params: the model params; every router correction bias (`.../moe/bias`, [Lm, E]) under a top-level key of
       `loads` is updated.
-    loads: top-level param key → tokens per expert [M, E] for that stack (`moe_layers` ← aux["expert_load"],
+    loads: top-level param key → tokens per expert [Lm, E] for that stack (`moe_layers` ← aux["expert_load"],
       `mtp` ← aux["mtp_expert_load"]). Experts never chosen are pushed up, overloaded ones down.
     rate: γ (0 disables the update).
   """
