@@ -29,6 +29,8 @@ def _random_model_engine(c, tok):
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   from composer_jax.train import tokenizer as tokenizer_lib
   from rollout import chat_format, harness
   from rollout.engines import protocol, scripted

@@ -102,6 +102,8 @@ def _build_set(c, spec, envs) -> None:
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   c = _CONFIG.value
   if c is None:
     raise app.UsageError("--config is required, e.g. --config=experiments/configs/eval.py:procedural "
