@@ -170,7 +170,8 @@ class _Episode:
   def _record_turn(self, res: GenerateResult, out: list[int]) -> dict:
     """Appends the generated tokens (closing a turn cut by max_tokens) and opens the turn's record."""
     start = len(self.builder)
-    self.builder.add_generated(out, res.logprobs, res.routed_experts, res.policy_version, self.turn)
+    self.builder.add_generated(out, res.logprobs, res.routed_experts, res.policy_version, self.turn,
+                               prompt_routed_PxNxK=res.prompt_routed_experts)
     closed = bool(out) and out[-1] in self.stop_ids
     if not closed:  # cut by max_tokens or aborted: close the turn so the context stays well-formed
       self.builder.add_environment([self.stop_ids[0]], self.turn)

@@ -18,8 +18,8 @@ def init_repo(path) -> str:
   return str(path)
 
 
-def commit(repo, files: dict, message: str) -> str:
-  """Writes `files` (path -> text; None deletes), commits them with `message`, returns the commit sha."""
+def commit(repo, files: dict, message: str, body: str = "") -> str:
+  """Writes `files` (path -> text; None deletes), commits them with `message` (+ `body`), returns the sha."""
   for path, text in files.items():
     p = repo / path
     if text is None:
@@ -28,6 +28,7 @@ def commit(repo, files: dict, message: str) -> str:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)
   subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
-  subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message],
+  subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message,
+                  *(["-m", body] if body else [])],
                  check=True)
   return git(repo, "rev-parse", "HEAD").strip()

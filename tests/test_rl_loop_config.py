@@ -155,6 +155,7 @@ def test_worker_throttle_allows_per_version_groups_then_waits_for_a_newer_versio
 
 def test_checkpointer_saves_the_queue_cursor_with_the_state(tmp_path):
   import jax
+
   from composer_jax.train import checkpoint
   ck = checkpoint.Checkpointer(str(tmp_path), keep=2, async_save=False)
   state = {"w": np.arange(4.0)}

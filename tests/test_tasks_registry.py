@@ -72,10 +72,10 @@ def test_mined_source_from_a_relative_path(tmp_path, envs, monkeypatch):
   commit(repo, {"calc.py": "def sub(a, b):\n    return a - b\n", "tests/test_calc.py": "def test_x():\n  pass\n"},
          "Initial")
   commit(repo, {"calc.py": "def sub(a, b):\n    return a - b\n\n\ndef add(a, b):\n    return a + b\n",
-                "tests/test_calc.py": TEST}, "Add add")
+                "tests/test_calc.py": TEST}, "Add add for sums")
   monkeypatch.chdir(tmp_path)
   tasks = registry.load_tasks(registry.SetSpec("mined", repos=["r"], miner=FAST), envs, log=lambda s: None)
-  assert [t.prompt for t in tasks] == ["Add add"]
+  assert [t.prompt for t in tasks] == ["Add add for sums"]
   assert tasks[0].environment.repo == str(repo)  # stored absolute: the set works from any directory
 
 
@@ -89,3 +89,10 @@ def test_register_a_new_family(envs):
       registry.register("just_one")(_load)
   finally:
     del registry.SOURCES["just_one"]
+
+
+def test_set_names_say_what_the_set_is():
+  assert registry.SetSpec("procedural", n=8, split="heldout", levels=(1, 2)).name == "procedural-L1+2-heldout"
+  assert registry.SetSpec("mined", repos=("/src/attrs/", "b")).name == "mined-attrs+b"
+  assert registry.SetSpec("file", path="sets/attrs_v1.json", split="heldout").name == "attrs_v1-heldout"
+  assert registry.SetSpec("swe", jsonl="x/lite.jsonl", n=5).name == "swe-lite-n5"

@@ -156,10 +156,9 @@ def _build_leaf(src: Source, aval, sharding, region, fresh: jax.Array | None, fr
       (j0, j1), rest = (block[0], block[1:]) if fresh_ix else ((0, 0), ())
       if fresh_ix:   # module by module: fresh ones from the init's local shard, the others from the files
         blocks[block] = np.stack([fresh_on[device][j - j0] if j in fresh_ix else
-                                  read_block(src, ((j, j + 1), *rest), region)[0] for j in range(j0, j1)])
+                                  read_block(src, ((j, j + 1), *rest), region, aval.dtype)[0] for j in range(j0, j1)])
       else:
-        blocks[block] = read_block(src, block, region)
-      blocks[block] = blocks[block].astype(aval.dtype)
+        blocks[block] = read_block(src, block, region, aval.dtype)
     arrays.append(jax.device_put(blocks[block], device))
   return jax.make_array_from_single_device_arrays(aval.shape, sharding, arrays)
 

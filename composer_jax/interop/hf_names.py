@@ -154,14 +154,24 @@ def _read_unstacked(name: str, axes: tuple[HubAxis, ...], block: Index, region: 
   return np.transpose(x, np.argsort(order))
 
 
-def read_block(src: Source, block: Index, region: Region) -> np.ndarray:
-  """Our leaf's `block` ([start, stop) per dim), read through `region` from only the hub rows/columns it covers."""
+def read_block(src: Source, block: Index, region: Region, dtype=None) -> np.ndarray:
+  """Our leaf's `block` ([start, stop) per dim), read through `region` from only the hub rows/columns it covers.
+
+  Each hub tensor's part is cast to `dtype` (if given) as it is read, so a dequantised float32 copy of the whole
+  block never exists at once.
+  """
   stack, inner = block[:src.n_stack], block[src.n_stack:]
   grid = list(itertools.product(*[range(a, b) for a, b in stack]))
-  parts = [_read_unstacked(src.name(ix), src.axes, inner, region) for ix in grid]
+  cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
   if not src.n_stack:
-    return parts[0]
-  return np.stack(parts).reshape(*[b - a for a, b in stack], *parts[0].shape)
+    return cast(_read_unstacked(src.name(()), src.axes, inner, region))
+  out = None
+  for k, ix in enumerate(grid):   # filled in place: the block's parts are never all held twice
+    x = cast(_read_unstacked(src.name(ix), src.axes, inner, region))
+    if out is None:
+      out = np.empty((len(grid), *x.shape), x.dtype)
+    out[k] = x
+  return out.reshape(*[b - a for a, b in stack], *out.shape[1:])
 
 
 # --- writing ---------------------------------------------------------------------------------------------------------

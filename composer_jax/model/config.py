@@ -40,7 +40,7 @@ class ModelConfig:
   rope_interleave: bool = True            # DeepSeek's rope layout: rotate pairs (x0, x1), (x2, x3), ... (HF default)
   max_position_embeddings: int = 4096
   attention_impl: str = "dense"           # "dense" | "ring" | "allgather": the last two shard the sequence on the
-                                          # mesh's `context` axis (parallel/context.py; needs `jax.set_mesh`)
+                                          # mesh's `context` axis (model/context_parallel.py; needs `jax.set_mesh`)
   rms_norm_eps: float = 1e-6
   # MoE
   n_routed_experts: int = 8
@@ -53,7 +53,8 @@ class ModelConfig:
   first_k_dense_replace: int = 1
   moe_layer_freq: int = 1
   seq_aux_loss_coef: float = 0.0          # sequence-level balance loss weight (0: aux-loss-free only)
-  moe_impl: str = "ragged"                # "dense" | "ragged" | "capacity" | "ep_capacity" | "ep_ragged" (EP: a mesh)
+  moe_impl: str = "auto"                  # a name in model.moe.MOE_IMPLS: "dense" | "ragged" | "capacity" |
+                                          # "ep_capacity" | "ep_ragged" (EP: a mesh), or "auto" (by platform)
   capacity_factor: float = 1.25           # for moe_impl="capacity" / "ep_capacity"
   moe_matmul: str = "bf16"                # ragged expert matmuls: "bf16" (compute dtype) | "mxfp8" | "nvfp4"
   moe_scale: str = "per_token"            # NVFP4 second-level scale: "per_token" | "per_tensor"

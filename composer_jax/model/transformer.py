@@ -10,13 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from composer_jax.model import context_parallel as cp_lib
 from composer_jax.model import head
 from composer_jax.model.attention import attention, segment_causal_mask
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
 from composer_jax.model.rope import rope_cos_sin
-from composer_jax.parallel import context as cp_lib  # a module import: parallel.context imports model.attention
 
 
 def _self_attention(p: dict, x_BxLxD: jax.Array, rope, mask, cfg: ModelConfig) -> jax.Array:
@@ -133,7 +133,7 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_
 
   With `cfg.attention_impl` "ring" or "allgather" (context parallelism; call under `jax.set_mesh(mesh)`), the
   sequence is sharded on the mesh's `context` axis and L must be divisible by 2 * its size. Inputs and outputs keep
-  their natural token order: the stack runs in the zig-zag layout internally (parallel/context.py).
+  their natural token order: the stack runs in the zig-zag layout internally (context_parallel.py).
 
   Returns:
     (h [B, L, D] after the final norm, in the compute dtype, aux) with aux: router_scores f32 [Lm, B, L, E],
@@ -157,7 +157,7 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_
       raise ValueError(f"{name} has shape {a.shape}, expected tokens' shape {(B, L)}")
   if routing is not None and routing.shape != (n_moe, B, L, K):
     raise ValueError(f"routing has shape {routing.shape}, expected (n_moe_layers, B, L, K) = {(n_moe, B, L, K)}")
-  # Context parallelism: run the whole stack in the zig-zag layout (parallel/context.py); the mask becomes each
+  # Context parallelism: run the whole stack in the zig-zag layout (context_parallel.py); the mask becomes each
   # token's segment id and original index, and outputs are put back in natural order below.
   n = 1 if cfg.attention_impl == "dense" else cp_lib.context_size()
   if cfg.attention_impl == "dense":

@@ -48,16 +48,16 @@ class Trainer:
     params_sh = model.shardings(cfg.model, mesh)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
     optimizer = rl_step.freeze_subtrees(optim.make_optimizer(cfg.train.optim, abstract), abstract)
-    state_sh = train_loop.state_shardings(optimizer, abstract, params_sh, cfg.seed)
+    state_sh = step_lib.state_shardings(optimizer, abstract, params_sh)
     self.ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
     qstate = None
     if self.ckpts.latest_step() is not None:
-      abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract, optimizer, cfg.seed))
+      abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract, optimizer))
       self.state = self.ckpts.restore(ckpt_lib.abstract_like(abstract_state, state_sh))
       qstate = self.ckpts.restore_meta()
       log_fn(f"Resumed RL at step {int(self.state.step)}")
     else:
-      init = jax.jit(lambda p: step_lib.init_state(p, optimizer, cfg.seed), out_shardings=state_sh)
+      init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=state_sh)
       self.state = init(ref_params)
     self.start = int(self.state.step)
     self.applied_path = os.path.join(cfg.workdir, "applied.jsonl")

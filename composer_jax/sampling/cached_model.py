@@ -23,7 +23,6 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
 from composer_jax.model.rope import rope_cos_sin, softmax_scale
-from composer_jax.sampling.all_experts import moe_all_experts
 
 STACKS = ("dense_layers", "moe_layers")
 
@@ -102,9 +101,6 @@ def cached_block(p: dict, x_BxLxD: jax.Array, rope, layer_cache: dict, start_B, 
   h = x_BxLxD + a
   y = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
   if "moe" in p:
-    if not fresh and "gate_up" in p["moe"]:  # decode step with the all-experts layout (all_experts.py)
-      out, experts = moe_all_experts(p["moe"], y, cfg)
-      return h + out, new_cache, experts
     out, aux = moe_block(p["moe"], y, valid_BxL, cfg)
     return h + out, new_cache, aux["experts"]
   return h + mlp(p["mlp"], y), new_cache, None

@@ -37,19 +37,6 @@ class NonFiniteLossError(RuntimeError):
   pass
 
 
-def state_shardings(optimizer, abstract_params, params_shardings, seed: int):
-  """Shardings of a TrainState, read off the compiled initialiser (nothing is allocated).
-
-  Params keep `params_shardings`; the compiler propagates them to the optimizer moments (zeros_like of each param),
-  and scalars (step, counts, RNG) come out replicated.
-  """
-  sharded = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
-                         params_shardings)
-  init = jax.jit(lambda p: step_lib.init_state(p, optimizer, seed))
-  out = init.lower(sharded).compile().output_shardings
-  return dataclasses.replace(out, params=params_shardings)
-
-
 def _place(x, sharding):
   """`x` on `sharding`: as is if already there, else from a host copy (every process holds the same values)."""
   if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
@@ -138,7 +125,7 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)
-  shardings = state_shardings(optimizer, abstract_params, params_shardings, train_cfg.seed)
+  shardings = step_lib.state_shardings(optimizer, abstract_params, params_shardings)
   batch_sharding = layout.batch_sharding(mesh, rules)
   _, shard_count = layout.process_batch_shard(batch_sharding)
 
@@ -149,7 +136,7 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
 
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=train_cfg.ckpt_keep)
   if checkpointer.latest_step() is not None:
-    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, train_cfg.seed))
+    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer))
     state = checkpointer.restore(ckpt_lib.abstract_like(abstract_state, shardings), train_iter)
     log_fn(f"Resumed from {checkpointer.directory} at step {int(state.step)}")
   else:
@@ -157,7 +144,7 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
       init_params = model.init(jax.random.key(train_cfg.seed), model_cfg, mesh, rules)
     else:
       init_params = jax.tree.map(_place, init_params, params_shardings)
-    init = jax.jit(lambda p: step_lib.init_state(p, optimizer, train_cfg.seed), out_shardings=shardings)
+    init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=shardings)
     state = init(init_params)
   return _Run(state, step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding),
               step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding), put, checkpointer)

@@ -4,7 +4,9 @@ Each stage is a `train.loop.train` run in its own workdir, configured by one `St
 `experiments/configs/pretrain.py` is. A finished stage exports its final params (`workdir/params`, an orbax
 PyTree) and keeps its tokenizer (`workdir/tokenizer`); the next stage names that workdir in `init.checkpoint` and
 starts from those params with a fresh optimizer, reusing the tokenizer so token ids agree. A Hugging Face
-`DeepseekV3ForCausalLM` directory can be the starting point instead (`init.hf`).
+`DeepseekV3ForCausalLM` directory can be the starting point instead (`init.hf`): its params are read sliced onto
+the run's mesh, its tokenizer (with the chat-format tokens added) replaces a trained one, and
+`workdir/init_hf.json` records what was adapted (see `interop.start`).
 
 The mesh comes from a `MeshConfig`; `data_cfg.batch_size` is the global batch, which a multi-process run splits
 between processes (each loads its own shard of the examples). Process 0 prepares the tokenizer; the others wait for it.
@@ -118,18 +120,25 @@ def run(cfg: StageConfig, workdir: str, log_fn=print) -> dict:
   distributed.barrier("stage_data")
   if data is None:
     data = _stage_data(cfg, data_cfg, workdir)
-  vocab = data.tokenizer.get_vocab_size()
-  if vocab > cfg.model.vocab_size:
-    raise ValueError(f"The tokenizer has {vocab} tokens but model.vocab_size is {cfg.model.vocab_size}")
-
+  vocab = tokenizer_lib.id_space(data.tokenizer)
+  model_cfg = cfg.model
   init_params = None
   if cfg.init.checkpoint:
-    init_params = load_params(cfg.init.checkpoint, cfg.model, mesh, rules)
+    init_params = load_params(cfg.init.checkpoint, model_cfg, mesh, rules)
   elif cfg.init.hf:
-    from composer_jax.interop import hf
-    hf_cfg, init_params = hf.load(cfg.init.hf)
-    _check_same_shapes(hf_cfg, cfg.model)
-  params, last = loop.train(model_cfg=cfg.model, train_cfg=cfg.train, optim_cfg=cfg.optim, workdir=workdir,
+    from composer_jax.interop import start
+    model_cfg, init_params, notes = start.from_hf(
+        cfg.init.hf, model_cfg, min_vocab=vocab, mesh=mesh, rules=rules,
+        may_differ=start.ROPE_FIELDS if cfg.stage == "long_context" else ())
+    for note in notes:
+      log_fn(f"init.hf: {note}")
+    if distributed.is_primary():
+      with open(os.path.join(workdir, "init_hf.json"), "w") as f:
+        json.dump({"source": os.path.abspath(cfg.init.hf), "vocab_size": model_cfg.vocab_size,
+                   "notes": notes}, f, indent=2)
+  if vocab > model_cfg.vocab_size:
+    raise ValueError(f"The tokenizer has {vocab} tokens but model.vocab_size is {model_cfg.vocab_size}")
+  params, last = loop.train(model_cfg=model_cfg, train_cfg=cfg.train, optim_cfg=cfg.optim, workdir=workdir,
                             train_iter=iter(data.train), eval_batches=lambda: iter(data.eval),
                             init_params=init_params, mesh=mesh, rules=rules, log_fn=log_fn)
   export_params(workdir, params)
@@ -142,11 +151,12 @@ def _stage_data(cfg: StageConfig, data_cfg: data_lib.DataConfig, workdir: str) -
   tok_dir = _tokenizer_dir(workdir)
   if cfg.init.checkpoint and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
     shutil.copytree(_tokenizer_dir(cfg.init.checkpoint), tok_dir, dirs_exist_ok=True)
-  if cfg.init.hf and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-    if os.path.isfile(os.path.join(cfg.init.hf, "tokenizer.json")):
-      os.makedirs(tok_dir, exist_ok=True)
-      for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(cfg.init.hf, name), tok_dir)
+  if cfg.init.hf and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) and any(
+      os.path.isfile(os.path.join(cfg.init.hf, n)) for n in ("tokenizer.json", "tiktoken.model")):
+    _, added = tokenizer_lib.from_checkpoint(cfg.init.hf, tok_dir, cfg.tokenizer)
+    print(f"init.hf: tokenizer from {cfg.init.hf} ({added['format']}) with {len(added['added'])} chat-format "
+          f"special tokens added, ids {added['id_space_before']} → {added['id_space_after']} (recorded in "
+          f"{os.path.join(tok_dir, tokenizer_lib.ADDITIONS_FILE)})")
   if cfg.stage == "sft":
     data = data_lib.sft_data(tokenizer_lib.load_tokenizer(tok_dir), cfg.sft.train_path, cfg.sft.eval_path, data_cfg)
   else:
@@ -154,12 +164,3 @@ def _stage_data(cfg: StageConfig, data_cfg: data_lib.DataConfig, workdir: str) -
   if data.eval is None:
     raise ValueError("The corpus split left no held-out documents; raise corpus.heldout_fraction/min_heldout_files")
   return data
-
-
-def _check_same_shapes(a: ModelConfig, b: ModelConfig) -> None:
-  sa = jax.eval_shape(lambda: model.init(jax.random.key(0), a))
-  sb = jax.eval_shape(lambda: model.init(jax.random.key(0), b))
-  if jax.tree.structure(sa) != jax.tree.structure(sb) or any(
-      x.shape != y.shape for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb))):
-    raise ValueError("The Hugging Face checkpoint's shapes differ from the configured model; set the model config "
-                     "to the checkpoint's config.json")

@@ -19,19 +19,80 @@ from composer_jax.train import losses, optim
 from composer_jax.train.config import TrainConfig
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "rng"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
 @dataclasses.dataclass
 class TrainState:
   step: jax.Array
   params: dict
   opt_state: optax.OptState
-  rng: jax.Array
 
 
-def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                    rng=jax.random.key_data(jax.random.key(seed)))
+def canonical_sharding(sharding: NamedSharding) -> NamedSharding:
+  """The same layout spelled as XLA hands it back: size-1 mesh axes and trailing replicated dims left out.
+
+  `P('data', 'tensor')` on a mesh whose `tensor` axis has size 1 is `P('data')` to XLA, and a jitted function returns
+  its outputs spelled that way; jit keys its cache on the spelling, so an input spelled otherwise compiles again.
+  """
+  mesh = sharding.mesh
+
+  def entry(e):
+    kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if mesh.shape[a] > 1)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+  spec = [entry(e) for e in sharding.spec]
+  while spec and spec[-1] is None:
+    spec.pop()
+  return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
+def state_shardings(optimizer: optax.GradientTransformation, abstract_params, params_shardings) -> TrainState:
+  """Shardings of a TrainState (nothing is allocated): params as given, every optimizer leaf that mirrors a param
+  (Adam's moments: its tree path ends with that param's path and the shapes agree) as that param, the rest (step,
+  counts) replicated.
+
+  Read off the paths rather than a compiled initialiser: XLA is free to replicate `zeros_like(p)` (it did, for
+  the moments of FSDP-sharded params).
+  """
+  by_path = {jax.tree_util.keystr(p): (s, x.shape) for (p, s), x in zip(
+      jax.tree_util.tree_flatten_with_path(params_shardings)[0], jax.tree.leaves(abstract_params))}
+  replicated = NamedSharding(next(iter(by_path.values()))[0].mesh, PartitionSpec())
+
+  def mirror(path, x):
+    for i in range(len(path)):                       # longest suffix first
+      s, shape = by_path.get(jax.tree_util.keystr(path[i:]), (None, None))
+      if s is not None and shape == x.shape:
+        return s
+    return replicated
+  abstract = jax.eval_shape(lambda p: init_state(p, optimizer), abstract_params)
+  return TrainState(step=replicated, params=params_shardings,
+                    opt_state=jax.tree_util.tree_map_with_path(mirror, abstract.opt_state))
+
+
+def _concrete_shardings(params):
+  """The shardings of concrete params on a mesh, or None (traced, host arrays, or single-device arrays)."""
+  leaves = jax.tree.leaves(params)
+  if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and isinstance(x.sharding, NamedSharding)
+         for x in leaves) and leaves:
+    return jax.tree.map(lambda x: x.sharding, params)
+  return None
+
+
+def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  """The step-0 state of `params`.
+
+  On concrete params on a mesh (`model.init`'s), every leaf comes out where a jitted step returns it: the
+  `state_shardings` layouts, spelled as XLA spells them (`canonical_sharding`), so `jax.jit(train_step)` without
+  explicit shardings compiles once instead of again on its second call. (On a multi-device mesh, jit the step with
+  the state's shardings — `make_train_step` — since without them XLA may choose other layouts for its outputs.)
+  Traced (under `jit` / `eval_shape`) or on host arrays it is the plain state.
+  """
+  params_shardings = _concrete_shardings(params)
+  if params_shardings is None:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+  shardings = jax.tree.map(canonical_sharding, state_shardings(optimizer, params, params_shardings))
+  # Built by one jitted program (traced, this function is the plain state): the moments are created in place, and
+  # the params are copied, so donating the state later never frees buffers the caller's `params` still hold.
+  return jax.jit(lambda p: init_state(p, optimizer), out_shardings=shardings)(params)
 
 
 def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
@@ -96,8 +157,7 @@ def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
     metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
   metrics.update(grad_norm=_global_norm(grads), param_norm=_global_norm(params),
                  update_norm=_global_norm(updates), dropped_fraction=aux["dropped_fraction"])
-  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
-  return new_state, metrics
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def eval_step(params, batch, *, model_cfg):

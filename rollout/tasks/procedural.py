@@ -26,6 +26,7 @@ import hashlib
 import random
 import re
 
+from rollout.tasks.grade_report import SCRIPT_REPORTER
 from rollout.tasks.task import Environment, HiddenTests, Task
 
 # (template name, argument list, correct expression with {c0}, {c1} constants)
@@ -207,12 +208,12 @@ def _test_source(fn: _Fn, rng: random.Random) -> tuple[str, str | None]:
 
 def _hidden_script(tests: list[str]) -> str:
   names = [t.split("(")[0][4:] for t in tests]
-  # The nonce is taken out of the environment before any code under test is imported (see HiddenTests.nonce);
-  # results are flushed per test so output interleaves in order.
-  runner = ("\n\nimport os\nimport sys\n_nonce = os.environ.pop('GRADE_NONCE', '')\nsys.path.insert(0, '.')\n"
+  # The reporter takes the report path and nonce out of the environment before any code under test is imported
+  # (see grade_report); a result is written as each test finishes.
+  runner = ("\n\n" + SCRIPT_REPORTER + "\n\nimport sys\nsys.path.insert(0, '.')\n"
             "failed = 0\nfor _t in [" + ", ".join(names) + "]:\n"
-            "    try:\n        _t()\n        print('PASSED', _t.__name__, _nonce, flush=True)\n"
-            "    except Exception:\n        failed += 1\n        print('FAILED', _t.__name__, _nonce, flush=True)\n"
+            "    try:\n        _t()\n        _write(_t.__name__, 'passed')\n"
+            "    except Exception:\n        failed += 1\n        _write(_t.__name__, 'failed')\n"
             "sys.exit(1 if failed else 0)\n")
   return "\n\n".join(tests) + runner
 
@@ -300,7 +301,7 @@ def make_task(rng: random.Random, cfg: ProceduralConfig, split: str, level: int 
     environment=Environment(files=before),
     # -I -S: no site-packages or env vars needed, and ~40% less interpreter start-up (grading is on the RL path).
     tests=HiddenTests(command=f"python3 -I -S {HIDDEN_TEST_FILE}", fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p),
-                      files={HIDDEN_TEST_FILE: _hidden_script(tests)}, timeout_s=20.0, nonce=True),
+                      files={HIDDEN_TEST_FILE: _hidden_script(tests)}, timeout_s=20.0, report="script"),
     gold_patch=gold,
     metadata={"source": "procedural", "split": split, "level": level, "cores": [f.core for f in fns],
               "changed_files": sorted(p for p in before if before[p] != after[p]),

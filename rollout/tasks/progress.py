@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 def reason_kind(reason: str) -> str:
   """A reason without its specifics (paths, ids, numbers, quoted output), so equal kinds are counted together."""
-  head = reason.split(":")[0]
+  head = re.split(r"[:(]", reason)[0].strip()
   return re.sub(r"\d+(\.\d+)?", "N", head)[:60]
 
 

@@ -8,7 +8,7 @@ the results back (all-to-all) and combines them with the gate weights. Two varia
   expert), exchanged with `lax.all_to_all` (runs on every backend, XLA:CPU included). Assignments past C are
   dropped: the token keeps the shared expert and the residual, and `dropped_fraction` counts them.
 - `ep_ragged`: dropless; assignments sorted by expert are exchanged with `lax.ragged_all_to_all` (GPU/TPU only;
-  XLA:CPU does not implement it) and computed with grouped matmuls (`moe.expert_matmul`). The receive buffer has
+  XLA:CPU does not implement it) and computed with grouped matmuls (`experts.expert_matmul`). The receive buffer has
   the worst-case N * t * K rows, so no assignment is ever dropped.
 
 The mesh comes from the context (`jax.set_mesh(mesh)` around the jitted call; `get_abstract_mesh()` inside) or is
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.model.moe import capacity_combine, capacity_dispatch, expert_matmul
+from composer_jax.model.experts import capacity, capacity_combine, capacity_dispatch, expert_matmul
 from composer_jax.parallel.rules import ShardingRules
 
 EP_IMPLS = ("ep_capacity", "ep_ragged")
@@ -152,7 +152,7 @@ def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, idx_bxlxK, w_bxlxK
   N = jax.lax.axis_size(AXIS)
   t = b * l
   E = N * X
-  C = max(1, math.ceil(cap_factor * t * K / E))
+  C = capacity(cap_factor, t, K, E)
   valid_m = jnp.repeat(valid_bxl.reshape(t), K)
   recv_NxXxCxD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), idx_bxlxK.reshape(-1), valid_m, E, C)
   rows_XxRxD = recv_NxXxCxD.transpose(1, 0, 2, 3).reshape(X, N * C, D)
