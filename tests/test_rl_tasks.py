@@ -55,3 +55,25 @@ def test_file_task_source_from_the_command_line_arg():
   assert setup.heldout_spec(cfg).split == "heldout" and setup.heldout_spec(cfg).n == cfg.eval.tasks
   mix = configs.from_dict(RunConfig, rl_configs.get_config("colab,levels=1+2"), workdir="/tmp/unused")
   assert mix.tasks.levels == (1, 2) and mix.tasks.seed == mix.seed + 1
+
+
+def test_a_finite_pool_is_frozen_once_and_checked_against_the_config(tmp_path):
+  from rollout.tasks import procedural, registry
+  calls = []
+
+  @registry.register("rl_test_source")
+  def _load(spec, envs, log):
+    calls.append(spec.split)
+    return procedural.generate(12, seed=3, split="train")
+  try:
+    cfg = configs.from_dict(RunConfig, rl_configs.get_config("test"), workdir=str(tmp_path))
+    cfg = configs.replace(cfg, **{"tasks.kind": "rl_test_source", "tasks.n": 0})
+    pool = setup.train_pool(cfg)
+    assert [t.id for t in setup.train_pool(cfg)] == [t.id for t in pool] and calls == ["train"]   # read back
+    held = setup.heldout_tasks(cfg)
+    assert {t.id for t in held}.isdisjoint(t.id for t in pool) and len(held) + len(pool) == 12
+    other = configs.replace(cfg, **{"tasks.heldout_percent": 50})
+    with pytest.raises(ValueError, match=r"another task source \{'heldout_percent': \(20, 50\)\}"):
+      setup.train_pool(other)
+  finally:
+    del registry.SOURCES["rl_test_source"]
