@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from rollout.tasks import miner, procedural, setfile, swe
 from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks.miner import MinerConfig
 from rollout.tasks.task import Task
 
 Log = Callable[[str], None]
@@ -68,7 +69,7 @@ class SetSpec:
   repos_dir: str = ""
   path: str = ""
   heldout_percent: int = 20
-  miner: miner.MinerConfig = miner.MinerConfig()
+  miner: MinerConfig = MinerConfig()
 
   def __post_init__(self):
     for name in ("levels", "repos"):  # lists from JSON / ConfigDicts
