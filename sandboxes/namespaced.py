@@ -97,11 +97,7 @@ class BwrapBackend(Backend):
       if not self.rootless:
         self.bwrap = self._reachable_bwrap(self.bwrap)
       self._etc = os.path.join(self.store.path, "etc")
-      os.makedirs(self._etc, mode=0o755)
-      for fname, text in bwrap.etc_files().items():
-        with open(os.path.join(self._etc, fname), "w") as f:
-          f.write(text)
-        os.chmod(os.path.join(self._etc, fname), 0o644)
+      bwrap.stage_etc(self._etc)
       if not self.rootless:
         self._check_layer_fs()
       self._seccomp = os.path.join(self.store.path, "seccomp.bpf") if seccomp else None
@@ -241,6 +237,7 @@ class BwrapBackend(Backend):
         raise SandboxError(f"unknown snapshot {snapshot!r}: deleted, or not made by this backend instance")
       self._pending.append(snapshot.layers)  # keeps _gc off these layers until the fork is registered
     try:
+      self.ro_binds(config or self.config)  # refuses bad binds now, not at the first run; stages the rest
       if self.rootless:
         from sandboxes.rootless import RootlessSandbox  # a subclass of BwrapSandbox: imported here, not above
 
@@ -383,8 +380,8 @@ class BwrapSandbox(Sandbox):
     finally:
       if fd is not None:
         os.close(fd)
-    hit = (cg.limit_hit() if cg is not None else None) or self._layer_full() or full_seen[0]
-    hit = hit or self._file_size_hit()
+    at_file_limit = self._file_size_hit()  # always: it also records this run's files for the next one
+    hit = (cg.limit_hit() if cg is not None else None) or self._layer_full() or full_seen[0] or at_file_limit
     if out.returncode == 1 and out.stderr.startswith(b"bwrap: execvp "):
       out = dataclasses.replace(out, returncode=127)  # bwrap's report of a missing argv[0]; a shell says 127
     return result_from(out, hit)

@@ -7,6 +7,8 @@ import math
 import os
 from collections.abc import Mapping
 
+from sandboxes import checks
+
 WORKSPACE = "/workspace"  # where the workspace appears inside a namespaced sandbox
 
 MiB = 1 << 20
@@ -96,6 +98,7 @@ class SandboxConfig:
   def __post_init__(self):
     if not isinstance(self.limits, Limits):
       raise TypeError(f"SandboxConfig.limits must be a Limits, got {type(self.limits).__name__}")
+    checks.env_vars(dict(self.env), "SandboxConfig.env")
     for p in self.ro_binds + self.path_prefix:
       if not isinstance(p, str) or not os.path.isabs(p):
         raise ValueError(f"SandboxConfig paths must be absolute, got {p!r}")
@@ -126,7 +129,7 @@ class RunResult:
     wall_s: wall-clock seconds from launch to exit.
     timed_out: the wall-clock timeout expired and the sandbox was killed.
     limit_hit: which limit stopped or constrained the command: "memory", "pids", "cpu_time", "file_size",
-      "disk", or None.
+      "disk" (the fork's writable layer is full), "inodes" (it holds `disk_inodes` entries), or None.
   """
 
   exit_code: int | None

@@ -12,13 +12,19 @@ import math
 import os
 import sys
 
-import jax
-import numpy as np
+if __name__ == "__main__":   # join the run before any import touches a device (jax.distributed needs that)
+  from composer_jax.parallel import distributed
+  _coordinator, _n, _i = sys.argv[4:7]
+  distributed.initialize(distributed.DistributedConfig(coordinator_address=_coordinator, num_processes=int(_n),
+                                                       process_id=int(_i)))
 
-from composer_jax.interop import fp8 as fp8_lib
-from composer_jax.interop import hf
-from composer_jax.interop.hf_names import leaf_paths, sources
-from composer_jax.model import ModelConfig
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from composer_jax.interop import fp8 as fp8_lib  # noqa: E402
+from composer_jax.interop import hf  # noqa: E402
+from composer_jax.interop.hf_names import leaf_paths, sources  # noqa: E402
+from composer_jax.model import ModelConfig  # noqa: E402
 
 # Every sharded dim divisible by data/expert/tensor up to 2 (heads 2, experts 4, D 32, vocab 80, ffw 48/16).
 CFG = ModelConfig(vocab_size=80, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -52,10 +58,8 @@ def local_blocks(params: dict) -> dict[str, np.ndarray]:
 
 
 def main(ckpt, fp8_ckpt, out, coordinator, n, i):
-  from composer_jax.parallel import distributed
+  del coordinator   # joined at import
   from composer_jax.parallel.mesh import make_mesh
-  distributed.initialize(distributed.DistributedConfig(coordinator_address=coordinator, num_processes=int(n),
-                                                       process_id=int(i)))
   mesh = make_mesh(MESH)
   record = {"devices": jax.device_count()}
   blocks = {}

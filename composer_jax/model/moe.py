@@ -72,15 +72,20 @@ def sequence_balance_loss(scores_BxLxE: jax.Array, experts_BxLxK: jax.Array, val
 # A path: (layer's moe params, x [B, L, D] normed, experts [T, K], gate weights [T, K], valid [B, L], cfg)
 #   -> (routed output [T, D] without the shared experts, fraction of valid assignments dropped).
 MoeImpl = Callable[[dict, jax.Array, jax.Array, jax.Array, jax.Array, ModelConfig], tuple[jax.Array, jax.Array]]
-_NO_DROPS = jnp.zeros((), jnp.float32)
+
+
+def _no_drops():
+  # A function, not a module constant: an array built at import initialises the XLA backend, after which a
+  # multi-process run can no longer call jax.distributed.initialize.
+  return jnp.zeros((), jnp.float32)
 
 
 def _dense(p, x_BxLxD, experts_TxK, w_TxK, valid_BxL, cfg):
-  return experts.experts_dense(p, x_BxLxD.reshape(-1, x_BxLxD.shape[-1]), experts_TxK, w_TxK), _NO_DROPS
+  return experts.experts_dense(p, x_BxLxD.reshape(-1, x_BxLxD.shape[-1]), experts_TxK, w_TxK), _no_drops()
 
 
 def _ragged(p, x_BxLxD, experts_TxK, w_TxK, valid_BxL, cfg):
-  return experts.experts_ragged(p, x_BxLxD.reshape(-1, x_BxLxD.shape[-1]), experts_TxK, w_TxK, cfg), _NO_DROPS
+  return experts.experts_ragged(p, x_BxLxD.reshape(-1, x_BxLxD.shape[-1]), experts_TxK, w_TxK, cfg), _no_drops()
 
 
 def _capacity(p, x_BxLxD, experts_TxK, w_TxK, valid_BxL, cfg):
