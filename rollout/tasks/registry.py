@@ -94,11 +94,6 @@ class SetSpec:
     return base + (f"-{self.split}" if self.kind != "procedural" and self.split != "all" else "") + \
       (f"-n{self.n}" if self.n and self.kind != "procedural" else "")
 
-  def to_dict(self) -> dict:
-    """JSON-able form (recorded beside results, so a resumed run can check it evaluates the same set)."""
-    d = dataclasses.asdict(self)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-
 
 def split_of(task_id: str, heldout_percent: int) -> str:
   """'train' or 'heldout' for a task of a finite source, by a hash of its id (stable across runs and machines)."""
