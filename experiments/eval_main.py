@@ -70,11 +70,10 @@ def _harness_config(c):
 
 
 def _set_spec(c):
-  from rollout.tasks import miner, registry
-  set_cfg = c.set.to_dict()
-  set_cfg["miner"] = miner.MinerConfig(**{k: v for k, v in set_cfg["miner"].items() if v})
+  from composer_jax import configs
+  from rollout.tasks import registry
   try:
-    return registry.SetSpec(**set_cfg)
+    return configs.from_dict(registry.SetSpec, c.set, "set.")
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 

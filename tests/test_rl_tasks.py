@@ -12,13 +12,16 @@ from tests.tasks_testlib import FAST, commit, init_repo
 
 
 def _mined_repo(path):
-  """Three commits, each adding a function with its test: two mineable tasks (the first commit is the base)."""
+  """Three commits, each adding a function with its test: two mineable tasks (the first commit is the base; the
+  subjects have the three words a self-contained prompt needs)."""
   init_repo(path)
   commit(path, {"calc.py": "def one():\n    return 1\n", "tests/test_one.py": "def test_one():\n    pass\n"}, "Start")
   commit(path, {"calc.py": "def one():\n    return 1\n\n\ndef two():\n    return 2\n",
-                "tests/test_two.py": "from calc import two\n\n\ndef test_two():\n    assert two() == 2\n"}, "Add two")
+                "tests/test_two.py": "from calc import two\n\n\ndef test_two():\n    assert two() == 2\n"},
+         "Add two to calc")
   commit(path, {"calc.py": "def one():\n    return 1\n\n\ndef two():\n    return 2\n\n\ndef six():\n    return 6\n",
-                "tests/test_six.py": "from calc import six\n\n\ndef test_six():\n    assert six() == 6\n"}, "Add six")
+                "tests/test_six.py": "from calc import six\n\n\ndef test_six():\n    assert six() == 6\n"},
+         "Add six to calc")
   return str(path)
 
 
@@ -35,7 +38,7 @@ def test_sync_rl_on_a_mined_set_with_gold_patch_demonstrations(tmp_path):
                                 "sft.seq_len": 512})
   out = loop.train_rl(cfg, log_fn=lambda s: None)
   pool = setup.train_pool(cfg)
-  assert sorted(t.prompt for t in pool) == ["Add six", "Add two"]
+  assert sorted(t.prompt for t in pool) == ["Add six to calc", "Add two to calc"]
   assert (tmp_path / "run" / "tasks_train_0.json").exists()      # frozen once: workers read the same pool
   demos = [json.loads(line)["messages"] for line in open(tmp_path / "run" / "sft" / "sft_train.jsonl")]
   calls = [c for m in demos for turn in m if turn["role"] == "assistant" for c in turn.get("tool_calls") or []]

@@ -30,10 +30,13 @@ several joined by ':' appear side by side on the plot; `model=` their model-conf
 Expected (procedural, 8 level-1 held-out tasks, k=2, oracle+noop+random, sandboxes): ~20-40 s on 2 busy cores;
 oracle pass@1 = 1.0, no-op 0.0, random 0.0; out/procedural/{summary.txt,pareto.png}, out/set_stats.txt.
 """
+import dataclasses
+
 import ml_collections
 
 from experiments.configs import common
 from experiments.configs import rl as rl_configs
+from rollout.tasks import miner
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -48,8 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     kind=arg.variant, n=arg.n_tasks if arg.variant == "procedural" else 0, seed=arg.seed,
     split="heldout" if arg.variant == "procedural" else "all", levels=tuple(int(x) for x in arg.levels.split("+")),
     repos=tuple(r for r in arg.repos.split(":") if r), jsonl=arg.jsonl, repos_dir=arg.repos_dir, path=arg.set_file,
-    heldout_percent=20, miner=dict(test_command="", timeout_s=120.0, max_commits=200, runs_per_side=2,
-                                   timeout_factor=5.0, min_prompt_words=3)))
+    heldout_percent=20, miner=dataclasses.asdict(miner.MinerConfig())))
   c.policies = arg.policies
   c.samples = arg.samples
   c.chunk_tasks = arg.chunk_tasks
