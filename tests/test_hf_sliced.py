@@ -182,3 +182,13 @@ def test_host_memory_arithmetic_matches_real_shardings():
       want[h] += sum(math.prod(b - a for a, b in blk) for blk in blocks) * aval.dtype.itemsize
   np.testing.assert_array_equal(got, want)
   assert got[0] < sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(_params()))   # a real saving
+
+
+def test_host_memory_script_prints_the_kimi_figures():
+  r = subprocess.run([sys.executable, "benchmarks/checkpoint_host_memory.py"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["total_params"] > 1.0e12 and out["full_copy_gb_per_host"] > 2000
+  # expert=32 over 32 hosts: 1/32 of the experts + every non-expert weight per host.
+  assert 60 < out["sliced_params_gb_per_host"] < 100 and out["sliced_fp8_read_gb_per_host"] < 50
