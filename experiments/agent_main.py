@@ -30,8 +30,9 @@ def _random_model_engine(c, tok):
 def main(argv):
   del argv
   from composer_jax.train import tokenizer as tokenizer_lib
-  from rollout import chat_format, evaluate, harness
+  from rollout import chat_format, harness
   from rollout.engines import protocol, scripted
+  from rollout.evaluation import runner
   from rollout.rewards import RewardConfig
   from rollout.tasks import procedural
   from rollout.tasks.environment import EnvironmentCache
@@ -66,8 +67,9 @@ def main(argv):
     raise ValueError(f"unknown policies {unknown}; valid: {sorted(available)}")
   factory = make_factory(c.backend)
   try:
-    evaluate.evaluate({n: available[n]() for n in names}, tok, tasks, EnvironmentCache(factory), cfg,
-                      n_transcripts=c.n_transcripts)
+    envs = EnvironmentCache(factory)
+    for n in names:
+      runner.evaluate_policy(n, available[n](), tok, tasks, envs, cfg, transcripts=c.n_transcripts)
   finally:
     factory.close()
 

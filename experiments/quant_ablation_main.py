@@ -19,7 +19,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   from composer_jax import configs
-  from kernels_pallas.quant_ablation import AblationConfig, run
+  from composer_jax.quant_ablation import AblationConfig, run
   run(configs.from_dict(AblationConfig, _CONFIG.value.ablation, "ablation."), _WORKDIR.value)
 
 

@@ -152,7 +152,8 @@ class _Episode:
     """Records the model's output and runs its tool calls (or finishes the summary)."""
     start = len(self.builder)
     out = [int(i) for i in res.output_ids]
-    self.builder.add_generated(out, res.logprobs, res.routed_experts, res.policy_version, self.turn)
+    self.builder.add_generated(out, res.logprobs, res.routed_experts, res.policy_version, self.turn,
+                               prompt_routed_PxNxK=res.prompt_routed_experts)
     closed = bool(out) and out[-1] in self.stop_ids
     if not closed:  # cut by max_tokens or aborted: close the turn so the context stays well-formed
       self.builder.add_environment([self.stop_ids[0]], self.turn)

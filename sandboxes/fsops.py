@@ -76,6 +76,21 @@ class _At:
     os.close(self.fd)
 
 
+def _link_target(fds: list[int], names: list[str], link: str, path: str) -> list[str]:
+  """The components a symlink named `link` (in the directory fds[-1]) stands for. An absolute target under
+  /workspace restarts from the root (fds and names are cut back to it); any other absolute target is refused."""
+  target = os.readlink(link, dir_fd=fds[-1])
+  if os.path.isabs(target):
+    norm = posixpath.normpath(target)
+    if norm != WORKSPACE and not norm.startswith(WORKSPACE + "/"):
+      raise SandboxError(f"{path!r} goes through a symlink to {target!r}, outside the workspace")
+    while len(fds) > 1:
+      os.close(fds.pop())
+    names.clear()
+    target = norm[len(WORKSPACE):]
+  return _parts(target)
+
+
 def _walk(root: str, path: str, follow_final: bool = True, make_dirs: tuple[int, int] | None | bool = False) -> _At:
   """Resolves `path` under `root` by directory fds without ever leaving `root`.
 
@@ -112,16 +127,7 @@ def _walk(root: str, path: str, follow_final: bool = True, make_dirs: tuple[int,
         links += 1
         if links > _MAX_LINKS:
           raise OSError(errno.ELOOP, f"too many symlinks resolving {path!r}")
-        target = os.readlink(comp, dir_fd=fds[-1])
-        if os.path.isabs(target):
-          norm = posixpath.normpath(target)
-          if norm != WORKSPACE and not norm.startswith(WORKSPACE + "/"):
-            raise SandboxError(f"{path!r} goes through a symlink to {target!r}, outside the workspace")
-          while len(fds) > 1:
-            os.close(fds.pop())
-          names.clear()
-          target = norm[len(WORKSPACE):]
-        todo.extend(_parts(target)[::-1])
+        todo.extend(_link_target(fds, names, comp, path)[::-1])
         continue
       if last:
         break
@@ -138,8 +144,7 @@ def _walk(root: str, path: str, follow_final: bool = True, make_dirs: tuple[int,
       names.append(comp)
     else:
       comp = "."
-    at = _At(fds.pop(), comp, os.path.join(root, *names, comp))
-    return at
+    return _At(fds.pop(), comp, os.path.join(root, *names, comp))
   finally:
     for fd in fds:
       os.close(fd)

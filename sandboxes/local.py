@@ -109,10 +109,15 @@ class LocalSandbox(Sandbox):
       except ProcessLookupError:
         pass
 
+    prlimit = limits.rlimits_argv(rl)
+    if prlimit is not None:
+      argv, popen_kw = prlimit + argv, {}
+    else:  # e.g. macOS: a preexec_fn (a real fork(); unsafe in a multithreaded caller, but there is no other way)
+      popen_kw = {"preexec_fn": limits.make_preexec([], rl)}
     try:
       out = run_process(argv, timeout=timeout, output_limit=self.config.output_limit_bytes, kill=kill, stdin=stdin,
                         poll=self._poll_closed, cwd=self.workspace, env=full_env, start_new_session=True,
-                        preexec_fn=limits.make_preexec([], rl))
+                        **popen_kw)
     except FileNotFoundError as e:  # an argv command that does not exist: report it like a shell would
       return RunResult(127, b"", f"{e}\n".encode(), False, False, 0.0, False, None)
     return result_from(out)

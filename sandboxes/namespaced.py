@@ -97,11 +97,7 @@ class BwrapBackend(Backend):
       if not self.rootless:
         self.bwrap = self._reachable_bwrap(self.bwrap)
       self._etc = os.path.join(self.store.path, "etc")
-      os.makedirs(self._etc, mode=0o755)
-      for fname, text in bwrap.etc_files().items():
-        with open(os.path.join(self._etc, fname), "w") as f:
-          f.write(text)
-        os.chmod(os.path.join(self._etc, fname), 0o644)
+      bwrap.stage_etc(self._etc)
       if not self.rootless:
         self._check_layer_fs()
       self._seccomp = os.path.join(self.store.path, "seccomp.bpf") if seccomp else None

@@ -55,6 +55,10 @@ def build(path: str) -> None:
       "libseccomp2`, usually present) and `pip install pyseccomp==0.1.2` (a project dependency), or pass "
       "BwrapBackend(seccomp=False) to run without the filter") from e
   f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+  try:  # a binary search over syscall numbers (~6 checks per syscall) instead of one check per rule
+    f.set_attr(pyseccomp.Attr.CTL_OPTIMIZE, 2)
+  except OSError:
+    pass  # libseccomp < 2.5: the linear filter is as correct, a little slower per syscall
   for name in DENIED:
     if pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) < 0:
       continue  # not on this architecture (e.g. iopl on arm64)

@@ -126,7 +126,7 @@ class RunResult:
     wall_s: wall-clock seconds from launch to exit.
     timed_out: the wall-clock timeout expired and the sandbox was killed.
     limit_hit: which limit stopped or constrained the command: "memory", "pids", "cpu_time", "file_size",
-      "disk", or None.
+      "disk" (the fork's writable layer is full), "inodes" (it holds `disk_inodes` entries), or None.
   """
 
   exit_code: int | None

@@ -39,7 +39,8 @@ def _tokens():
 def test_save_then_transformers_from_pretrained(tmp_path):
   hf.save(str(tmp_path), CFG, _params())
   d = json.load(open(tmp_path / "config.json"))
-  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes (FACTS.md).
+  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes: a YaRN rope_scaling (its CPU rope
+  # factory has no other) and the MoE keys real DeepSeek-V3/Kimi configs carry (moe_layer_freq, topk_method, ...).
   assert d["rope_scaling"]["type"] == "yarn" and d["moe_layer_freq"] == 1
   assert d["topk_method"] == "noaux_tc" and d["scoring_func"] == "sigmoid" and d["num_nextn_predict_layers"] == 1
   assert d["architectures"] == ["DeepseekV3ForCausalLM"] and d["torch_dtype"] == "float32"

@@ -106,7 +106,7 @@ def test_every_sweep_entry_builds_a_valid_run_config():
 
 def test_colab_level1_is_todays_colab_recipe():
   a, b = rl_configs.get_config("colab"), rl_configs.get_config("colab_level1")
-  assert a.to_dict() == b.to_dict() and b.tasks.level == 1
+  assert a.to_dict() == b.to_dict() and b.tasks.levels == (1,)
 
 
 def test_sft_demo_accuracy_sets_the_share_of_near_miss_demonstrations():

@@ -77,7 +77,7 @@ def test_is_a_rollout_engine(engine):
 
 
 def test_outputs_match_trainer_forward(engine, params):
-  """Logprobs equal the trainer's tempered log-softmax (<= 1e-3; ~1e-6 seen) and routing is identical."""
+  """Logprobs equal the trainer's tempered log-softmax (<= 1e-3; ~1e-6 seen) and routing (prompt too) is identical."""
   reqs = _requests()
   results = engine.generate(reqs)
   assert len(results) == len(reqs)
@@ -98,6 +98,9 @@ def test_outputs_match_trainer_forward(engine, params):
     np.testing.assert_allclose(res.logprobs, want, atol=1e-3, err_msg=f"request {b}")
     assert res.routed_experts.shape == (n, CFG.num_hidden_layers - 1, CFG.num_experts_per_tok)
     np.testing.assert_array_equal(res.routed_experts, np.transpose(aux["experts"][:, b, 16 - n:], (1, 0, 2)))
+    P = len(req.prompt_ids)   # the prefill's routing of the prompt, as the trainer's forward routes it
+    np.testing.assert_array_equal(res.prompt_routed_experts,
+                                  np.transpose(aux["experts"][:, b, 16 - n - P:16 - n], (1, 0, 2)))
     if sp.top_k == 1 or sp.temperature == 0:  # greedy rows: every token is the argmax
       np.testing.assert_array_equal(res.output_ids, np.argmax(logits[b, out], -1))
   assert any(r.finish_reason == "stop" for r in results)

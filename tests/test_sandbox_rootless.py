@@ -52,6 +52,11 @@ SCRIPT = textwrap.dedent("""
       a.read_file("nope")
     except FileNotFoundError:
       out["missing"] = "FileNotFoundError"
+    a.run("mkfifo fifo")
+    try:
+      a.read_file("fifo")  # must not wait for a writer
+    except Exception as e:
+      out["fifo"] = type(e).__name__
     r = a.run("sleep 20", timeout=0.5)
     out["timeout"] = [r.timed_out, r.exit_code]
     srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
@@ -110,6 +115,7 @@ def test_rootless_backend_as_unprivileged_user():
   assert out["s1"] == [["d", "g.txt", "w"], "new\n", "deep\n"]  # older snapshots unchanged by later ones
   assert out["fsize"] == ["file_size", "153\n"]
   assert out["missing"] == "FileNotFoundError"
+  assert out["fifo"] == "SandboxError"
   assert out["timeout"] == [True, None]
   assert out["net"] == ""  # no route to the host's loopback
   assert out["caps"] == ["CapEff:", "0000000000000000", "1"]

@@ -88,3 +88,18 @@ def test_timeout_is_reported_as_a_timeout(envs):
   assert rep.timed_out and rep.error.startswith(environment.TIMEOUT_ERROR)
   # What finished before the limit is in the report (written as each test ends).
   assert rep.results == {"tests/test_slow.py::test_fast": "PASSED", "tests/test_slow.py::test_slow": "MISSING"}
+
+
+def test_a_command_setting_pythonpath_still_reports_and_no_report_is_an_error(envs):
+  files = {"src/pkg/__init__.py": "def one():\n    return 1\n",
+           "tests/test_pkg.py": "from pkg import one\n\n\ndef test_one():\n    assert one() == 1\n"}
+  task = Task("t", "python", "p", Environment(files=files),
+              HiddenTests("PYTHONPATH=src " + CMD, ("tests/test_pkg.py::test_one",)))
+  ws = envs.fork(task)
+  try:
+    rep = environment.grade(ws, task.tests)
+    silent = environment.grade(ws, HiddenTests("true", ("tests/test_pkg.py::test_one",)))
+  finally:
+    ws.close()
+  assert rep.passed, rep
+  assert not silent.passed and silent.error.startswith("the test command wrote no report")

@@ -89,3 +89,10 @@ def test_register_a_new_family(envs):
       registry.register("just_one")(_load)
   finally:
     del registry.SOURCES["just_one"]
+
+
+def test_set_names_say_what_the_set_is():
+  assert registry.SetSpec("procedural", n=8, split="heldout", levels=(1, 2)).name == "procedural-L1+2-heldout"
+  assert registry.SetSpec("mined", repos=("/src/attrs/", "b")).name == "mined-attrs+b"
+  assert registry.SetSpec("file", path="sets/attrs_v1.json", split="heldout").name == "attrs_v1-heldout"
+  assert registry.SetSpec("swe", jsonl="x/lite.jsonl", n=5).name == "swe-lite-n5"

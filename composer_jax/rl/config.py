@@ -2,7 +2,7 @@
 
   RunConfig
     model      ModelConfig                    the policy's shape
-    tasks      TasksConfig                    where training (and held-out) tasks come from
+    tasks      rollout.tasks.registry.SetSpec the training task source (split "train"); held-out = its "heldout" side
     tokenizer  TokenizerConfig                the BPE fitted to training tasks (unless `sft.init_checkpoint` has one)
     harness    rollout.harness.HarnessConfig  the agent loop the policy runs in (prompt, budgets, rewards)
     sft        SFTConfig                      the warm start
@@ -20,6 +20,7 @@ from composer_jax.rl.step import RLConfig
 from composer_jax.train.config import OptimConfig
 from composer_jax.train.tokenizer import TokenizerConfig
 from rollout.harness import HarnessConfig
+from rollout.tasks.registry import SetSpec
 
 MODES = ("sync", "async")
 # The engine registry: name -> rollout mode -> the publisher (`rl/publishers.py`) that keeps its weights current.
@@ -32,17 +33,6 @@ def _positive(obj, *names: str) -> None:
   for name in names:
     if getattr(obj, name) < 1:
       raise ValueError(f"{type(obj).__name__}.{name} must be >= 1, got {getattr(obj, name)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class TasksConfig:
-  """The task source: the procedural family at `level`; `n` tasks in the training pool (the workers' streams)."""
-  kind: str = "procedural"
-  level: int = 1
-  n: int = 4096
-
-  def __post_init__(self):
-    _positive(self, "n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +137,7 @@ class RunConfig:
   workdir: str
   seed: int = 0
   progress_bar: bool = True
-  tasks: TasksConfig = TasksConfig()
+  tasks: SetSpec = SetSpec(kind="procedural", n=4096, seed=1, split="train")
   tokenizer: TokenizerConfig = TokenizerConfig(vocab_size=512)
   harness: HarnessConfig = HarnessConfig()
   sft: SFTConfig = SFTConfig()
@@ -157,6 +147,12 @@ class RunConfig:
   eval: EvalConfig = EvalConfig()
 
   def __post_init__(self):
+    if self.tasks.split != "train":
+      raise ValueError(f"tasks.split must be 'train' (RL trains on it; held-out tasks are its 'heldout' side), got "
+                       f"{self.tasks.split!r}")
+    if self.sft.demo_accuracy < 1.0 and self.tasks.kind != "procedural":
+      raise ValueError(f"sft.demo_accuracy < 1 makes near-miss demonstrations of procedural tasks; the "
+                       f"{self.tasks.kind!r} source has none (set it to 1.0)")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

@@ -1,22 +1,58 @@
-"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, workspaces."""
+"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, workspaces.
+
+Tasks come from the one task-source registry (`rollout.tasks.registry`): the training pool is `cfg.tasks` (its
+'train' side), held-out tasks are the same source's 'heldout' side. A pool of a finite source (mined, swe, file) is
+loaded once and frozen into the workdir (`tasks_<split>.json`), so worker processes and restarts train on exactly
+the tasks the trainer saw, and nothing is mined twice.
+"""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import tokenizer as tokenizer_lib
-from rollout.tasks import procedural
+from rollout.tasks import registry
 from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks.task import Task
 from rollout.workspace import make_factory
 
 
-def train_pool(cfg: RunConfig) -> list:
-  return procedural.generate(cfg.tasks.n, seed=cfg.seed + 1, split="train", level=cfg.tasks.level)
+def heldout_spec(cfg: RunConfig, n: int | None = None) -> registry.SetSpec:
+  """The held-out side of the run's task source (procedural: another seed too; at most `n` or `eval.tasks`)."""
+  return dataclasses.replace(cfg.tasks, split="heldout", seed=cfg.tasks.seed + 1, n=n or cfg.eval.tasks)
 
 
-def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list:
-  return procedural.generate(n or cfg.eval.tasks, seed=cfg.seed + 2, split="heldout", level=cfg.tasks.level)
+def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
+  if spec.kind == "procedural":   # generated, cheap and deterministic
+    return registry.load_tasks(spec, None, log)
+  path = os.path.join(cfg.workdir, f"tasks_{spec.split}_{spec.n}.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return [Task.from_dict(d) for d in json.load(f)]
+  envs = make_envs(cfg)
+  try:
+    tasks = registry.load_tasks(spec, envs, log)
+  finally:
+    envs.factory.close()
+  os.makedirs(cfg.workdir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump([t.to_dict() for t in tasks], f)
+  os.replace(path + ".tmp", path)
+  return tasks
+
+
+def train_pool(cfg: RunConfig) -> list[Task]:
+  pool = _load(cfg, cfg.tasks)
+  if not pool:
+    raise ValueError(f"the {cfg.tasks.kind!r} task source has no training tasks ({cfg.tasks})")
+  return pool
+
+
+def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list[Task]:
+  return _load(cfg, heldout_spec(cfg, n))
 
 
 def make_envs(cfg: RunConfig) -> EnvironmentCache:

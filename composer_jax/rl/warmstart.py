@@ -95,11 +95,19 @@ def sft_tasks(cfg: RunConfig, pool: list) -> list:
 
 
 def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
-  """Demonstration transcripts for SFT (`sft_tasks`) and 32 held-out dev transcripts (right fixes)."""
+  """Demonstration transcripts for SFT (`sft_tasks`) and up to 32 held-out dev transcripts (right fixes).
+
+  A small finite set may have no held-out side; then the dev loss is measured on two training demonstrations
+  (it only monitors SFT, and says so in the log).
+  """
   envs = setup.make_envs(cfg)
   try:
-    return (oracle_transcripts(tok, sft_tasks(cfg, pool), envs, cfg.harness),
-            oracle_transcripts(tok, setup.heldout_tasks(cfg, 32), envs, cfg.harness))
+    train = oracle_transcripts(tok, sft_tasks(cfg, pool), envs, cfg.harness)
+    dev_tasks = setup.heldout_tasks(cfg, 32)
+    if not dev_tasks:
+      print(f"(no held-out {cfg.tasks.kind} tasks: SFT dev loss on 2 training demonstrations)")
+      return train, train[:2]
+    return train, oracle_transcripts(tok, dev_tasks, envs, cfg.harness)
   finally:
     envs.factory.close()
 

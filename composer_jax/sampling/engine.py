@@ -152,15 +152,19 @@ class JaxEngine:
     out = jax.device_get(_run(self.params, batch, self.cfg, T, ecfg.draft_tokens if ecfg.speculative else 0,
                               self._all_experts))
     self.last_stats = {k: int(v) for k, v in out.stats.items()}
+    rows_B = np.asarray(batch.row_prompt_B)
     results = []
     for b, r in enumerate(requests):
       n = int(out.length_B[b])
       toks = np.asarray(out.tokens_BxT[b, :n], np.int32)
       stopped = n > 0 and int(toks[-1]) in r.params.stop_token_ids
+      # Prompts are left-padded: the request's own P tokens are the last P slots of its unique prompt's row.
+      prompt_PxLmxK = out.prompt_experts_LmxUxPxK[:, rows_B[b], -len(r.prompt_ids):].transpose(1, 0, 2)
       results.append(GenerateResult(output_ids=toks, logprobs=np.asarray(out.logprobs_BxT[b, :n], np.float32),
                                     routed_experts=np.asarray(out.experts_BxTxLmxK[b, :n], np.int32),
                                     policy_version=self.policy_version,
-                                    finish_reason="stop" if stopped else "length"))
+                                    finish_reason="stop" if stopped else "length",
+                                    prompt_routed_experts=np.asarray(prompt_PxLmxK, np.int32)))
     return results
 
 

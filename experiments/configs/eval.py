@@ -14,6 +14,12 @@ a mix `levels=1+2+3`, `n_tasks=`), `mined` (mine local git repositories now, `re
 `repos` with the filters (`min_files`, `min_lines`, `max_prompt_chars`) and writes a frozen, versioned set file
 instead of evaluating.
 
+Budgets: for repository sets (mined, swe, file) `harness.auto_budget` raises `max_turn_tokens` and
+`context_budget` to what the set's gold patches need in the policy's tokenizer (`rollout/evaluation/budget.py`: a
+real patch is 1,100-2,200 tokens with the colab BPE at ~1.3 characters per token; a big-vocabulary tokenizer needs
+2-3x fewer); tasks whose oracle still does not fit are flagged. `harness.grade_workers` sets how many episodes are
+graded at once.
+
 `harness=rl_colab` runs the agent loop with the settings RL checkpoints of `rl.py:colab` were trained in (short
 system prompt, 320-token budget, 4 turns, one segment).
 Policies (`policies=a+b`): `oracle`, `noop`, `random` (scripted baselines, cost 0), `checkpoint` (an LM-stage workdir
@@ -42,7 +48,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     kind=arg.variant, n=arg.n_tasks if arg.variant == "procedural" else 0, seed=arg.seed,
     split="heldout" if arg.variant == "procedural" else "all", levels=tuple(int(x) for x in arg.levels.split("+")),
     repos=tuple(r for r in arg.repos.split(":") if r), jsonl=arg.jsonl, repos_dir=arg.repos_dir, path=arg.set_file,
-    heldout_percent=20, miner=dict(test_command="", timeout_s=120.0, max_commits=200)))
+    heldout_percent=20, miner=dict(test_command="", timeout_s=120.0, max_commits=200, runs_per_side=2,
+                                   timeout_factor=5.0, min_prompt_words=3)))
   c.policies = arg.policies
   c.samples = arg.samples
   c.chunk_tasks = arg.chunk_tasks
@@ -53,19 +60,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.backend = arg.backend  # 'sandbox' (bubblewrap) or 'local'
   c.out = arg.out
   c.seed = arg.seed
+  c.gold_runs = 2  # gold validation runs each side this often (>= 2: a flaky task is invalid)
   c.builder = ml_collections.ConfigDict(dict(path=arg.build_set, version=arg.set_version, min_files=arg.min_files,
                                              min_lines=arg.min_lines, max_prompt_chars=arg.max_prompt_chars))
   c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=1024, train_tasks=200))  # baselines without a checkpoint
   c.harness = ml_collections.ConfigDict(dict(context_budget=4096, max_turn_tokens=1024, observation_reserve=512,
                                              max_turns=16, max_segments=3, summary_max_tokens=256,
                                              temperature=arg.temperature, max_output_chars=2000,
-                                             system_prompt="full"))
+                                             system_prompt="full", grade_workers=4,
+                                             auto_budget=arg.variant != "procedural"))
   if arg.harness == "rl_colab":   # the loop an rl.py:colab checkpoint was trained in (a policy is judged in its own)
     r = rl_configs.get_config("colab").harness
     c.harness.update(context_budget=r.context_budget, max_turn_tokens=r.max_turn_tokens,
                      observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=r.max_segments,
                      summary_max_tokens=r.summary_max_tokens, max_output_chars=r.tools.max_output_chars,
-                     system_prompt=r.system_prompt)
+                     system_prompt=r.system_prompt, auto_budget=False)
   elif arg.harness != "default":
     raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, rl_colab")
   return c

@@ -32,7 +32,8 @@ VARIANTS = ("colab", "colab_level1", "colab_pretrained", "test")
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
-                         backend="", seed=0, engine="jax", servers=1)
+                         backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="1", repos="",
+                         jsonl="", repos_dir="", set_file="")
   if arg.variant not in VARIANTS:
     raise ValueError(f"unknown rl variant {arg.variant!r}; valid: {', '.join(VARIANTS)}")
   test = arg.variant == "test"
@@ -47,7 +48,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model = model_configs.get_config("rl_colab")
   c.seed = arg.seed
   c.progress_bar = not test
-  c.tasks = ml_collections.ConfigDict(dict(kind="procedural", level=1, n=256 if test else 4096))
+  # The training task source (rollout/tasks/registry.py SetSpec; its 'heldout' side is the held-out set).
+  procedural = arg.tasks == "procedural"
+  c.tasks = ml_collections.ConfigDict(dict(
+      kind=arg.tasks, n=(256 if test else 4096) if procedural else 0, seed=c.get_ref("seed") + 1, split="train",
+      levels=tuple(int(x) for x in arg.levels.split("+")), repos=tuple(r for r in arg.repos.split(":") if r),
+      jsonl=arg.jsonl, repos_dir=arg.repos_dir, path=arg.set_file, heldout_percent=20))
   c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=4096 if pretrained else 512))
   # The harness asks for a summary once context > budget - max_turn - reserve (here 208 tokens); with
   # max_segments=1 that ends the episode. A level-1 read → edit → finish episode is ~170 tokens. RL rows are
@@ -68,7 +74,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict(dict(
       steps=4 if test else 900, tasks=16 if test else 1024, batch=4 if test else 16,
       seq_len=256,                # packed rows; a level-1 transcript is ~170 tokens, longer ones are split
-      learning_rate=3e-3, demo_accuracy=1.0 if test else 0.5,
+      learning_rate=3e-3, demo_accuracy=1.0 if test or not procedural else 0.5,   # near misses: procedural only
       # colab_pretrained: SFT (then RL) starts from the colab pretraining run and uses its tokenizer.
       init_checkpoint="runs/pretrain_colab" if pretrained else ""))
   c.train = ml_collections.ConfigDict(dict(

@@ -118,25 +118,32 @@ class TestRun:
   timed_out: bool
   wall_s: float
   output: str  # the (capped) console output, for people reading logs; never parsed
+  reported: bool = True  # the command wrote a report (False: the plugin never loaded, or the runner never ran)
+
+  def no_report_reason(self) -> str:
+    return ("the test command wrote no report (a pytest command must run as `python -m pytest` in the workspace "
+            f"root, so that the grading plugin can load): ...{self.output.strip()[-300:]}")
 
 
 def run_tests(ws: Workspace, command: str, report: str, timeout_s: float) -> TestRun:
   """Runs `command` in `ws` with a fresh report file and nonce (see `grade_report`) and reads the report."""
   if report not in grade_report.REPORT_KINDS:
     raise ValueError(f"unknown test report kind {report!r}; valid: {grade_report.REPORT_KINDS}")
-  nonce = secrets.token_hex(8)
-  tmp = f".grade_{secrets.token_hex(8)}"  # a name the code under test cannot have prepared (and not the nonce)
+  nonce, token = secrets.token_hex(8), secrets.token_hex(8)  # names the code under test cannot have prepared
+  tmp, plugin = f".grade_{token}", f"{grade_report.PLUGIN_MODULE}_{token}"
   env = f'GRADE_NONCE={nonce} GRADE_REPORT="$PWD/{tmp}/report.jsonl"'
+  ws.run(f"mkdir -p {tmp}", timeout_s=10)
   if report == "pytest":
-    ws.write_file(f"{tmp}/{grade_report.PLUGIN_MODULE}.py", grade_report.PYTEST_PLUGIN)
-    env += (f' PYTHONPATH="$PWD/{tmp}${{PYTHONPATH:+:$PYTHONPATH}}"'
-            f' PYTEST_ADDOPTS="{grade_report.PYTEST_ADDOPTS} ${{PYTEST_ADDOPTS:-}}"')
-  else:
-    ws.run(f"mkdir -p {tmp}", timeout_s=10)
+    # In the workspace root, which `python -m` puts on sys.path: PYTHONPATH would be overridden by a command that
+    # sets its own (`PYTHONPATH=src python -m pytest ...`).
+    ws.write_file(f"{plugin}.py", grade_report.PYTEST_PLUGIN)
+    env += f' PYTEST_ADDOPTS="-p {plugin} {grade_report.PYTEST_ADDOPTS} ${{PYTEST_ADDOPTS:-}}"'
   res = ws.run(f"{env} {command}", timeout_s=timeout_s)
-  text = ws.read_file(f"{tmp}/report.jsonl") if ws.exists(f"{tmp}/report.jsonl") else ""
-  ws.run(f"rm -rf {tmp}", timeout_s=30)
-  return TestRun(grade_report.parse_report(text, nonce), res.timed_out, res.wall_s, res.output)
+  reported = ws.exists(f"{tmp}/report.jsonl")
+  text = ws.read_file(f"{tmp}/report.jsonl") if reported else ""
+  ws.run(f"rm -rf {tmp} {plugin}.py", timeout_s=30)
+  return TestRun(grade_report.parse_report(text, nonce), res.timed_out, res.wall_s, res.output,
+                 reported or res.timed_out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +195,8 @@ def grade(ws: Workspace, tests: HiddenTests) -> TestReport:
   run = run_tests(ws, tests.command, tests.report, tests.timeout_s)
   results = {t: run.results.get(t, "MISSING") for t in required}
   n_pass = sum(v == "PASSED" for v in results.values())
-  error = f"{TIMEOUT_ERROR} after {tests.timeout_s:g} s" if run.timed_out else ""
+  error = f"{TIMEOUT_ERROR} after {tests.timeout_s:g} s" if run.timed_out else \
+    "" if run.reported else run.no_report_reason()
   return TestReport(n_pass == len(required), n_pass / len(required), results, run.wall_s, error)
 
 

@@ -134,6 +134,8 @@ def _run_side(envs: EnvironmentCache, env: Environment, patches: list[str], comm
       ws.close()
     if run.timed_out:
       return None, f"tests timed out after {cfg.timeout_s:g} s"
+    if not run.reported:
+      return None, run.no_report_reason()
     runs.append(run)
   return runs, ""
 

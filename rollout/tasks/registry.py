@@ -81,6 +81,18 @@ class SetSpec:
       raise ValueError(f"need n >= 0 and 0 < heldout_percent < 100; got n={self.n}, "
                        f"heldout_percent={self.heldout_percent}")
 
+  @property
+  def name(self) -> str:
+    """A readable name of the set (output directories, plot titles): what it is, not only its kind."""
+    def stem(path):
+      return os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+    names = {"procedural": lambda: f"procedural-L{'+'.join(map(str, self.levels))}-{self.split}",
+             "mined": lambda: "mined-" + "+".join(stem(r) for r in self.repos),
+             "swe": lambda: "swe-" + stem(self.jsonl), "file": lambda: stem(self.path)}
+    base = names[self.kind]() if self.kind in names else self.kind
+    return base + (f"-{self.split}" if self.kind != "procedural" and self.split != "all" else "") + \
+      (f"-n{self.n}" if self.n and self.kind != "procedural" else "")
+
   def to_dict(self) -> dict:
     """JSON-able form (recorded beside results, so a resumed run can check it evaluates the same set)."""
     d = dataclasses.asdict(self)
