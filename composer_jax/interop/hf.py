@@ -30,6 +30,7 @@ __all__ = ["INDEX_FILE", "SINGLE_FILE", "ReadStats", "config_from_hf", "config_t
            "save"]
 MISSING_MTP = ("init", "drop", "error")
 
+
 @dataclasses.dataclass(frozen=True)
 class ReadStats:
   """What one process's `load` did: bytes it read from the files (as stored) and MTP modules it initialised fresh."""
@@ -98,7 +99,7 @@ def read_params(ckpt: hf_files.Checkpoint, cfg: ModelConfig, mesh=None, rules: S
   placed = leaf_paths(shardings(cfg, mesh, rules))
   srcs = sources(cfg)
   fresh = {}
-  if fresh_mtp:   # jit drops every leaf but MTP's from the full init, so nothing else is built
+  if fresh_mtp:   # under jit only the random draws the MTP leaves use are computed (the rest is dead code)
     mtp_shardings = shardings(cfg, mesh, rules)["mtp"]
     fresh = leaf_paths({"mtp": jax.jit(lambda k: init(k, cfg, mesh, rules)["mtp"], out_shardings=mtp_shardings)(
         jax.random.key(seed))})
