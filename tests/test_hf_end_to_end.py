@@ -1,7 +1,7 @@
 """Done-when of starting from a real checkpoint: a directory written by transformers' `save_pretrained` with its
 default config (one MTP module declared, none written) and a DeepSeek-V3-style tokenizer runs through
 `pretrain_main --config.init.hf=<dir>`, an SFT stage and `rl_main`, on the tiny config, as three user commands.
-Slow: ~170 s under load (three processes, each compiling its model).
+Slow: ~120-170 s under load (three processes, each compiling its model).
 """
 import glob
 import json
