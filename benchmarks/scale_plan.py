@@ -112,25 +112,6 @@ def plan_model_config(variant: str, n_moe_layers: int, seq: int):
 
 # ----- compiled figures (run inside a process with the right device count) -----
 
-def mirrored_state_shardings(abstract_state, params_shardings, mesh):
-  """TrainState shardings: every optimizer leaf shaped like a param takes that param's sharding, the rest replicate.
-
-  Optimizer moments (AdamW mu, nu) are param-shaped subtrees found by path suffix. (`train.loop.state_shardings`
-  reads them off a compiled initialiser, which on these meshes leaves them replicated: see the README.)
-  """
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec
-  flat = jax.tree_util.tree_flatten_with_path(params_shardings)[0]
-  by_suffix = {jax.tree_util.keystr(k): s for k, s in flat}
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def pick(path, leaf):
-    key = jax.tree_util.keystr(path)
-    hits = [(len(k), s) for k, s in by_suffix.items() if key.endswith(k) and len(s.spec) <= len(leaf.shape)]
-    return max(hits, key=lambda h: h[0])[1] if hits and leaf.shape else replicated
-  return jax.tree_util.tree_map_with_path(pick, abstract_state)
-
-
 def _sds(abstract, shardings):
   import jax
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -184,6 +165,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   from composer_jax import model
   from composer_jax.parallel import layout, make_mesh
   from composer_jax.rl import step as rl_step_lib
+  from composer_jax.train import loop as train_loop
   from composer_jax.train import optim
   from composer_jax.train import step as step_lib
   from composer_jax.train.config import OptimConfig, TrainConfig
@@ -198,7 +180,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   abstract_params = model.abstract_params(cfg)
   optimizer = optim.make_optimizer(OptimConfig(), abstract_params)
   abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, 0))
-  s_shard = mirrored_state_shardings(abstract_state, p_shard, mesh)
+  s_shard = train_loop.state_shardings(optimizer, abstract_params, p_shard, 0)
   rows = stage.rows_per_shard * axes.get("data", 1) * axes.get("expert", 1)
   case = {"cfg": cfg, "mesh": mesh, "rules": rules, "optimizer": optimizer, "p_shard": p_shard, "s_shard": s_shard,
           "rows": rows, "state": _sds(abstract_state, s_shard)}

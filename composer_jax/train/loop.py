@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
@@ -38,16 +39,23 @@ class NonFiniteLossError(RuntimeError):
 
 
 def state_shardings(optimizer, abstract_params, params_shardings, seed: int):
-  """Shardings of a TrainState, read off the compiled initialiser (nothing is allocated).
+  """Shardings of a TrainState (nothing is allocated).
 
-  Params keep `params_shardings`; the compiler propagates them to the optimizer moments (zeros_like of each param),
-  and scalars (step, counts, RNG) come out replicated.
+  Params keep `params_shardings`; every optimizer leaf shaped like a param at the same path (AdamW's mu and nu)
+  takes that param's sharding; scalars and the rest (step, counts, RNG) are replicated. (Read off a compiled
+  initialiser instead, the moments came out replicated on multi-device meshes: the compiler gives `zeros_like`
+  no sharding of its input.)
   """
-  sharded = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
-                         params_shardings)
-  init = jax.jit(lambda p: step_lib.init_state(p, optimizer, seed))
-  out = init.lower(sharded).compile().output_shardings
-  return dataclasses.replace(out, params=params_shardings)
+  abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, seed))
+  leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+  by_path = {jax.tree_util.keystr(k): (a.shape, s) for (k, a), s in zip(leaves, jax.tree.leaves(params_shardings))}
+  replicated = NamedSharding(jax.tree.leaves(params_shardings)[0].mesh, PartitionSpec())
+
+  def pick(path, leaf):
+    key = jax.tree_util.keystr(path)
+    hits = [(len(k), s) for k, (shape, s) in by_path.items() if key.endswith(k) and shape == leaf.shape]
+    return max(hits, key=lambda h: h[0])[1] if hits else replicated
+  return dataclasses.replace(jax.tree_util.tree_map_with_path(pick, abstract_state), params=params_shardings)
 
 
 def _place(x, sharding):
