@@ -89,6 +89,33 @@ class HarnessConfig:
       raise ValueError(f"need max_segments >= 1 and max_turns >= 1, got {self.max_segments=} {self.max_turns=}")
 
 
+def segment_head(system_prompt: str, task_prompt: str, summary: str | None) -> list[dict[str, Any]]:
+  """What a segment's context starts from: system prompt + task, and after a self-summary that summary as prompt."""
+  head = [{"role": "system", "content": system_prompt}, {"role": "user", "content": task_prompt}]
+  if summary is not None:
+    head.append({"role": "summary", "content": summary, "train": False})
+  return head
+
+
+def segment_transcripts(messages: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+  """A trajectory's transcript (`Trajectory.messages`) split into the contexts its segments held.
+
+  The transcript keeps a chain in one list; the model saw each segment alone: system + task (+ the previous summary,
+  as prompt), then that segment's turns up to its own summary. SFT on these teaches what RL trains — a summary
+  written to be continued from alone, and continuing from it. A one-segment transcript comes back unchanged.
+  """
+  head, out = list(messages[:2]), []
+  cur = list(head)
+  for m in messages[2:]:
+    cur.append(m)
+    if m["role"] == "summary":
+      out.append(cur)
+      cur = segment_head(head[0]["content"], head[1]["content"], m["content"])
+  if len(cur) > len(head) + 1 or not out:  # a chain cut right after its summary has nothing more to learn from
+    out.append(cur)
+  return out
+
+
 class _Episode:
   """One task's rollout in progress."""
 
@@ -119,9 +146,7 @@ class _Episode:
     return ids[1:]
 
   def _start_segment(self, summary: str | None) -> None:
-    head = [{"role": "system", "content": self.cfg.system_prompt}, {"role": "user", "content": self.task.prompt}]
-    if summary is not None:
-      head.append({"role": "summary", "content": summary, "train": False})
+    head = segment_head(self.cfg.system_prompt, self.task.prompt, summary)
     ids, _ = cf.encode_messages(self.tok, head, add_generation_prompt=True)
     if len(ids) + self.cfg.max_turn_tokens > self.cfg.context_budget:
       raise ValueError(f"task {self.task.id}: the prompt ({len(ids)} tokens) leaves no room for a turn in "

@@ -51,7 +51,8 @@ def fit_tokenizer_to_source(spec, envs, system_prompt: str, cfg: tokenizer_lib.T
 
 
 def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig) -> list[list[dict]]:
-  """The oracle's full transcripts through the harness (a task's own oracle, else its gold patch applied).
+  """The oracle's transcripts through the harness (a task's own oracle, else its gold patch applied), one per
+  segment: a self-summarising chain gives one transcript per context (`harness.segment_transcripts`).
 
   Raises if the oracle fails a task (a broken grader); tasks marked `near_miss` carry a deliberately wrong
   demonstration and are not checked.
@@ -62,7 +63,7 @@ def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessCo
          if not t.metrics.get("solved") and not task.metadata.get("near_miss")]
   if bad:
     raise RuntimeError(f"the oracle failed {len(bad)} tasks (e.g. {bad[:3]}): check the sandbox/grader")
-  return [t.messages for t in trajs]
+  return [seg for t in trajs for seg in harness.segment_transcripts(t.messages)]
 
 
 def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:

@@ -17,27 +17,33 @@ sampling, tools, rewards), sft, train (steps, groups per step, checkpoints, opti
 router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
 Variants: `colab` (default), `colab_level1` (the level-1 recipe the measurements above were taken with; today the
 same as colab, kept by name so its end-to-end time stays measurable), `colab_pretrained` (SFT from the colab
-pretraining run, `make pretrain`, and its tokenizer), `test` (tiny model, few tasks, local workspaces; for tests).
+pretraining run, `make pretrain`, and its tokenizer), `recipe` (the report's RL recipe at Colab scale: levels 1-3,
+self-summary chains, length penalty and behavioural terms on; see `_recipe` for how its budget and weights were
+chosen; not yet the default: its 30-minute fit is unmeasured), `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
 test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
 `levels=1+2+3`, `tasks=mined,repos=/src/a:/src/b`, `tasks=swe,jsonl=x.jsonl,repos_dir=/src`,
 `tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
 `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
-Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt).
+Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt);
+`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, λ = 0 vs λ > 0 at q = 0, 0.5, 1).
 """
 import ml_collections
 
 from experiments.configs import common
 from experiments.configs import model as model_configs
+from rollout import rewards
 
-VARIANTS = ("colab", "colab_level1", "colab_pretrained", "test")
+VARIANTS = ("colab", "colab_level1", "colab_pretrained", "recipe", "test")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
-                         backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="1", repos="",
+                         backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="", repos="",
                          jsonl="", repos_dir="", set_file="")
+  recipe = arg.variant == "recipe"
+  arg.levels = arg.levels or ("1+2+3" if recipe else "1")
   if arg.variant not in VARIANTS:
     raise ValueError(f"unknown rl variant {arg.variant!r}; valid: {', '.join(VARIANTS)}")
   test = arg.variant == "test"
@@ -98,11 +104,88 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
   c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test))
+  if recipe:
+    _recipe(c)
   return c
 
 
-def get_sweep():
-  """Ablations, each runnable as one command (`--config.<key>=<value>` for each pair)."""
+# The recipe's length penalty: k of C(x), and what an oracle-length level-3 episode (x = 321 generated tokens, the
+# measured median of the scripted oracle's chains) pays at every q (`_length_weight`).
+RECIPE_LENGTH_K, RECIPE_LEVEL3_TOKENS, RECIPE_LEVEL3_COST = 0.01, 321, 0.1
+
+
+def _length_weight(q: float) -> float:
+  """λ for shape q: the weight at which an oracle-length level-3 episode pays RECIPE_LEVEL3_COST, so the q rows of
+  the sweep differ in C's shape (how much more a long episode pays than a short one), not in its overall scale."""
+  return RECIPE_LEVEL3_COST / rewards.length_penalty(RECIPE_LEVEL3_TOKENS, RECIPE_LENGTH_K, q)
+
+
+def _recipe(c: ml_collections.ConfigDict) -> None:
+  r"""`rl.py:recipe`: the report's RL recipe at Colab scale (procedural levels 1-3, self-summary chains, C(x) and
+  behavioural terms on). Not yet the default: its 30-minute fit and its calibration are still to be measured.
+
+  Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
+  modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
+
+  Context budget, measured with the scripted oracle (the run's kind of tokenizer: a 512-token BPE fitted to
+  levels 1-3 training tasks; 60 held-out tasks per level): a whole episode in one context takes 155-177 tokens at
+  level 1, 211-247 at level 2 and 485-566 at level 3; the longest oracle turn is 63 tokens (an edit + todo
+  update), the longest tool result 59, the oracle's summaries at most 50 (300 tasks per level). So:
+    context_budget=448 < 485: no level-3 episode can finish in one segment, it must summarise and continue;
+    max_turn_tokens=64 >= 63; summary_max_tokens=56 >= 50;
+    observation_reserve=128 >= 59 (a tool result) + 9 (the summary request) + 56 (the summary): the result that
+      triggers a summary stays whole in the context it is written from, and the summary is never cut;
+    summary_prompt="Summarize.": the harness's long default prompt is 105 tokens under this 512-token BPE;
+    the summary is asked for once the context passes 448 - 64 - 128 = 256 tokens: levels 1-2 (<= 247) finish in
+      one segment, level-3 oracle chains take 2 (28/60) or 3 (32/60) segments, all solved;
+    max_segments=4, max_turns=10: one spare segment and two spare turns over the level-3 oracle's 3 and 8.
+  The SFT demonstrations are these chains, one transcript per segment (harness.segment_transcripts), with the
+  oracle's summaries that carry what the next segment needs (procedural `oracle_summaries`: fixed functions, the
+  file a grep found, the planned edit); sft.seq_len=512 holds a whole segment.
+
+  Reward weights, so success stays the dominant term (rollout/rewards.py): every penalty is <= 0, and
+  penalty_cap=0.5 floors their sum at -0.5, so every solved episode scores >= 0.5 > 0 >= every unsolved one,
+  whatever it spends. Below the cap:
+    length: q=0.5 (concave), k=0.01, λ = 0.1 / C(321) = 4.7e-4: an oracle-length level-3 episode pays 0.1, a
+      level-1 one (87 tokens) 0.035 and one twice as long 0.062: between two successes in a group the shorter is
+      preferred by ~0.03, small next to the 1 between success and failure; the most the loop allows
+      (10 x 64 + 3 x 56 = 808 tokens) pays 0.19, and the cap alone would take ~3,800;
+    todo_weight=0.05 per item still open when the episode ends (level 3 lists 2: 0.1, a level-3 episode's length);
+    malformed_weight=0.05 per malformed call: a wasted turn costs more than its ~40 tokens of length (0.02), so
+      format errors are discouraged on their own; ten of them reach the cap;
+    repeat_weight=0.02, no_message_weight=0.05 (the defaults); lint off (it doubles a sandboxed episode's cost and
+      a one-line fix rarely changes ruff's findings).
+  Batch rows: a level-3 trajectory takes 2-3 of a step's groups_per_step x samples_per_prompt = 32 rows, so a step
+  holds fewer groups than the level-1 run's 4 (the queue hands over whole groups that fit).
+  """
+  c.harness.update(context_budget=448, max_turn_tokens=64, observation_reserve=128, max_turns=10, max_segments=4,
+                   summary_max_tokens=56, summary_prompt="Summarize.")
+  c.harness.rewards.update(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5,
+                           todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
+                           lint_weight=0.0, penalty_cap=0.5)
+  c.sft.update(seq_len=512, batch=8)   # the same tokens per step as 16 x 256, a whole segment per row
+  c.eval.tasks = 1500                  # 500 held-out tasks per level (the mix is spread evenly)
+
+
+def _recipe_sweep():
+  """The measurement rows of `rl.py:recipe`, one run each (`--config.<key>=<value>` per pair).
+
+  Every run evaluates the SFT start, RL and the equal-wall-clock SFT control per level, greedy and at T=1 (so the
+  first rows answer "does RL learn beyond copying" and "does greedy improve"); the others are one seed each.
+  """
+  return ([{"seed": s} for s in (0, 1)]                                              # the default comparison
+          + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
+          + [{"harness.sampling.temperature": 0.7}]                                  # greedy: rollout temperature
+          + [{"harness.rewards.length_weight": 0.0}]                                 # λ = 0
+          + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q}
+             for q in (0.0, 1.0)])                    # λ > 0 at q = 0 and 1; q = 0.5 is the recipe (the seed rows)
+
+
+def get_sweep(arg: str | None = None):
+  """Ablations of the variant `arg` names (default colab), each one command (`--config.<key>=<value>` per pair):
+  for `recipe` its measurement rows, for the others router replay, length penalty q, KL β, staleness, group size."""
+  if arg == "recipe":
+    return _recipe_sweep()
   return ([{"rl.router_replay": r} for r in (True, False)]
           + [{"harness.rewards.length_weight": 0.001, "harness.rewards.length_q": q} for q in (0.0, 0.5, 1.0)]
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-3, 1e-2)]
