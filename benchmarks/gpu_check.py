@@ -105,13 +105,13 @@ def grouped_matmul_speed(dry: bool) -> dict:
 
 def train_small(dry: bool, steps: int) -> dict:
   """The LM train step's tokens/s and MFU (bf16) on one device, as the trainer builds it."""
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
   ts = _bench_module("train_step")
   variant, B, L = ("tiny", 2, 64) if dry else ("small", 16, 2048)
   d = model_configs.get_config(variant).to_dict()
   d.update(num_nextn_predict_layers=0, param_dtype="bfloat16", compute_dtype="bfloat16")
-  cfg = model.ModelConfig.from_dict(d)
+  cfg = configs.from_dict(model.ModelConfig, d)
   params = model.init(jax.random.key(0), cfg)
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, L)).astype(np.int32)
   batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((B, L), jnp.int32),

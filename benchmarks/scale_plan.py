@@ -102,9 +102,9 @@ def rules_for(axes: dict[str, int]):
 
 def plan_model_config(variant: str, n_moe_layers: int, seq: int):
   """The variant's shape with 1 + `n_moe_layers` unrolled layers, ring attention and capacity expert parallelism."""
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
-  cfg = model.ModelConfig.from_dict(model_configs.get_config(variant).to_dict())
+  cfg = configs.from_dict(model.ModelConfig, model_configs.get_config(variant).to_dict())
   return dataclasses.replace(cfg, num_hidden_layers=cfg.first_k_dense_replace + n_moe_layers, scan_layers=False,
                              attention_impl="ring", moe_impl="ep_capacity",
                              max_position_embeddings=max(seq, cfg.max_position_embeddings))
@@ -462,9 +462,9 @@ def main():
     return report(rows, runs[0]["variant"], max(tuple(run.get("load_avg", ())) for run in runs), args.out)
   if len(args.depths) < 2:
     ap.error("--depths needs at least two MoE layer counts to extrapolate")
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
-  full = model.ModelConfig.from_dict(model_configs.get_config(args.variant).to_dict())
+  full = configs.from_dict(model.ModelConfig, model_configs.get_config(args.variant).to_dict())
   n_moe = full.num_hidden_layers - full.first_k_dense_replace
   load = os.getloadavg()
   cases = run_children(args)

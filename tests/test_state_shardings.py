@@ -4,7 +4,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from composer_jax import model
+from composer_jax import configs, model
 from composer_jax.parallel import make_mesh
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.train import optim
@@ -19,7 +19,7 @@ def _per_device(tree) -> int:
 
 
 def test_moments_mirror_params_and_scalars_replicate():
-  cfg = model.ModelConfig.from_dict(model_configs.get_config("tiny").to_dict())
+  cfg = configs.from_dict(model.ModelConfig, model_configs.get_config("tiny").to_dict())
   mesh = make_mesh({"data": 2, "expert": 4})
   rules = ShardingRules(batch=("data", "expert"))
   p_shard = model.shardings(cfg, mesh, rules)
