@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AbstractMesh  # noqa: E402
 
+from composer_jax import configs  # noqa: E402
 from composer_jax.interop import fp8 as fp8_lib  # noqa: E402
 from composer_jax.interop.hf_names import leaf_paths, sources  # noqa: E402
 from composer_jax.model import ModelConfig, abstract_params, count_params, shardings  # noqa: E402
@@ -79,7 +80,7 @@ def main():
   ap.add_argument("--mesh", default="expert=32,tensor=8", help="axis=size,... over hosts x devices_per_host")
   ap.add_argument("--fsdp", type=int, default=1)
   args = ap.parse_args()
-  cfg = ModelConfig.from_dict(model_configs.get_config(args.variant).to_dict())
+  cfg = configs.from_dict(ModelConfig, model_configs.get_config(args.variant).to_dict())
   sizes = dict.fromkeys(MESH_AXES, 1)
   sizes.update({k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))})
   n_dev = args.hosts * args.devices_per_host

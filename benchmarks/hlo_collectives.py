@@ -108,6 +108,7 @@ def replica_groups(line: str, n_devices: int) -> list[list[int]]:
 _COMP_START = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
 _CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -162,6 +163,7 @@ class Collective:
   group_size: int
   inter_node: bool       # some group spans more than one node
   times: int = 1         # executions per step (trip counts of enclosing while loops); bytes above include it
+  op_name: str = ""      # the JAX op it came from (metadata): `.../shard_map/...` is ours, else the partitioner's
 
 
 def parse(compiled: str, dtypes: dict[int, list[str]] | None, n_devices: int, devices_per_node: int = 8
@@ -184,11 +186,14 @@ def parse(compiled: str, dtypes: dict[int, list[str]] | None, n_devices: int, de
     if dtypes is not None and c and int(c.group(1)) in dtypes and len(dtypes[int(c.group(1))]) == len(elems):
       elems = [(d, dims) for d, (_, dims) in zip(dtypes[int(c.group(1))], elems)]
     nbytes = sum(math.prod(dims) * BITS[d] // 8 for d, dims in elems)
+    name_match = _OP_NAME.search(line)
+    op_name = name_match.group(1) if name_match else ""
     if kind == "collective-permute":
       pairs = [_ints(p) for p in re.findall(r"\{(\d+,\d+)\}", _PAIRS.search(line).group(1))]
       moving = [(s, t) for s, t in pairs if s != t]
       out.append(Collective(kind, nbytes * times, float(nbytes * times) if moving else 0.0, 2,
-                            any(s // devices_per_node != t // devices_per_node for s, t in moving), times))
+                            any(s // devices_per_node != t // devices_per_node for s, t in moving), times,
+                            op_name))
       continue
     groups = replica_groups(line, n_devices)
     n = len(groups[0])
@@ -196,14 +201,19 @@ def parse(compiled: str, dtypes: dict[int, list[str]] | None, n_devices: int, de
       nbytes *= n
     factor = {"all-reduce": 2.0}.get(kind, 1.0) * (n - 1) / n
     inter = any(len({d // devices_per_node for d in g}) > 1 for g in groups)
-    out.append(Collective(kind, nbytes * times, factor * nbytes * times, n, inter, times))
+    out.append(Collective(kind, nbytes * times, factor * nbytes * times, n, inter, times, op_name))
   return out
 
 
-def summarize(collectives: list[Collective]) -> dict[str, dict[str, float]]:
-  """Per kind: count, buffer bytes, wire bytes within a node (NVLink) and across nodes (IB), per device."""
+def summarize(collectives: list[Collective], op_name_contains: str = "") -> dict[str, dict[str, float]]:
+  """Per kind: count, buffer bytes, wire bytes within a node (NVLink) and across nodes (IB), per device.
+
+  `op_name_contains` keeps only collectives whose source op name contains it (e.g. "ep_capacity").
+  """
   out = {k: {"count": 0, "buffer_bytes": 0, "nvlink_bytes": 0.0, "ib_bytes": 0.0} for k in KINDS}
   for c in collectives:
+    if op_name_contains not in c.op_name:
+      continue
     s = out[c.kind]
     s["count"] += c.times
     s["buffer_bytes"] += c.buffer_bytes

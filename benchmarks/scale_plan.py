@@ -102,34 +102,15 @@ def rules_for(axes: dict[str, int]):
 
 def plan_model_config(variant: str, n_moe_layers: int, seq: int):
   """The variant's shape with 1 + `n_moe_layers` unrolled layers, ring attention and capacity expert parallelism."""
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
-  cfg = model.ModelConfig.from_dict(model_configs.get_config(variant).to_dict())
+  cfg = configs.from_dict(model.ModelConfig, model_configs.get_config(variant).to_dict())
   return dataclasses.replace(cfg, num_hidden_layers=cfg.first_k_dense_replace + n_moe_layers, scan_layers=False,
                              attention_impl="ring", moe_impl="ep_capacity",
                              max_position_embeddings=max(seq, cfg.max_position_embeddings))
 
 
 # ----- compiled figures (run inside a process with the right device count) -----
-
-def mirrored_state_shardings(abstract_state, params_shardings, mesh):
-  """TrainState shardings: every optimizer leaf shaped like a param takes that param's sharding, the rest replicate.
-
-  Optimizer moments (AdamW mu, nu) are param-shaped subtrees found by path suffix. (`train.loop.state_shardings`
-  reads them off a compiled initialiser, which on these meshes leaves them replicated: see the README.)
-  """
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec
-  flat = jax.tree_util.tree_flatten_with_path(params_shardings)[0]
-  by_suffix = {jax.tree_util.keystr(k): s for k, s in flat}
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def pick(path, leaf):
-    key = jax.tree_util.keystr(path)
-    hits = [(len(k), s) for k, s in by_suffix.items() if key.endswith(k) and len(s.spec) <= len(leaf.shape)]
-    return max(hits, key=lambda h: h[0])[1] if hits and leaf.shape else replicated
-  return jax.tree_util.tree_map_with_path(pick, abstract_state)
-
 
 def _sds(abstract, shardings):
   import jax
@@ -177,9 +158,8 @@ def _rl_batch(mesh, rules, rows, seq, cfg):
   return batch, shard
 
 
-def compile_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: int, dump_dir: str,
-                 devices=None) -> dict:
-  """Compiles one stage's step on one mesh; returns per-device memory and collective figures (bytes)."""
+def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: int, devices=None) -> dict:
+  """The jitted step of `stage` on mesh `axes` and its abstract, sharded arguments (nothing allocated)."""
   import jax
 
   from composer_jax import model
@@ -198,30 +178,75 @@ def compile_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers:
   p_shard = model.shardings(cfg, mesh, rules)
   abstract_params = model.abstract_params(cfg)
   optimizer = optim.make_optimizer(OptimConfig(), abstract_params)
-  abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, 0))
-  s_shard = mirrored_state_shardings(abstract_state, p_shard, mesh)
-  state = _sds(abstract_state, s_shard)
+  abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer))
+  s_shard = step_lib.state_shardings(optimizer, abstract_params, p_shard)
   rows = stage.rows_per_shard * axes.get("data", 1) * axes.get("expert", 1)
+  case = {"cfg": cfg, "mesh": mesh, "rules": rules, "optimizer": optimizer, "p_shard": p_shard, "s_shard": s_shard,
+          "rows": rows, "state": _sds(abstract_state, s_shard)}
   if stage.step == "lm":
-    batch, b_shard = _lm_batch(mesh, rules, rows, stage.seq)
-    fn, args, module = step_lib.make_train_step(cfg, TrainConfig(), optimizer, s_shard, b_shard), (state, batch), \
-        "jit_train_step"
+    case["batch"], b_shard = _lm_batch(mesh, rules, rows, stage.seq)
+    case["fn"] = step_lib.make_train_step(cfg, TrainConfig(), optimizer, s_shard, b_shard)
+    case["args"], case["module"] = (case["state"], case["batch"]), "jit_train_step"
   else:
-    batch, b_shard = _rl_batch(mesh, rules, rows, stage.seq, cfg)
+    case["batch"], b_shard = _rl_batch(mesh, rules, rows, stage.seq, cfg)
     ref = _sds(abstract_params, p_shard)
-    fn = rl_step_lib.make_rl_step(cfg, rl_step_lib.RLConfig(), optimizer, s_shard, b_shard, p_shard)
-    args, module = (state, batch, ref), "jit_rl_step"
-  with jax.set_mesh(mesh):
-    compiled = fn.lower(*args).compile()
+    case["fn"] = rl_step_lib.make_rl_step(cfg, rl_step_lib.RLConfig(), optimizer, s_shard, b_shard, p_shard)
+    case["args"], case["module"] = (case["state"], case["batch"], ref), "jit_rl_step"
+  case["b_shard"] = b_shard
+  return case
+
+
+def measure(compiled, case: dict, dump_dir: str | None) -> dict:
+  """Per-device memory (memory_analysis) and collectives (compiled HLO, program dtypes if dumped) in bytes."""
   mem = compiled.memory_analysis()
-  dtypes = hlo_collectives.program_dtypes(hlo_collectives.partitioned_text(dump_dir, module)) if dump_dir else None
-  colls = hlo_collectives.summarize(hlo_collectives.parse(compiled.as_text(), dtypes, mesh.size,
-                                                          H200["devices_per_node"]))
+  dtypes = None
+  if dump_dir:
+    dtypes = hlo_collectives.program_dtypes(hlo_collectives.partitioned_text(dump_dir, case["module"]))
+  parsed = hlo_collectives.parse(compiled.as_text(), dtypes, case["mesh"].size, H200["devices_per_node"])
+  colls = hlo_collectives.summarize(parsed)
+  # Of those, the ones our shard_map regions issue (EP exchanges, the ring); the rest the SPMD partitioner inserts.
+  region = hlo_collectives.summarize(parsed, op_name_contains="shard_map")
+  state, batch = case["args"][0], case["args"][1]
   return {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
           "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes,
           "params_opt": _per_device_bytes(state.params) + _per_device_bytes(state.opt_state),
-          "ref_params": _per_device_bytes(args[2]) if stage.step == "rl" else 0,
-          "batch": _per_device_bytes(batch), "collectives": colls, "tokens": rows * stage.seq, "rows": rows}
+          "ref_params": _per_device_bytes(case["args"][2]) if len(case["args"]) > 2 else 0,
+          "batch": _per_device_bytes(batch), "collectives": colls, "region_collectives": region,
+          "tokens": case["rows"] * batch["tokens"].shape[1],
+          "rows": case["rows"]}
+
+
+def compile_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: int, dump_dir: str | None,
+                 devices=None) -> dict:
+  """Compiles one stage's step on one mesh; returns per-device memory and collective figures (bytes)."""
+  import jax
+  case = build_case(variant, stage, axes, n_moe_layers, devices)
+  with jax.set_mesh(case["mesh"]):
+    compiled = case["fn"].lower(*case["args"]).compile()
+  return measure(compiled, case, dump_dir)
+
+
+def compile_for_run(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: int, seed: int = 0):
+  """An LM case with real arrays: (compiled step, state, batch, its `measure` figures) to run and compare."""
+  import jax
+  import numpy as np
+
+  from composer_jax import model
+  from composer_jax.train import step as step_lib
+  if stage.step != "lm":
+    raise ValueError(f"compile_for_run builds LM steps only, got stage step {stage.step!r}")
+  case = build_case(variant, stage, axes, n_moe_layers)
+  cfg, seq = case["cfg"], stage.seq
+  with jax.set_mesh(case["mesh"]):
+    params = model.init(jax.random.key(seed), cfg, case["mesh"], case["rules"])
+    state = jax.jit(lambda p: step_lib.init_state(p, case["optimizer"]), out_shardings=case["s_shard"])(params)
+    del params
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (case["rows"], seq)).astype(np.int32)
+    batch = jax.device_put({"tokens": tokens, "segment_ids": np.ones_like(tokens), "loss_mask": np.ones_like(tokens),
+                            "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), tokens.shape).copy()},
+                           case["b_shard"])
+    compiled = case["fn"].lower(state, batch).compile()
+  return compiled, state, batch, measure(compiled, case, None)
 
 
 def _child(args) -> None:
@@ -337,6 +362,25 @@ def print_table(rows: list[dict]) -> None:
           f"{r['mfu_bound']:6.1%}")
 
 
+def markdown_table(rows: list[dict]) -> str:
+  """The plan as a markdown table (what composer_jax/parallel/README.md shows, generated once from --out files)."""
+  gb = 1e9
+  lines = ["| stage | devices | mesh | params + opt GB | temp GB | total GB | fits | all-to-all GB | all-gather GB | "
+           "all-reduce GB | permute GB | t compute / memory / comm s | limit | MFU bound |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+  def wire(c):
+    return f"{(c['nvlink_bytes'] + c['ib_bytes']) / gb:.0f} ({c['ib_bytes'] / gb:.0f} IB)"
+  for r in rows:
+    c, t = r["collectives"], r["t"]
+    lines.append(f"| {r['stage']} | {r['devices']} | {_mesh_str(r['axes'])} | {r['params_opt'] / gb:.1f} | "
+                 f"{r['temp'] / gb:.1f} | {r['total'] / gb:.1f} | {'yes' if r['fits'] else 'no'} | "
+                 f"{wire(c['all-to-all'])} | {wire(c['all-gather'])} | {wire(c['all-reduce'])} | "
+                 f"{wire(c['collective-permute'])} | {t['compute']:.2f} / {t['memory']:.2f} / {t['comm']:.2f} | "
+                 f"{r['limit']} | {r['mfu_bound']:.1%} |")
+  return "\n".join(lines)
+
+
 def run_children(args) -> list[dict]:
   """One subprocess per device count (the fake device count is fixed when jax starts)."""
   cases = []
@@ -349,19 +393,44 @@ def run_children(args) -> list[dict]:
              "--stages", *stages, "--depths", ",".join(map(str, args.depths)), "--seq", str(args.seq or 0)]
       if args.mesh:
         cmd += ["--mesh", ",".join(f"{k}={v}" for k, v in args.mesh.items())]
-      proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-      if proc.returncode:
-        raise RuntimeError(f"compiling on {n} devices failed:\n{proc.stderr[-4000:]}")
-      for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-          cases.append(json.loads(line[5:]))
-          print(f"compiled {cases[-1]['stage']} on {n} devices", file=sys.stderr, flush=True)
+      with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:     # streamed: cases already compiled survive a later failure
+          if line.startswith("CASE "):
+            cases.append(json.loads(line[5:]))
+            print(f"compiled {cases[-1]['stage']} on {n} devices", file=sys.stderr, flush=True)
+        if proc.wait():
+          err.seek(0)
+          print(f"compiling on {n} devices failed; kept {len(cases)} cases:\n{err.read()[-4000:]}", file=sys.stderr)
   return cases
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
   axes = dict(kv.split("=") for kv in text.split(","))
   return {k: int(v) for k, v in axes.items()}
+
+
+def report(rows: list[dict], variant: str, load: tuple, out: str | None = None) -> dict:
+  """Prints the table and the last-line JSON (per stage: the smallest mesh that fits and its MFU bound)."""
+  print_table(rows)
+  best = {}
+  for s in dict.fromkeys(r["stage"] for r in rows):
+    fit = sorted((r for r in rows if r["stage"] == s and r["fits"]), key=lambda r: r["devices"])
+    best[s] = ({"devices": fit[0]["devices"], "mesh": _mesh_str(fit[0]["axes"]),
+                "mfu_bound": round(fit[0]["mfu_bound"], 4), "limit": fit[0]["limit"],
+                "total_gb": round(fit[0]["total"] / 1e9, 1)} if fit else None)
+  depth = {f"{r['stage']}@{r['devices']}": r["depth_deviation"] for r in rows if "depth_deviation" in r}
+  summary = {"variant": variant, "smallest_fitting": best, "depth_check": depth,
+             "load_avg": [round(x, 2) for x in load],
+             "rows": [{"stage": r["stage"], "devices": r["devices"], "mesh": _mesh_str(r["axes"]),
+                       "total_gb": round(r["total"] / 1e9, 1), "fits": r["fits"],
+                       "mfu_bound": round(r["mfu_bound"], 4), "limit": r["limit"]} for r in rows]}
+  if out:
+    with open(out, "w") as f:
+      json.dump({"variant": variant, "h200": H200, "headroom": HEADROOM, "load_avg": list(load), "rows": rows,
+                 "depth_check": depth, "summary": summary}, f, indent=1)
+  print(json.dumps(summary))
+  return summary
 
 
 def main():
@@ -372,6 +441,8 @@ def main():
   ap.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
                   help="MoE layer counts compiled (>= 2; more adds the linearity check)")
   ap.add_argument("--out", help="write the rows as JSON here")
+  ap.add_argument("--combine", nargs="+", help="only print the table and JSON of earlier --out files, merged")
+  ap.add_argument("--markdown", action="store_true", help="with --combine: print the README's markdown table")
   ap.add_argument("--mesh", type=_parse_mesh, help="one mesh for every stage, e.g. data=2,expert=4 (experiments)")
   ap.add_argument("--seq", type=int, default=0, help="override the stages' row length (experiments)")
   ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -379,32 +450,25 @@ def main():
   args = ap.parse_args()
   if args.child:
     return _child(args)
+  if args.combine:
+    runs = []
+    for path in args.combine:
+      with open(path) as f:
+        runs.append(json.load(f))
+    rows = sorted((r for run in runs for r in run["rows"]), key=lambda r: (list(STAGES).index(r["stage"]),
+                                                                            r["devices"]))
+    if args.markdown:
+      return print(markdown_table(rows))
+    return report(rows, runs[0]["variant"], max(tuple(run.get("load_avg", ())) for run in runs), args.out)
   if len(args.depths) < 2:
     ap.error("--depths needs at least two MoE layer counts to extrapolate")
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
-  full = model.ModelConfig.from_dict(model_configs.get_config(args.variant).to_dict())
+  full = configs.from_dict(model.ModelConfig, model_configs.get_config(args.variant).to_dict())
   n_moe = full.num_hidden_layers - full.first_k_dense_replace
   load = os.getloadavg()
   cases = run_children(args)
-  rows = [summarize_case(c, args.variant, n_moe) for c in cases]
-  print_table(rows)
-  best = {}
-  for s in args.stages:
-    fit = sorted((r for r in rows if r["stage"] == s and r["fits"]), key=lambda r: r["devices"])
-    best[s] = ({"devices": fit[0]["devices"], "mesh": _mesh_str(fit[0]["axes"]),
-                "mfu_bound": round(fit[0]["mfu_bound"], 4), "limit": fit[0]["limit"],
-                "total_gb": round(fit[0]["total"] / 1e9, 1)} if fit else None)
-  depth = {f"{r['stage']}@{r['devices']}": r["depth_deviation"] for r in rows if "depth_deviation" in r}
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"variant": args.variant, "h200": H200, "headroom": HEADROOM, "rows": rows, "depth_check": depth},
-                f, indent=1)
-  print(json.dumps({"variant": args.variant, "smallest_fitting": best, "depth_check": depth,
-                    "load_avg": [round(x, 2) for x in load],
-                    "rows": [{"stage": r["stage"], "devices": r["devices"], "mesh": _mesh_str(r["axes"]),
-                              "total_gb": round(r["total"] / 1e9, 1), "fits": r["fits"],
-                              "mfu_bound": round(r["mfu_bound"], 4), "limit": r["limit"]} for r in rows]}))
+  report([summarize_case(c, args.variant, n_moe) for c in cases], args.variant, load, args.out)
 
 
 if __name__ == "__main__":

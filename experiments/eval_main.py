@@ -15,16 +15,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_conf
 POLICIES = ("oracle", "noop", "random", "checkpoint", "sglang")
 
 
-def _baseline_tokenizer(c, system: str):
-  """A small BPE fitted to training-split procedural projects and oracle transcripts (never held-out tasks)."""
+def _baseline_tokenizer(c, spec, system: str):
+  """A small BPE fitted to training-split procedural tasks of the set's levels (never evaluated tasks)."""
+  from composer_jax.rl import warmstart
   from composer_jax.train import tokenizer as tokenizer_lib
-  from rollout import chat_format, harness
-  from rollout.tasks import procedural
-  fit = [t for lv in c.set.levels for t in procedural.generate(c.tokenizer.train_tasks, seed=c.seed + 1, split="train",
-                                                                   level=lv)]
-  texts = [f for t in fit for f in t.environment.files.values()] + [system, harness.SUMMARY_PROMPT]
-  texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in fit]
-  return tokenizer_lib.train_tokenizer(texts, tokenizer_lib.TokenizerConfig(vocab_size=c.tokenizer.vocab_size))
+  from rollout.tasks import registry
+  return warmstart.fit_tokenizer_to_source(registry.SetSpec("procedural", levels=spec.levels), None, system,
+                                           tokenizer_lib.TokenizerConfig(vocab_size=c.tokenizer.vocab_size),
+                                           c.tokenizer.train_tasks, c.seed + 1)
 
 
 def _policy_names(c) -> list[str]:
@@ -41,7 +39,7 @@ def _policy_names(c) -> list[str]:
   return names
 
 
-def _policies(c, names: list[str], system: str) -> dict:
+def _policies(c, names: list[str], spec, system: str) -> dict:
   from rollout.evaluation import policies, suite
   out, tok = {}, None
   if "checkpoint" in names:
@@ -53,7 +51,7 @@ def _policies(c, names: list[str], system: str) -> dict:
       engine, tok, active = eval_policies.checkpoint_policy(w, model_cfg)
       label = f"ckpt:{os.path.basename(os.path.normpath(w))}@v{engine.policy_version}"
       out[label] = suite.Policy(lambda tasks, engine=engine: engine, tok, active)
-  tok = tok or _baseline_tokenizer(c, system)  # baselines speak the checkpoint's tokenizer when there is one
+  tok = tok or _baseline_tokenizer(c, spec, system)  # baselines speak the checkpoint's tokenizer when there is one
   for n in names:
     if n in policies.BASELINES:
       out[n] = suite.Policy(lambda tasks, n=n: policies.baseline(n, tok, tasks, seed=c.seed), tok, 0)
@@ -63,26 +61,19 @@ def _policies(c, names: list[str], system: str) -> dict:
 
 
 def _harness_config(c):
-  from rollout import harness
-  from rollout.engines import protocol
-  from rollout.tools import ToolConfig
-  h = c.harness
-  prompts = {"full": harness.SYSTEM_PROMPT, "short": harness.SHORT_SYSTEM_PROMPT}
-  if h.system_prompt not in prompts:
-    raise app.UsageError(f"harness.system_prompt={h.system_prompt!r}; valid: {sorted(prompts)}")
-  return harness.HarnessConfig(
-    system_prompt=prompts[h.system_prompt], context_budget=h.context_budget, max_turn_tokens=h.max_turn_tokens,
-    observation_reserve=h.observation_reserve, max_turns=h.max_turns, max_segments=h.max_segments,
-    summary_max_tokens=h.summary_max_tokens, sampling=protocol.SamplingParams(temperature=h.temperature),
-    tools=ToolConfig(max_output_chars=h.max_output_chars), seed=c.seed, grade_workers=h.grade_workers)
+  from composer_jax import configs
+  from rollout.harness import HarnessConfig
+  try:
+    return configs.from_dict(HarnessConfig, c.harness, "harness.")
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
 
 def _set_spec(c):
-  from rollout.tasks import miner, registry
-  set_cfg = c.set.to_dict()
-  set_cfg["miner"] = miner.MinerConfig(**{k: v for k, v in set_cfg["miner"].items() if v})
+  from composer_jax import configs
+  from rollout.tasks import registry
   try:
-    return registry.SetSpec(**set_cfg)
+    return configs.from_dict(registry.SetSpec, c.set, "set.")
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 
@@ -102,6 +93,8 @@ def _build_set(c, spec, envs) -> None:
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   c = _CONFIG.value
   if c is None:
     raise app.UsageError("--config is required, e.g. --config=experiments/configs/eval.py:procedural "
@@ -124,8 +117,8 @@ def main(argv):
       tasks = registry.load_tasks(spec, envs)
     except (ValueError, FileNotFoundError) as e:
       raise app.UsageError(f"cannot load the {spec.kind!r} task set: {e}") from None
-    pols = _policies(c, names, hcfg.system_prompt)
-    if c.harness.auto_budget:
+    pols = _policies(c, names, spec, hcfg.system_prompt)
+    if c.auto_budget:
       fitted = budget.fit_budget(tasks, next(iter(pols.values())).tokenizer, hcfg)
       if fitted != hcfg:
         print(f"budget from the set's gold patches: max_turn_tokens {hcfg.max_turn_tokens} -> "

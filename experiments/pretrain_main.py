@@ -9,8 +9,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Reuse compiled programs across runs (a resumed or repeated run skips most compile time).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/composer_jax/xla"))
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -26,6 +24,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   from composer_jax.parallel import distributed
   distributed.initialize(distributed.DistributedConfig.from_env(

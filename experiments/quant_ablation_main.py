@@ -18,6 +18,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   from composer_jax import configs
   from composer_jax.quant_ablation import AblationConfig, run
   run(configs.from_dict(AblationConfig, _CONFIG.value.ablation, "ablation."), _WORKDIR.value)

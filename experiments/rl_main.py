@@ -23,6 +23,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/rl_colab", "Directory for checkp
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   from composer_jax import configs
   from composer_jax.rl import experiment

@@ -175,8 +175,26 @@ class _Episode:
 
   def consume(self, res: GenerateResult) -> None:
     """Records the model's output and runs its tool calls (or finishes the summary)."""
-    start = len(self.builder)
     out = [int(i) for i in res.output_ids]
+    turn = self._record_turn(res, out)
+    if res.finish_reason == "abort":  # the engine gave up (e.g. shut down): end the episode, run nothing
+      self.messages.append({"role": "assistant", "content": self.tok.decode(out, skip_special_tokens=False)})
+      self.stop_reason = "abort"
+    elif self.mode == "summary":
+      text = cf.parse_generated_ids(self.tok, out).content
+      self.messages.append({"role": "summary", "content": text})
+      self.segments.append(self.builder.build(ends_with_summary=True))
+      self.mode = "act"
+      turn["end"] = len(self.builder)
+      self._start_segment(summary=text)
+      return
+    else:
+      self._act(out, turn)
+    turn["end"] = len(self.builder)
+
+  def _record_turn(self, res: GenerateResult, out: list[int]) -> dict:
+    """Appends the generated tokens (closing a turn cut by max_tokens) and opens the turn's record."""
+    start = len(self.builder)
     self.builder.add_generated(out, res.logprobs, res.routed_experts, res.policy_version, self.turn,
                                prompt_routed_PxNxK=res.prompt_routed_experts)
     closed = bool(out) and out[-1] in self.stop_ids
@@ -186,50 +204,24 @@ class _Episode:
             "finish_reason": res.finish_reason, "tools": [], "tool_wall_s": [], "errors": 0}
     self.builder.turns.append(turn)
     self.turn += 1
-    if res.finish_reason == "abort":  # the engine gave up (e.g. shut down): end the episode, run nothing
-      self.messages.append({"role": "assistant", "content": self.tok.decode(out, skip_special_tokens=False)})
-      self.stop_reason = "abort"
-      turn["end"] = len(self.builder)
-      return
-    if self.mode == "summary":
-      text = cf.parse_generated_ids(self.tok, out).content
-      self.messages.append({"role": "summary", "content": text})
-      self.segments.append(self.builder.build(ends_with_summary=True))
-      self.mode = "act"
-      turn["end"] = len(self.builder)
-      self._start_segment(summary=text)
-      return
+    return turn
+
+  def _act(self, out: list[int], turn: dict) -> None:
+    """An action turn: parse the tool calls, run them, then add their results (or end the episode)."""
     self.act_turns += 1
     parsed = cf.parse_generated_ids(self.tok, out)
-    raw = self.tok.decode(out, skip_special_tokens=False)
     observations = []
     if isinstance(parsed.tool_calls, cf.ToolCallError):
       self.stats["malformed_calls"] += 1
       turn["errors"] += 1
-      self.messages.append({"role": "assistant", "content": raw})
+      self.messages.append({"role": "assistant", "content": self.tok.decode(out, skip_special_tokens=False)})
       observations.append(f"error: {parsed.tool_calls.message}")
     else:
       self.messages.append({"role": "assistant", "content": parsed.content,
                             "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]})
       if not parsed.tool_calls:  # a plain reply ends the episode
         self.finished, self.final_message = True, parsed.content
-      for call in parsed.tool_calls:
-        key = json.dumps([call.name, call.arguments], sort_keys=True)
-        self.stats["repeated_calls"] += key in self.calls_seen
-        self.calls_seen.add(key)
-        self.stats["tool_calls"] += 1
-        result = self.tools.call(call)
-        self.tool_wall_s += result.wall_s
-        turn["tools"].append(call.name)
-        turn["tool_wall_s"].append(round(result.wall_s, 6))
-        turn["errors"] += result.error
-        self.stats["malformed_calls"] += result.invalid
-        self.stats["tool_errors"] += result.error
-        observations.append(result.text)
-        if result.finished:
-          self.finished = True
-          self.final_message = result.final_message or parsed.content
-          break
+      observations += self._run_tools(parsed, turn)
     obs_msgs = [{"role": "tool", "content": o} for o in observations]
     self.messages += obs_msgs
     if self.finished:
@@ -238,7 +230,28 @@ class _Episode:
       self.stop_reason = "max_turns"
     if self.active:  # after the end there is nothing left to condition on
       self._add_observations(obs_msgs)
-    turn["end"] = len(self.builder)
+
+  def _run_tools(self, parsed, turn: dict) -> list[str]:
+    """Runs a turn's tool calls in order (stopping at `finish`); returns their result texts."""
+    observations = []
+    for call in parsed.tool_calls:
+      key = json.dumps([call.name, call.arguments], sort_keys=True)
+      self.stats["repeated_calls"] += key in self.calls_seen
+      self.calls_seen.add(key)
+      self.stats["tool_calls"] += 1
+      result = self.tools.call(call)
+      self.tool_wall_s += result.wall_s
+      turn["tools"].append(call.name)
+      turn["tool_wall_s"].append(round(result.wall_s, 6))
+      turn["errors"] += result.error
+      self.stats["malformed_calls"] += result.invalid
+      self.stats["tool_errors"] += result.error
+      observations.append(result.text)
+      if result.finished:
+        self.finished = True
+        self.final_message = result.final_message or parsed.content
+        break
+    return observations
 
   def _add_observations(self, obs_msgs: list[dict[str, Any]]) -> None:
     """Appends tool results, then either the next <|assistant|> prompt or, if the next turn could overflow the

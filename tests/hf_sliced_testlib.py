@@ -4,8 +4,9 @@ of a multi-process load + save:
   python tests/hf_sliced_testlib.py CKPT FP8_CKPT OUT COORDINATOR NUM_PROCESSES PROCESS_ID
 
 Each process loads both checkpoints on a mesh (expert=2, tensor=2) spanning the processes, writes what it read and
-its share (`OUT/process_<i>.json`) and its local blocks (`OUT/blocks_<i>.npz`), then all save the plain one together
-into `OUT/saved` (several files, so each process writes some).
+its share (`OUT/process_<i>.json`) and its local blocks (`OUT/blocks_<i>.npz`); all then save the plain one together
+into `OUT/saved` (each process writes its own experts, no gathering), and once more from an FSDP mesh (data=2,
+tensor=2: weights split across the processes, so tensors are gathered) into `OUT/saved_fsdp`.
 """
 import json
 import math
@@ -32,6 +33,7 @@ CFG = ModelConfig(vocab_size=80, hidden_size=32, intermediate_size=48, moe_inter
                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
                   num_experts_per_tok=2, initializer_range=0.1, max_position_embeddings=64, num_nextn_predict_layers=1)
 MESH = {"expert": 2, "tensor": 2}
+FSDP_MESH = {"data": 2, "tensor": 2}
 
 
 def share_bytes(cfg: ModelConfig, params: dict, fp8: bool = False) -> dict[str, int]:
@@ -57,6 +59,13 @@ def local_blocks(params: dict) -> dict[str, np.ndarray]:
   return out
 
 
+def gathered(cfg, params) -> int:
+  """How many hub tensors `save` must gather (no process holds them whole)."""
+  from composer_jax.interop import hf_save
+  from composer_jax.interop.hf_names import hub_tensors
+  return sum(w is None for w in hf_save._writers(hub_tensors(cfg), leaf_paths(params), jax.process_count()).values())
+
+
 def main(ckpt, fp8_ckpt, out, coordinator, n, i):
   del coordinator   # joined at import
   from composer_jax.parallel.mesh import make_mesh
@@ -68,7 +77,11 @@ def main(ckpt, fp8_ckpt, out, coordinator, n, i):
     record[kind] = {"bytes_read": stats.bytes_read, "share": share_bytes(cfg, params, fp8=kind == "fp8")}
     blocks.update({f"{kind}|{k}": v for k, v in local_blocks(params).items()})
     if kind == "plain":
-      hf.save(os.path.join(out, "saved"), cfg, params, max_shard_bytes=40_000)
+      record["wrote"] = hf.save(os.path.join(out, "saved"), cfg, params, max_shard_bytes=40_000)
+      record["gathered"] = gathered(cfg, params)
+  cfg, params = hf.load(ckpt, mesh=make_mesh(FSDP_MESH))
+  record["wrote_fsdp"] = hf.save(os.path.join(out, "saved_fsdp"), cfg, params, max_shard_bytes=40_000)
+  record["gathered_fsdp"] = gathered(cfg, params)
   os.makedirs(out, exist_ok=True)
   np.savez(os.path.join(out, f"blocks_{i}.npz"), **blocks)
   with open(os.path.join(out, f"process_{i}.json"), "w") as f:

@@ -55,7 +55,9 @@ def test_summarize_hand_values():
   assert s["pass@1"] == pytest.approx(0.5)  # task rates 0.5, 0, 1
   assert s["pass@2"] == pytest.approx((1 + 0 + 1) / 3)
   assert s["output_tokens"] == pytest.approx(110 / 6) and s["cost"] == pytest.approx(1100 / 6)
-  assert s["samples_per_task"] == 2 and s["n_tasks"] == 3
+  assert s["samples_per_task"] == 2 and s["n_tasks"] == 3 and s["grade_timeouts"] == 0
+  recs[1]["samples"][0]["grade_timed_out"] = True  # a grading timeout is counted, not folded into failures only
+  assert metrics.summarize(recs)["grade_timeouts"] == 1
   with pytest.raises(ValueError, match="different sample counts"):
     metrics.summarize([_rec([1], [1]), _rec([1, 0], [1, 1])])
 

@@ -51,6 +51,8 @@ def test_resume_refuses_other_settings_and_summaries_cover_every_policy(tmp_path
   assert "note: noop: made with other settings" in (tmp_path / "out" / "s" / "summary.txt").read_text()
   # A run on another task set (e.g. other contamination exclusions) is left out, not mixed in.
   r = suite.evaluate({"s": tasks[:2]}, _pol(tok, "noop"), envs, CFG, str(tmp_path / "out2"), **quiet)["s"]
+  with pytest.raises(ValueError, match=r"the tasks differ \(other tasks, contents or labels\)"):
+    suite.evaluate({"s": tasks}, _pol(tok, "noop"), envs, CFG, str(tmp_path / "out2"), **quiet)
   r = suite.evaluate({"s": tasks}, _pol(tok, "oracle"), envs, CFG, str(tmp_path / "out2"), **quiet)["s"]
   assert set(r["summaries"]) == {"oracle"} and r["notes"] == ["noop: left out, evaluated on another task set"]
 

@@ -1,7 +1,7 @@
 """Done-when of starting from a real checkpoint: a directory written by transformers' `save_pretrained` with its
 default config (one MTP module declared, none written) and a DeepSeek-V3-style tokenizer runs through
 `pretrain_main --config.init.hf=<dir>`, an SFT stage and `rl_main`, on the tiny config, as three user commands.
-Slow: ~170 s under load (three processes, each compiling its model).
+Slow: ~120-170 s under load (three processes, each compiling its model).
 """
 import glob
 import json
@@ -35,8 +35,8 @@ SFT = ["--config.model.vocab_size=640", "--config.data.seq_len=256", "--config.d
        "--config.train.steps=2", "--config.train.eval_every=100", "--config.train.eval_batches=1",
        "--config.train.ckpt_every=2", "--config.train.progress_bar=False"]
 RL = ["--config.model.vocab_size=640", "--config.model.num_nextn_predict_layers=1",
-      "--config.model.max_position_embeddings=4096", "--config.sft_steps=0", "--config.steps=1",
-      "--config.eval_tasks=2"]
+      "--config.model.max_position_embeddings=4096", "--config.sft.steps=0", "--config.train.steps=1",
+      "--config.eval.tasks=2"]
 TRANSCRIPT = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix add in a.py"},
               {"role": "assistant", "content": "Reading it.", "tool_calls": [{"name": "read_file",
                                                                              "arguments": {"path": "a.py"}}]},
@@ -77,7 +77,7 @@ def test_save_pretrained_checkpoint_through_pretrain_sft_and_rl(tmp_path):
   assert json.load(open(sft / "tokenizer" / "tokenizer_additions.json")) == added   # the same ids all the way
 
   r = _run(["experiments/rl_main.py", "--config=experiments/configs/rl.py:test,mode=sync", f"--workdir={rl}",
-            f"--config.init_checkpoint={sft}", *RL])
+            f"--config.sft.init_checkpoint={sft}", *RL])
   result = json.loads(r.stdout.strip().splitlines()[-1])
   assert result, r.stdout[-2000:]
   rl_tok = tokenizer_lib.load_tokenizer(str(rl / "tokenizer"))   # RL re-saves the tokenizer it was given

@@ -140,3 +140,28 @@ def test_partial_mtp_module_is_an_error(tmp_path):
     hf.load(path)
   assert "missing 1 tensor(s):\n  model.layers.2.eh_proj.weight" in str(e.value)
   assert "model.layers.2.* is MTP module 0" in str(e.value) and "a partial one cannot" in str(e.value)
+
+
+def test_one_of_two_mtp_modules_missing(tmp_path):
+  """Module 1 absent: 'init' keeps module 0 as saved and initialises module 1; 'drop' keeps only module 0; with
+  module 0 absent instead, 'drop' cannot (a count of modules can only lose the trailing ones)."""
+  cfg = dataclasses.replace(CFG, num_nextn_predict_layers=2)
+  params = init(jax.random.key(5), cfg)
+  path = str(tmp_path)
+  hf.save(path, cfg, params)
+  file = os.path.join(path, hf.SINGLE_FILE)
+  full = load_file(file)
+  save_file({k: v for k, v in full.items() if not k.startswith("model.layers.3.")}, file)
+  with pytest.warns(UserWarning, match=r"MTP module\(s\) 1 \(model\.layers\.3\.\*\)"):
+    got_cfg, got = hf.load(path, seed=3)
+  assert got_cfg == cfg
+  for a, b in zip(jax.tree.leaves(got["mtp"]), jax.tree.leaves(params["mtp"])):
+    np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
+  fresh = np.asarray(got["mtp"]["eh_proj"][1])
+  assert np.abs(fresh).max() > 0 and not np.array_equal(fresh, np.asarray(params["mtp"]["eh_proj"][1]))
+  with pytest.warns(UserWarning, match="Dropped them"):
+    cfg1, p1 = hf.load(path, missing_mtp="drop")
+  assert cfg1.num_nextn_predict_layers == 1 and p1["mtp"]["eh_proj"].shape[0] == 1
+  save_file({k: v for k, v in full.items() if not k.startswith("model.layers.2.")}, file)
+  with pytest.raises(ValueError, match="can only drop trailing modules"):
+    hf.load(path, missing_mtp="drop")

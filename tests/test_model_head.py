@@ -139,3 +139,26 @@ def test_hidden_states_through_the_head_equal_forward_logits():
   want = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
   np.testing.assert_allclose(head.token_logprobs(h, w, targets, chunk_size=5), want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(head.logits(haux["mtp_hidden"][0], w), aux["mtp_logits"][0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_lm_loss_and_cached_decode_lower_for_cuda(scan):
+  """The GPU configuration (ragged experts, scanned or unrolled stacks) of the loss path and one decode step."""
+  from composer_jax import model
+  from composer_jax.sampling import cached_model as cm
+  cfg = model.ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_nextn_predict_layers=1,
+                          moe_impl="ragged", scan_layers=scan)
+  params = model.abstract_params(cfg)
+  tok = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+
+  def loss(p, tok):
+    h, aux = model.hidden_states(p, tok, cfg)
+    ce, _ = head.cross_entropy(h, model.lm_head(p, cfg), tok, jnp.ones(tok.shape))
+    dce, _ = head.distill_cross_entropy(aux["mtp_hidden"][0], model.lm_head(p, cfg, detach=True), h)
+    return ce + dce.mean()
+
+  jax.jit(jax.grad(loss)).trace(params, tok).lower(lowering_platforms=("cuda",))
+  cache = jax.eval_shape(lambda p: cm.init_cache(p, cfg, 2, 16), params)
+  step = jax.jit(lambda p, t, c: cm.forward_cached(p, t, c, jnp.full((2,), 8, jnp.int32), jnp.zeros(2, jnp.int32),
+                                                   cfg))
+  step.trace(params, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).lower(lowering_platforms=("cuda",))

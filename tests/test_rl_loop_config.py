@@ -165,3 +165,25 @@ def test_checkpointer_saves_the_queue_cursor_with_the_state(tmp_path):
   np.testing.assert_array_equal(ck.restore(like)["w"], state["w"])
   assert ck.restore_meta() == {"cursor": {"worker0": 7}} and ck.latest_step() == 3
   ck.close()
+
+
+def test_success_rate_runs_through_the_evaluation_runner_and_resumes(tmp_path):
+  from rollout import harness
+  from rollout.engines import scripted
+  from rollout.tasks.environment import EnvironmentCache
+  from rollout.workspace import make_factory
+  tasks = procedural.generate(4, seed=5, split="heldout", level=1)
+  tok = warmstart.fit_tokenizer(tasks, harness.SHORT_SYSTEM_PROMPT, 512)
+  hcfg = harness.HarnessConfig(system_prompt="short", context_budget=512, max_turn_tokens=128,
+                               observation_reserve=128, max_turns=4, max_segments=1)
+  envs = EnvironmentCache(make_factory("local"))
+  try:
+    got = evaluate.success_rate(scripted.ScriptedEngine(tok, scripted.oracle_policy(tasks)), tok, tasks, envs, hcfg,
+                                0.0, str(tmp_path / "oracle"))
+    lo, hi = evaluate.wilson(4, 4)
+    assert got == {"success": 1.0, "ci_low": lo, "ci_high": hi, "n": 4}
+    assert len(open(tmp_path / "oracle" / "results.jsonl").readlines()) == 4
+    noop = scripted.ScriptedEngine(tok, scripted.noop_policy)   # finished tasks are read back, not re-run
+    assert evaluate.success_rate(noop, tok, tasks, envs, hcfg, 0.0, str(tmp_path / "oracle"))["success"] == 1.0
+  finally:
+    envs.factory.close()

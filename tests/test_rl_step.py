@@ -1,4 +1,5 @@
 """The RL step: router replay wiring, mismatch/gap metrics, and one sharded optimizer step that learns."""
+import dataclasses
 import functools
 
 import compile_testlib
@@ -14,7 +15,7 @@ from composer_jax.rl import step as rl_step_lib
 from composer_jax.rl.batch import BatchConfig, from_consumed
 from composer_jax.train import optim
 from composer_jax.train import step as train_step_lib
-from composer_jax.train.config import OptimConfig
+from composer_jax.train.config import OptimConfig, TrainConfig
 from rollout.queue import QueueConsumer, QueueProducer, open_store
 from rollout.staleness import StalenessConfig
 
@@ -41,8 +42,10 @@ def _batch(tokens, inf_logprobs, routing, reward=(1.0, 0.0, 0.5, 0.0), group=(0,
 
 
 def _logp(params, tokens, routing=None):
+  """The reference: full logits from `model.forward` and a plain log-softmax (the step runs the chunked head)."""
   logits, aux = model.forward(params, tokens, CFG, routing=routing)
-  return losses.token_logprobs(logits, tokens), aux["experts"]
+  lp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), tokens[:, 1:, None], -1)[..., 0]
+  return jnp.pad(lp, ((0, 0), (1, 0))), aux["experts"]
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +240,19 @@ def test_freeze_subtrees_stops_weight_decay_on_mtp():
   assert float(jnp.abs(updates["mtp"]["w"]).max()) == 0.0                    # frozen: no decay
   assert float(jnp.abs(updates["moe_layers"]["moe"]["bias"]).max()) == 0.0    # the router bias stays frozen
   assert float(jnp.abs(updates["moe_layers"]["moe"]["router"]).max()) > 0.0   # trained leaves still decay
+
+
+def test_rl_and_lm_steps_lower_for_cuda(setup):
+  """The GPU path (moe_impl='ragged', the pass-2 `lax.cond`, the chunked head) still lowers for cuda on a CPU host."""
+  params, ref_params, tokens, lp_own, own, _, _ = setup
+  gpu_cfg = dataclasses.replace(CFG, moe_impl="ragged")
+  opt = optim.make_optimizer(OptimConfig(), params)
+  state = train_step_lib.init_state(params, opt)
+  rl = jax.jit(functools.partial(rl_step_lib.rl_step, model_cfg=gpu_cfg, rl_cfg=rl_step_lib.RLConfig(),
+                                 optimizer=opt))
+  rl.trace(state, _batch(tokens, lp_own, own), ref_params).lower(lowering_platforms=("cuda",))
+  lm_batch = {"tokens": tokens, "segment_ids": jnp.ones((B, L), jnp.int32),
+              "positions": jnp.broadcast_to(jnp.arange(L), (B, L)), "loss_mask": jnp.ones((B, L))}
+  lm = jax.jit(functools.partial(train_step_lib.train_step, model_cfg=gpu_cfg, train_cfg=TrainConfig(),
+                                 optimizer=opt))
+  lm.trace(state, lm_batch).lower(lowering_platforms=("cuda",))

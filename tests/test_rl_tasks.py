@@ -12,13 +12,16 @@ from tests.tasks_testlib import FAST, commit, init_repo
 
 
 def _mined_repo(path):
-  """Three commits, each adding a function with its test: two mineable tasks (the first commit is the base)."""
+  """Three commits, each adding a function with its test: two mineable tasks (the first commit is the base; the
+  subjects have the three words a self-contained prompt needs)."""
   init_repo(path)
   commit(path, {"calc.py": "def one():\n    return 1\n", "tests/test_one.py": "def test_one():\n    pass\n"}, "Start")
   commit(path, {"calc.py": "def one():\n    return 1\n\n\ndef two():\n    return 2\n",
-                "tests/test_two.py": "from calc import two\n\n\ndef test_two():\n    assert two() == 2\n"}, "Add two")
+                "tests/test_two.py": "from calc import two\n\n\ndef test_two():\n    assert two() == 2\n"},
+         "Add two to calc")
   commit(path, {"calc.py": "def one():\n    return 1\n\n\ndef two():\n    return 2\n\n\ndef six():\n    return 6\n",
-                "tests/test_six.py": "from calc import six\n\n\ndef test_six():\n    assert six() == 6\n"}, "Add six")
+                "tests/test_six.py": "from calc import six\n\n\ndef test_six():\n    assert six() == 6\n"},
+         "Add six to calc")
   return str(path)
 
 
@@ -35,7 +38,7 @@ def test_sync_rl_on_a_mined_set_with_gold_patch_demonstrations(tmp_path):
                                 "sft.seq_len": 512})
   out = loop.train_rl(cfg, log_fn=lambda s: None)
   pool = setup.train_pool(cfg)
-  assert sorted(t.prompt for t in pool) == ["Add six", "Add two"]
+  assert sorted(t.prompt for t in pool) == ["Add six to calc", "Add two to calc"]
   assert (tmp_path / "run" / "tasks_train_0.json").exists()      # frozen once: workers read the same pool
   demos = [json.loads(line)["messages"] for line in open(tmp_path / "run" / "sft" / "sft_train.jsonl")]
   calls = [c for m in demos for turn in m if turn["role"] == "assistant" for c in turn.get("tool_calls") or []]
@@ -55,3 +58,25 @@ def test_file_task_source_from_the_command_line_arg():
   assert setup.heldout_spec(cfg).split == "heldout" and setup.heldout_spec(cfg).n == cfg.eval.tasks
   mix = configs.from_dict(RunConfig, rl_configs.get_config("colab,levels=1+2"), workdir="/tmp/unused")
   assert mix.tasks.levels == (1, 2) and mix.tasks.seed == mix.seed + 1
+
+
+def test_a_finite_pool_is_frozen_once_and_checked_against_the_config(tmp_path):
+  from rollout.tasks import procedural, registry
+  calls = []
+
+  @registry.register("rl_test_source")
+  def _load(spec, envs, log):
+    calls.append(spec.split)
+    return procedural.generate(12, seed=3, split="train")
+  try:
+    cfg = configs.from_dict(RunConfig, rl_configs.get_config("test"), workdir=str(tmp_path))
+    cfg = configs.replace(cfg, **{"tasks.kind": "rl_test_source", "tasks.n": 0})
+    pool = setup.train_pool(cfg)
+    assert [t.id for t in setup.train_pool(cfg)] == [t.id for t in pool] and calls == ["train"]   # read back
+    held = setup.heldout_tasks(cfg)
+    assert {t.id for t in held}.isdisjoint(t.id for t in pool) and len(held) + len(pool) == 12
+    other = configs.replace(cfg, **{"tasks.heldout_percent": 50})
+    with pytest.raises(ValueError, match=r"another task source \{'heldout_percent': \(20, 50\)\}"):
+      setup.train_pool(other)
+  finally:
+    del registry.SOURCES["rl_test_source"]

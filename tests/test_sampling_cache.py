@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from composer_jax import model
-from composer_jax.model.attention import attend, expand_kv
+from composer_jax.model.attention import attend, attend_latent, expand_kv
+from composer_jax.model.rope import softmax_scale
 from composer_jax.sampling import cached_model as cm
 
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -29,8 +30,8 @@ def test_absorbed_attention_equals_expanded():
   kr = jax.random.normal(k3, (B, S, CFG.qk_rope_head_dim))
   mask = cm.cache_mask(jnp.array([[4, 5, 6], [2, 3, 4]]), jnp.array([0, 2]), S)
   k, v = expand_kv(p, c, kr)
-  want = attend(q, k, v, mask, cm.softmax_scale(CFG))
-  got = cm.attend_latent(p, q, c, kr, mask, CFG)
+  want = attend(q, k, v, mask, softmax_scale(CFG))
+  got = attend_latent(p, q, c, kr, mask, CFG)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -103,3 +103,26 @@ def test_a_command_setting_pythonpath_still_reports_and_no_report_is_an_error(en
     ws.close()
   assert rep.passed, rep
   assert not silent.passed and silent.error.startswith("the test command wrote no report")
+
+
+def test_gold_validation_runs_each_side_twice_and_rejects_a_flaky_task(envs, tmp_path):
+  from rollout.evaluation import gold
+  counter = tmp_path / "count"
+  flaky = (f"import os\n\nfrom calc import two\nC = {str(counter)!r}\n\n\ndef test_two():\n    assert two() == 2\n\n\n"
+           "def test_flaky():\n    n = int(open(C).read()) + 1 if os.path.exists(C) else 1\n"
+           "    open(C, 'w').write(str(n))\n    assert n % 2 == 0\n")
+  patch = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def two():\n-    return 3\n+    return 2\n"
+  files = {"calc.py": "def two():\n    return 3\n", "tests/test_calc.py": flaky}
+  task = Task("t", "python", "p", Environment(files=files),
+              HiddenTests(CMD, ("tests/test_calc.py::test_two",), ("tests/test_calc.py::test_flaky",)),
+              gold_patch=patch)
+  check = gold.check_task(task, envs)
+  assert not check.valid and check.reason.startswith("flaky tests (unpatched results differ between 2 runs)")
+  assert "tests/test_calc.py::test_flaky" in check.reason and int(counter.read_text()) == 2
+  no_flaky = flaky.split("\n\n\ndef test_flaky")[0] + "\n"
+  stable = Task("t", "python", "p", Environment(files={**files, "tests/test_calc.py": no_flaky}),
+                HiddenTests(CMD, ("tests/test_calc.py::test_two",)), gold_patch=patch)
+  check = gold.check_task(stable, envs)
+  assert check.valid and check.gold_s > 0
+  with pytest.raises(ValueError, match="at least twice"):
+    gold.validate([stable], envs, runs=1)

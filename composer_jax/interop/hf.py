@@ -12,91 +12,23 @@ import dataclasses
 import json
 import os
 import warnings
-from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
-from safetensors.numpy import save_file
 
 from composer_jax.interop import fp8 as fp8_lib
 from composer_jax.interop import hf_files
+from composer_jax.interop.hf_config import config_from_hf, config_to_hf
 from composer_jax.interop.hf_files import INDEX_FILE, SINGLE_FILE
-from composer_jax.interop.hf_names import HubTensor, Source, hub_tensors, leaf_paths, mtp_copies, read_block, sources
-from composer_jax.model.config import ModelConfig, RopeScaling
+from composer_jax.interop.hf_names import Source, block_of, hub_tensors, leaf_paths, mtp_copies, read_block, sources
+from composer_jax.interop.hf_save import save
+from composer_jax.model.config import ModelConfig
 from composer_jax.model.params import abstract_params, init, shardings
-from composer_jax.parallel import distributed
 from composer_jax.parallel.rules import ShardingRules
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "ReadStats", "config_from_hf", "config_to_hf", "load", "load_with_stats",
            "save"]
 MISSING_MTP = ("init", "drop", "error")
-
-# HF config keys copied 1:1 to/from ModelConfig fields.
-_SAME_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-              "v_head_dim", "rope_theta", "max_position_embeddings", "rms_norm_eps", "n_routed_experts",
-              "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob",
-              "routed_scaling_factor", "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers",
-              "tie_word_embeddings", "initializer_range", "rope_interleave")
-
-
-def config_to_hf(cfg: ModelConfig, *, yarn_identity: bool = True,
-                 fp8: fp8_lib.BlockFP8 | None = None) -> dict[str, Any]:
-  """config.json dict in the DeepSeek-V3 / Kimi K2 layout (with `fp8`, its `quantization_config` too).
-
-  With `yarn_identity` and no rope scaling, writes a YaRN block with factor 1 (numerically plain RoPE) because
-  SGLang's CPU rope factory only supports deepseek_yarn.
-  """
-  d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
-  d.update({k: getattr(cfg, k) for k in _SAME_KEYS})
-  rs = cfg.rope_scaling
-  if rs is None and yarn_identity:
-    rs = RopeScaling(factor=1.0, original_max_position_embeddings=cfg.max_position_embeddings)
-  if rs is not None:
-    d["rope_scaling"] = {"type": "yarn", "factor": rs.factor, "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow,
-                         "mscale": rs.mscale, "mscale_all_dim": rs.mscale_all_dim,
-                         "original_max_position_embeddings": rs.original_max_position_embeddings}
-  else:
-    d["rope_scaling"] = None
-  dtype = jax.numpy.dtype(cfg.param_dtype).name
-  d.update({"num_key_value_heads": cfg.num_attention_heads, "hidden_act": "silu", "attention_bias": False,
-            "attention_dropout": 0.0, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "seq_aux": True,
-            "aux_loss_alpha": cfg.seq_aux_loss_coef, "ep_size": 1, "use_cache": True, "bos_token_id": 0,
-            "eos_token_id": 1, "torch_dtype": dtype, "dtype": dtype})
-  if fp8 is not None:
-    d["quantization_config"] = fp8.to_config()
-  return d
-
-
-def config_from_hf(d: dict[str, Any], **overrides) -> ModelConfig:
-  """ModelConfig from a DeepSeek-V3 config.json dict; unsupported settings raise naming the key."""
-  if d.get("model_type") not in ("deepseek_v3", "kimi_k2"):
-    raise ValueError(f"config.json model_type={d.get('model_type')!r}; expected 'deepseek_v3'")
-  checks = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc", "attention_bias": False}
-  for k, want in checks.items():
-    if k in d and d[k] != want:
-      raise ValueError(f"config.json {k}={d[k]!r} is unsupported (need {want!r})")
-  if d.get("num_key_value_heads", d["num_attention_heads"]) != d["num_attention_heads"]:
-    raise ValueError("config.json num_key_value_heads must equal num_attention_heads for MLA")
-  kw = {k: d[k] for k in _SAME_KEYS if k in d}
-  if "num_nextn_predict_layers" not in d and "num_mtp_layers" in d:
-    kw["num_nextn_predict_layers"] = d["num_mtp_layers"]
-  rs = d.get("rope_scaling") or d.get("rope_parameters")
-  if rs and "rope_theta" in rs and "rope_theta" not in d:
-    kw["rope_theta"] = rs["rope_theta"]
-  kind = (rs or {}).get("type", (rs or {}).get("rope_type", "default"))
-  if kind == "yarn":
-    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
-    kw["rope_scaling"] = RopeScaling(**{k: v for k, v in rs.items() if k in fields})
-  elif kind not in ("default", None):
-    raise ValueError(f"rope scaling type {kind!r} is unsupported (only 'yarn')")
-  if "aux_loss_alpha" in d:
-    kw["seq_aux_loss_coef"] = d["aux_loss_alpha"]
-  dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
-  kw["param_dtype"] = dtype
-  kw.update(overrides)
-  return ModelConfig(**kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +70,6 @@ def _resolve_missing_mtp(cfg: ModelConfig, missing: list[int], policy: str) -> t
   return cfg, tuple(missing)
 
 
-def _block_index(idx: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-  return tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
-
 
 def _build_leaf(src: Source, aval, sharding, region, fresh: jax.Array | None, fresh_ix: tuple[int, ...]) -> jax.Array:
   """One leaf from this process's shards only: each distinct block its devices hold is read once.
@@ -151,7 +80,7 @@ def _build_leaf(src: Source, aval, sharding, region, fresh: jax.Array | None, fr
   blocks: dict = {}
   arrays = []
   for device, idx in sharding.addressable_devices_indices_map(aval.shape).items():
-    block = _block_index(idx, aval.shape)
+    block = block_of(idx, aval.shape)
     if block not in blocks:
       (j0, j1), rest = (block[0], block[1:]) if fresh_ix else ((0, 0), ())
       if fresh_ix:   # module by module: fresh ones from the init's local shard, the others from the files
@@ -170,7 +99,7 @@ def read_params(ckpt: hf_files.Checkpoint, cfg: ModelConfig, mesh=None, rules: S
   placed = leaf_paths(shardings(cfg, mesh, rules))
   srcs = sources(cfg)
   fresh = {}
-  if fresh_mtp:   # jit drops every leaf but MTP's from the full init, so nothing else is built
+  if fresh_mtp:   # under jit only the random draws the MTP leaves use are computed (the rest is dead code)
     mtp_shardings = shardings(cfg, mesh, rules)["mtp"]
     fresh = leaf_paths({"mtp": jax.jit(lambda k: init(k, cfg, mesh, rules)["mtp"], out_shardings=mtp_shardings)(
         jax.random.key(seed))})
@@ -239,91 +168,3 @@ def load(path: str, *, mesh=None, rules: ShardingRules | None = None, missing_mt
   return cfg, params
 
 
-def _stored(name: str, hub: HubTensor, fmt: fp8_lib.BlockFP8 | None) -> int:
-  """Bytes the tensor takes in the file (FP8: one per element plus its float32 scales)."""
-  n = int(np.prod(hub.shape))
-  if _quantised(name, fmt):
-    return n + 4 * int(np.prod(fmt.scale_shape(hub.shape)))
-  return n * hub.dtype.itemsize
-
-
-def _quantised(name: str, fmt: fp8_lib.BlockFP8 | None) -> bool:
-  return fmt is not None and fp8_lib.is_quantisable(name)
-
-
-def _encode(name: str, x: np.ndarray, fmt: fp8_lib.BlockFP8 | None) -> dict[str, np.ndarray]:
-  if not _quantised(name, fmt):
-    return {name: x}
-  q, scale = fp8_lib.quantize(x.astype(np.float32), fmt)
-  return {name: q, name + fp8_lib.SCALE_SUFFIX: scale}
-
-
-def _leaf_reader(params: dict):
-  """`get(path, stack indices)` → that leaf block on this host. A leaf other processes hold parts of is gathered
-  (every process must then make the same calls, in the same order); a local one is copied to host once."""
-  leaves, host = leaf_paths(params), {}
-
-  def get(path, ix):
-    x = leaves[path]
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return multihost_utils.process_allgather(x[ix], tiled=True)
-    if path not in host:
-      host[path] = np.asarray(x)
-    return host[path][ix]
-  return get
-
-
-def _plan_files(hubs: dict[str, HubTensor], fmt, max_shard_bytes: int) -> list[list[str]]:
-  files: list[list[str]] = [[]]
-  size = 0
-  for name in sorted(hubs):
-    n = _stored(name, hubs[name], fmt)
-    if files[-1] and size + n > max_shard_bytes:
-      files.append([])
-      size = 0
-    files[-1].append(name)
-    size += n
-  return files
-
-
-def save(path: str, cfg: ModelConfig, params: dict, *, max_shard_bytes: int = 5 * 2**30,
-         yarn_identity: bool = True, fp8: bool = False, fp8_block: tuple[int, int] = (128, 128)) -> None:
-  """Writes config.json and safetensors (sharded with an index when over `max_shard_bytes`) in hub layout.
-
-  With `fp8`, attention and MLP / expert linear weights are written block-FP8 (E4M3 + float32 `_scale_inv` per
-  `fp8_block`), as DeepSeek-V3 / Kimi K2 publish them. In a multi-process run every process calls `save`: file k is
-  written by process k % process_count, holding on its host one file's tensors at a time (each hub tensor is
-  gathered from the processes that hold its parts); process 0 writes the index and config.json.
-  """
-  os.makedirs(path, exist_ok=True)
-  fmt = fp8_lib.BlockFP8(tuple(fp8_block)) if fp8 else None
-  hubs = hub_tensors(cfg)
-  files = _plan_files(hubs, fmt, max_shard_bytes)
-  fnames = [SINGLE_FILE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-                                                  for i in range(len(files))]
-  get, me, n_proc = _leaf_reader(params), jax.process_index(), jax.process_count()
-  weight_map, total = {}, 0
-  for k, names in enumerate(files):
-    tensors: dict[str, np.ndarray] = {}
-    for name in names:
-      x = hubs[name].assemble(get)   # a collective where parts live on other processes: every process calls it
-      if k % n_proc == me:
-        tensors.update(_encode(name, x, fmt))
-    if k % n_proc == me:
-      save_file(tensors, os.path.join(path, fnames[k]), metadata={"format": "pt"})
-    for name in names:
-      weight_map[name] = fnames[k]
-      if _quantised(name, fmt):
-        weight_map[name + fp8_lib.SCALE_SUFFIX] = fnames[k]
-      total += _stored(name, hubs[name], fmt)
-  if me == 0:
-    index = os.path.join(path, INDEX_FILE)
-    if len(files) == 1:
-      if os.path.exists(index):
-        os.remove(index)
-    else:
-      with open(index, "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-      json.dump(config_to_hf(cfg, yarn_identity=yarn_identity, fp8=fmt), f, indent=2, sort_keys=True)
-  distributed.barrier("hf_save")

@@ -132,6 +132,11 @@ def leaf_paths(tree) -> dict[Path, object]:
 # --- reading ---------------------------------------------------------------------------------------------------------
 
 
+def block_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+  """A device's index (slices, as `Sharding.devices_indices_map` gives it) as [start, stop) per dim."""
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
 def _hub_ranges(axis: HubAxis, block: Index) -> list[tuple[int, int]]:
   """The hub index ranges one hub axis needs for our block (one range unless an inner dim is cut)."""
   if len(axis.dims) == 1:

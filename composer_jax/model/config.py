@@ -65,7 +65,8 @@ class ModelConfig:
   initializer_range: float = 0.02
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  scan_layers: bool = True                # lax.scan over stacked identical layers (short compiles)
+  scan_layers: bool | None = None         # lax.scan over each stack of identical layers (True), a Python loop
+                                          # (False), or None: by platform (`transformer.scans_layers`)
   remat: bool = False
 
   @property

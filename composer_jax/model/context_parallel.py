@@ -132,7 +132,7 @@ def _check_length(L: int, multiple: int, n: int) -> None:
 
 def ring_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array, segment_ids_BxL: jax.Array,
                    index_BxL: jax.Array, kvb: dict, scale: float) -> jax.Array:
-  """Ring attention over the `context` axis of the current mesh → [B, L, H, Dv] (global shapes; parallel/ring.py).
+  """Ring attention over the `context` axis of the current mesh → [B, L, H, Dv] (global shapes; ring_attention.py).
 
   Args:
     q_BxLxHxQ: queries (nope then rotated rope part), in the zig-zag layout like every other sequence input.

@@ -3,7 +3,7 @@
 Every loss over the vocabulary (next-token cross-entropy, RL token log-probs and entropy, MTP self-distillation,
 evaluation NLL) goes through these functions. The forward runs the head on `chunk_size` tokens at a time and keeps
 only per-token statistics (the log-normaliser); the backward recomputes each chunk's logits from h and w and turns
-them straight into that chunk's dh and its share of dw. Peak memory is one [chunk, V] block instead of several
+them straight into that chunk's dh and its share of dw. Peak memory is one [Tc, V] block instead of several
 [B·L, V] arrays (logits, softmax, its gradient and a transposed copy), which on a CPU is also most of the time the
 plain formula spends in the head (the log-softmax backward alone wrote a transposed [4096, 2048] copy per step).
 
@@ -16,7 +16,7 @@ Numerics: logits are accumulated in float32 (`preferred_element_type`) whatever 
 come back in h's and w's dtypes. `*_reference` beside each function is the plain formula on full logits (tested
 equal, values and gradients).
 
-Letters: B batch, L length, T = B·L tokens, D hidden, V vocab, C chunk of tokens, n number of chunks.
+Letters: B batch, L length, T = B·L tokens, D hidden, V vocab, Tc tokens per chunk, n number of chunks.
 """
 from __future__ import annotations
 
@@ -36,19 +36,19 @@ def lm_head(params: dict, cfg: ModelConfig, detach: bool = False) -> jax.Array:
   return jax.lax.stop_gradient(w_DxV) if detach else w_DxV
 
 
-def logits(h_BxLxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
-  """Full float32 logits [B, L, V] (for sampling and tests; losses use the chunked functions below)."""
-  return jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV.astype(h_BxLxD.dtype), preferred_element_type=jnp.float32)
+def logits(h_xD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+  """Full float32 logits [..., V] of h [..., D] (sampling and tests; losses use the chunked functions below)."""
+  return jnp.einsum("...d,dv->...v", h_xD, w_DxV.astype(h_xD.dtype), preferred_element_type=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- chunking helpers
 
-def _chunks(x_Tx_: jax.Array, C: int) -> jax.Array:
-  """[T, ...] → [n, C, ...], zero-padded at the end to a whole number of chunks."""
+def _chunks(x_Tx_: jax.Array, Tc: int) -> jax.Array:
+  """[T, ...] → [n, Tc, ...], zero-padded at the end to a whole number of chunks."""
   T = x_Tx_.shape[0]
-  n = -(-T // C)
-  pad = [(0, n * C - T)] + [(0, 0)] * (x_Tx_.ndim - 1)
-  return jnp.pad(x_Tx_, pad).reshape(n, C, *x_Tx_.shape[1:])
+  n = -(-T // Tc)
+  pad = [(0, n * Tc - T)] + [(0, 0)] * (x_Tx_.ndim - 1)
+  return jnp.pad(x_Tx_, pad).reshape(n, Tc, *x_Tx_.shape[1:])
 
 
 def _unchunk(x_nxCx_: jax.Array, T: int) -> jax.Array:
@@ -61,42 +61,42 @@ def _chunk_size(chunk_size: int, T: int) -> int:
   return min(chunk_size, max(T, 1))
 
 
-def _chunk_logits(h_CxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
-  return jnp.dot(h_CxD, w_DxV.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
+def _chunk_logits(h_TcxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+  return jnp.dot(h_TcxD, w_DxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------- token log-probs and entropy
 
-def _stats(z_CxV: jax.Array, t_C: jax.Array):
+def _stats(z_TcxV: jax.Array, t_Tc: jax.Array):
   """(log p(target), entropy, logsumexp) per row of float32 logits."""
-  lse_C = jax.nn.logsumexp(z_CxV, axis=-1)
-  logp_CxV = z_CxV - lse_C[:, None]
-  p_CxV = jnp.exp(logp_CxV)
-  ent_C = -jnp.sum(p_CxV * logp_CxV, axis=-1)
-  return jnp.take_along_axis(logp_CxV, t_C[:, None], axis=-1)[:, 0], ent_C, lse_C
+  lse_Tc = jax.nn.logsumexp(z_TcxV, axis=-1)
+  logp_TcxV = z_TcxV - lse_Tc[:, None]
+  p_TcxV = jnp.exp(logp_TcxV)
+  ent_Tc = -jnp.sum(p_TcxV * logp_TcxV, axis=-1)
+  return jnp.take_along_axis(logp_TcxV, t_Tc[:, None], axis=-1)[:, 0], ent_Tc, lse_Tc
 
 
-def _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, C):
+def _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc):
   def one(args):
-    h_CxD, t_C = args
-    return _stats(_chunk_logits(h_CxD, w_DxV), t_C)
-  logp, ent, lse = jax.lax.map(one, (_chunks(h_TxD, C), _chunks(t_T, C)))
+    h_TcxD, t_Tc = args
+    return _stats(_chunk_logits(h_TcxD, w_DxV), t_Tc)
+  logp, ent, lse = jax.lax.map(one, (_chunks(h_TxD, Tc), _chunks(t_T, Tc)))
   T = h_TxD.shape[0]
   return _unchunk(logp, T), _unchunk(ent, T), _unchunk(lse, T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _token_stats(h_TxD, w_DxV, t_T, C):
-  logp_T, ent_T, _ = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, C)
+def _token_stats(h_TxD, w_DxV, t_T, Tc):
+  logp_T, ent_T, _ = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc)
   return logp_T, ent_T
 
 
-def _token_stats_fwd(h_TxD, w_DxV, t_T, C):
-  logp_T, ent_T, lse_T = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, C)
+def _token_stats_fwd(h_TxD, w_DxV, t_T, Tc):
+  logp_T, ent_T, lse_T = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc)
   return (logp_T, ent_T), (h_TxD, w_DxV, t_T, lse_T, ent_T)
 
 
-def _token_stats_bwd(C, res, g):
+def _token_stats_bwd(Tc, res, g):
   """d logp_t/dz = onehot(t) − p;  dH/dz = −p ⊙ (log p + H). Per chunk: dz → dh = dz wᵀ, dw += hᵀ dz."""
   h_TxD, w_DxV, t_T, lse_T, ent_T = res
   g_logp_T, g_ent_T = g
@@ -104,16 +104,16 @@ def _token_stats_bwd(C, res, g):
   w_c = w_DxV.astype(h_TxD.dtype)
 
   def one(dw_DxV, args):
-    h_CxD, t_C, lse_C, ent_C, gl_C, ge_C = args
-    logp_CxV = _chunk_logits(h_CxD, w_DxV) - lse_C[:, None]
-    p_CxV = jnp.exp(logp_CxV)
-    onehot_CxV = jax.nn.one_hot(t_C, V, dtype=jnp.float32)
-    dz_CxV = gl_C[:, None] * (onehot_CxV - p_CxV) - ge_C[:, None] * p_CxV * (logp_CxV + ent_C[:, None])
-    dh_CxD = jnp.dot(dz_CxV.astype(h_CxD.dtype), w_c.T, preferred_element_type=jnp.float32)
-    dw_DxV = dw_DxV + jnp.dot(h_CxD.T, dz_CxV.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
-    return dw_DxV, dh_CxD.astype(h_CxD.dtype)
+    h_TcxD, t_Tc, lse_Tc, ent_Tc, gl_Tc, ge_Tc = args
+    logp_TcxV = _chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None]
+    p_TcxV = jnp.exp(logp_TcxV)
+    onehot_TcxV = jax.nn.one_hot(t_Tc, V, dtype=jnp.float32)
+    dz_TcxV = gl_Tc[:, None] * (onehot_TcxV - p_TcxV) - ge_Tc[:, None] * p_TcxV * (logp_TcxV + ent_Tc[:, None])
+    dh_TcxD = jnp.dot(dz_TcxV.astype(h_TcxD.dtype), w_c.T, preferred_element_type=jnp.float32)
+    dw_DxV = dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
+    return dw_DxV, dh_TcxD.astype(h_TcxD.dtype)
 
-  xs = tuple(_chunks(a, C) for a in (h_TxD, t_T, lse_T, ent_T, g_logp_T.astype(jnp.float32),
+  xs = tuple(_chunks(a, Tc) for a in (h_TxD, t_T, lse_T, ent_T, g_logp_T.astype(jnp.float32),
                                      g_ent_T.astype(jnp.float32)))
   dw_DxV, dh = jax.lax.scan(one, jnp.zeros(w_DxV.shape, jnp.float32), xs)
   return _unchunk(dh, T), dw_DxV.astype(w_DxV.dtype), None
@@ -141,8 +141,8 @@ def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array,
     raise ValueError(f"targets have shape {targets_BxL.shape}, expected h's leading shape {(B, L)}")
   if w_DxV.shape[0] != D:
     raise ValueError(f"w has shape {w_DxV.shape}, expected [D={D}, V]")
-  C = _chunk_size(chunk_size, B * L)
-  logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32), C)
+  Tc = _chunk_size(chunk_size, B * L)
+  logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32), Tc)
   if with_entropy:
     return logp_T.reshape(B, L), ent_T.reshape(B, L)
   return logp_T.reshape(B, L)
@@ -176,33 +176,33 @@ def cross_entropy_reference(h_BxLxD, w_DxV, targets_BxL, mask_BxL) -> tuple[jax.
 
 # ------------------------------------------------------------------------------------ distillation to a teacher
 
-def _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, C):
+def _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, Tc):
   def one(args):
-    h_CxD, th_CxD = args
-    z_CxV = _chunk_logits(h_CxD, w_DxV)
-    tz_CxV = _chunk_logits(th_CxD, tw_DxV)
-    lse_C = jax.nn.logsumexp(z_CxV, axis=-1)
-    q_CxV = jax.nn.softmax(tz_CxV, axis=-1)
-    ce_C = lse_C - jnp.sum(q_CxV * z_CxV, axis=-1)     # −Σ q log p, with Σ q = 1
-    agree_C = (jnp.argmax(z_CxV, -1) == jnp.argmax(tz_CxV, -1)).astype(jnp.float32)
-    return ce_C, agree_C, lse_C
-  ce, agree, lse = jax.lax.map(one, (_chunks(h_TxD, C), _chunks(th_TxD, C)))
+    h_TcxD, th_TcxD = args
+    z_TcxV = _chunk_logits(h_TcxD, w_DxV)
+    tz_TcxV = _chunk_logits(th_TcxD, tw_DxV)
+    lse_Tc = jax.nn.logsumexp(z_TcxV, axis=-1)
+    q_TcxV = jax.nn.softmax(tz_TcxV, axis=-1)
+    ce_Tc = lse_Tc - jnp.sum(q_TcxV * z_TcxV, axis=-1)     # −Σ q log p, with Σ q = 1
+    agree_Tc = (jnp.argmax(z_TcxV, -1) == jnp.argmax(tz_TcxV, -1)).astype(jnp.float32)
+    return ce_Tc, agree_Tc, lse_Tc
+  ce, agree, lse = jax.lax.map(one, (_chunks(h_TxD, Tc), _chunks(th_TxD, Tc)))
   T = h_TxD.shape[0]
   return _unchunk(ce, T), _unchunk(agree, T), _unchunk(lse, T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _distill(h_TxD, w_DxV, th_TxD, tw_DxV, C):
-  ce_T, agree_T, _ = _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, C)
+def _distill(h_TxD, w_DxV, th_TxD, tw_DxV, Tc):
+  ce_T, agree_T, _ = _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, Tc)
   return ce_T, agree_T
 
 
-def _distill_fwd(h_TxD, w_DxV, th_TxD, tw_DxV, C):
-  ce_T, agree_T, lse_T = _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, C)
+def _distill_fwd(h_TxD, w_DxV, th_TxD, tw_DxV, Tc):
+  ce_T, agree_T, lse_T = _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, Tc)
   return (ce_T, agree_T), (h_TxD, w_DxV, th_TxD, tw_DxV, lse_T)
 
 
-def _distill_bwd(C, res, g):
+def _distill_bwd(Tc, res, g):
   """d(−Σ q log p)/dz = p − q; the teacher (q) gets no gradient."""
   h_TxD, w_DxV, th_TxD, tw_DxV, lse_T = res
   g_ce_T = g[0]
@@ -210,14 +210,14 @@ def _distill_bwd(C, res, g):
   w_c = w_DxV.astype(h_TxD.dtype)
 
   def one(dw_DxV, args):
-    h_CxD, th_CxD, lse_C, g_C = args
-    p_CxV = jnp.exp(_chunk_logits(h_CxD, w_DxV) - lse_C[:, None])
-    q_CxV = jax.nn.softmax(_chunk_logits(th_CxD, tw_DxV), axis=-1)
-    dz_CxV = (g_C[:, None] * (p_CxV - q_CxV)).astype(h_CxD.dtype)
-    dh_CxD = jnp.dot(dz_CxV, w_c.T, preferred_element_type=jnp.float32)
-    return dw_DxV + jnp.dot(h_CxD.T, dz_CxV, preferred_element_type=jnp.float32), dh_CxD.astype(h_CxD.dtype)
+    h_TcxD, th_TcxD, lse_Tc, g_Tc = args
+    p_TcxV = jnp.exp(_chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None])
+    q_TcxV = jax.nn.softmax(_chunk_logits(th_TcxD, tw_DxV), axis=-1)
+    dz_TcxV = (g_Tc[:, None] * (p_TcxV - q_TcxV)).astype(h_TcxD.dtype)
+    dh_TcxD = jnp.dot(dz_TcxV, w_c.T, preferred_element_type=jnp.float32)
+    return dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV, preferred_element_type=jnp.float32), dh_TcxD.astype(h_TcxD.dtype)
 
-  xs = tuple(_chunks(a, C) for a in (h_TxD, th_TxD, lse_T, g_ce_T.astype(jnp.float32)))
+  xs = tuple(_chunks(a, Tc) for a in (h_TxD, th_TxD, lse_T, g_ce_T.astype(jnp.float32)))
   dw_DxV, dh = jax.lax.scan(one, jnp.zeros(w_DxV.shape, jnp.float32), xs)
   return _unchunk(dh, T), dw_DxV.astype(w_DxV.dtype), jnp.zeros_like(th_TxD), jnp.zeros_like(tw_DxV)
 
@@ -239,9 +239,9 @@ def distill_cross_entropy(h_BxLxD: jax.Array, w_DxV: jax.Array, teacher_h_BxLxD:
   if teacher_h_BxLxD.shape != h_BxLxD.shape:
     raise ValueError(f"teacher_h has shape {teacher_h_BxLxD.shape}, expected h's shape {h_BxLxD.shape}")
   tw_DxV = w_DxV if teacher_w_DxV is None else teacher_w_DxV
-  C = _chunk_size(chunk_size, B * L)
+  Tc = _chunk_size(chunk_size, B * L)
   ce_T, agree_T = _distill(h_BxLxD.reshape(B * L, D), w_DxV, teacher_h_BxLxD.reshape(B * L, D).astype(h_BxLxD.dtype),
-                           jax.lax.stop_gradient(tw_DxV), C)
+                           jax.lax.stop_gradient(tw_DxV), Tc)
   return ce_T.reshape(B, L), agree_T.reshape(B, L)
 
 

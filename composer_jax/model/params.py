@@ -1,6 +1,6 @@
 """The one description of the parameters: an `ArrayInfo` per leaf; init, shardings and counts derive from it.
 
-Layout (nested dicts; `Ld` dense layers and `Lm` MoE layers are each stacked on a leading `layers` axis, `N` MTP
+Layout (nested dicts; `Ld` dense layers and `Lm` MoE layers are each stacked on a leading `layers` axis, `Nm` MTP
 modules on a leading `mtp` axis):
   embed [V, D]; final_norm [D]; lm_head [D, V]
   dense_layers / moe_layers / mtp.block: attn_norm [D], mlp_norm [D], attn {...}, mlp {...} (dense) | moe {...}

@@ -14,7 +14,7 @@ it sees both KV chunks: attend the second query half to all KV. Every device doe
 zig-zag balance); only step 0 (j = i) needs the causal diagonal. The segment/index mask is applied in every case.
 
 Letters: B batch, L local query length, S local key length, H heads, Q query/key head dim, R rope head dim,
-Dv value head dim, C kv_lora_rank, n context-parallel size.
+Dv value head dim, C kv_lora_rank, N context-parallel size (`n` in code).
 """
 from __future__ import annotations
 

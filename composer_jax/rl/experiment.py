@@ -17,11 +17,12 @@ from composer_jax.rl.config import RunConfig
 from composer_jax.sampling.engine import JaxEngine
 
 
-def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs) -> dict:
-  """Success on `tasks` at each of `eval.temperatures` (0 = greedy)."""
+def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str) -> dict:
+  """Success of policy `name` on `tasks` at each of `eval.temperatures` (0 = greedy); results in workdir/eval."""
   eng = JaxEngine(params, cfg.model, dataclasses.replace(publishers.engine_config(cfg), min_batch_bucket=64,
                                                          max_batch=64))
-  return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, cfg.harness, temperature=t)
+  return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, cfg.harness, t,
+                                           evaluate.out_dir(cfg.workdir, name, t), policy=name)
           for t in cfg.eval.temperatures}
 
 
@@ -50,13 +51,16 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   rl_seconds = time.perf_counter() - t1
   tok = setup.load_tokenizer(cfg)
   tasks = setup.heldout_tasks(cfg)
+  if not tasks:
+    raise ValueError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on (raise "
+                     "tasks.heldout_percent or use a bigger set)")
   envs = setup.make_envs(cfg)
   try:
-    result = {"sft": evaluate_policy(cfg, start, tok, tasks, envs),
-              "rl": evaluate_policy(cfg, out["params"], tok, tasks, envs)}
+    result = {"sft": evaluate_policy(cfg, start, tok, tasks, envs, "sft"),
+              "rl": evaluate_policy(cfg, out["params"], tok, tasks, envs, "rl")}
     if cfg.eval.control and cfg.sft.steps:
       ctrl = sft_control(cfg, tok, start, rl_seconds, log_fn)
-      result["sft_control"] = evaluate_policy(cfg, ctrl, tok, tasks, envs)
+      result["sft_control"] = evaluate_policy(cfg, ctrl, tok, tasks, envs, "sft_control")
   finally:
     envs.factory.close()
   result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, eval_tasks=len(tasks),

@@ -31,7 +31,12 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
   path = os.path.join(cfg.workdir, f"tasks_{spec.split}_{spec.n}.json")
   if os.path.exists(path):
     with open(path) as f:
-      return [Task.from_dict(d) for d in json.load(f)]
+      frozen = json.load(f)
+    now = json.loads(json.dumps(spec.to_dict()))   # as JSON stores it (tuples become lists)
+    if frozen["spec"] != now:
+      diff = {k: (v, now.get(k)) for k, v in frozen["spec"].items() if now.get(k) != v}
+      raise ValueError(f"{path} froze the tasks of another task source {diff} (frozen, now): use a new workdir")
+    return [Task.from_dict(d) for d in frozen["tasks"]]
   envs = make_envs(cfg)
   try:
     tasks = registry.load_tasks(spec, envs, log)
@@ -39,7 +44,7 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
     envs.factory.close()
   os.makedirs(cfg.workdir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
-    json.dump([t.to_dict() for t in tasks], f)
+    json.dump({"spec": spec.to_dict(), "tasks": [t.to_dict() for t in tasks]}, f)
   os.replace(path + ".tmp", path)
   return tasks
 

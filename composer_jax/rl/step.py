@@ -81,9 +81,16 @@ def routing_mismatch(own_LmxBxLxK: jax.Array, replayed_LmxBxLxK: jax.Array, reco
   return per_layer.astype(jnp.float32), per_token.astype(jnp.float32)
 
 
-def _forward(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
-  return model.forward(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"],
-                       positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
+def _hidden(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
+  return model.hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"],
+                             positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
+
+
+def _frozen_logprobs(params, batch, cfg: ModelConfig, routing):
+  """Token logprobs of frozen `params` (no gradient) and the forward's aux."""
+  params = jax.lax.stop_gradient(params)
+  h, aux = _hidden(params, batch, cfg, routing)
+  return losses.token_logprobs(h, model.lm_head(params, cfg), batch["tokens"]), aux
 
 
 def _masked_mean(x, m):
@@ -113,9 +120,8 @@ def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed) ->
   missing = jnp.any((recorded < 0) & routing_needed(batch)[None, ..., None])
 
   def unreplayed(_):
-    logits, aux = _forward(jax.lax.stop_gradient(params), batch, cfg, None)
-    gap = _masked_mean(jnp.abs(losses.token_logprobs(logits, batch["tokens"]) - batch["inf_logprobs"]),
-                       batch["gen_mask"])
+    logp, aux = _frozen_logprobs(params, batch, cfg, None)
+    gap = _masked_mean(jnp.abs(logp - batch["inf_logprobs"]), batch["gen_mask"])
     return jnp.where(recorded >= 0, recorded, aux["experts"]), gap
 
   def recorded_only(_):
@@ -140,11 +146,10 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   if has_moe and rl_cfg.router_replay:
     replay, metrics["logprob_gap_no_replay"] = replay_routing(params, batch, cfg_no_mtp, measure_unreplayed)
 
-  logits, aux = _forward(params, batch, fwd_cfg, replay, detach_mtp=True)
-  logp = losses.token_logprobs(logits, tokens)
-  ref_routing = replay if rl_cfg.ref_router_replay else None
-  ref_logits, _ = _forward(jax.lax.stop_gradient(ref_params), batch, cfg_no_mtp, ref_routing)
-  ref_logp = losses.token_logprobs(ref_logits, tokens)
+  h, aux = _hidden(params, batch, fwd_cfg, replay, detach_mtp=True)
+  w = model.lm_head(params, model_cfg)
+  logp, entropy = losses.token_logprobs(h, w, tokens, with_entropy=True)
+  ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None)
 
   adv_B = losses.group_advantages(batch["reward"], batch["group"], batch["first"], batch["valid"],
                                   scale_by_std=rl_cfg.loss.adv_std, eps=rl_cfg.loss.adv_eps)
@@ -153,8 +158,8 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   metrics.update(loss_metrics)
   metrics["pg_loss"] = loss
   if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:
-    mtp, agree = lm_losses.mtp_losses(logits, aux["mtp_logits"], tokens, batch["segment_ids"],
-                                      valid_BxL.astype(jnp.float32), "self_distill")
+    mtp, agree = lm_losses.mtp_losses(h, aux["mtp_hidden"], w, model.lm_head(params, model_cfg, detach=True), tokens,
+                                      batch["segment_ids"], valid_BxL.astype(jnp.float32), "self_distill")
     loss = loss + rl_cfg.mtp_weight * jnp.mean(mtp)
     metrics.update(mtp_loss=jnp.mean(mtp), mtp_agreement=jnp.mean(agree))
 
@@ -167,7 +172,7 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
 
   first = batch["first"] * batch["valid"]
   n_traj = jnp.maximum(jnp.sum(first), 1.0)
-  metrics.update(loss=loss, entropy=_masked_mean(jax.lax.stop_gradient(losses.token_entropy(logits)), mask),
+  metrics.update(loss=loss, entropy=_masked_mean(jax.lax.stop_gradient(entropy), mask),
                  reward=jnp.sum(batch["reward"] * first) / n_traj, pass_rate=jnp.sum(batch["passed"] * first) / n_traj,
                  length=jnp.sum(batch["traj_gen_tokens"] * first) / n_traj, trajectories=jnp.sum(first),
                  advantage_abs_mean=jnp.sum(jnp.abs(adv_B) * first) / n_traj,
@@ -189,12 +194,7 @@ def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: Mode
   if rl_cfg.mtp_weight > 0:   # the MTP blocks ran (on their own routing) only when they are trained
     loads["mtp"] = aux["mtp_expert_load"]
   params = train_step_lib.update_router_bias(params, loads, rl_cfg.bias_update_rate)
-  norm = lambda t: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), t))
-  metrics.update(grad_norm=norm(grads), update_norm=norm(updates), param_norm=norm(params))
-  load = aux["expert_load"]
-  if load.shape[0]:   # per-layer max/mean tokens per expert, as the LM step logs it
-    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)
-    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
+  metrics.update(train_step_lib.update_metrics(grads, updates, params, aux["expert_load"]))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

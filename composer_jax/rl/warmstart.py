@@ -12,6 +12,7 @@ or the SFT data.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -27,19 +28,26 @@ from composer_jax.train import tokenizer as tokenizer_lib
 from composer_jax.train.config import OptimConfig, TrainConfig
 from rollout import chat_format, harness
 from rollout.engines import scripted
-from rollout.evaluation.policies import with_oracle
-from rollout.tasks import procedural
+from rollout.evaluation import policies
+from rollout.tasks import procedural, registry
 
 
 def fit_tokenizer(tasks: Sequence, system_prompt: str, vocab_size: int | tokenizer_lib.TokenizerConfig):
   """A BPE fitted to training-split project files, prompts and oracle transcripts (the one tokenizer fitting)."""
-  tasks = with_oracle(tasks)
+  tasks = policies.with_oracle(tasks)
   texts = [f for t in tasks for f in t.environment.files.values()] + [system_prompt, harness.SUMMARY_PROMPT]
   texts += [t.prompt for t in tasks]
   texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in tasks]
   cfg = vocab_size if isinstance(vocab_size, tokenizer_lib.TokenizerConfig) else tokenizer_lib.TokenizerConfig(
       vocab_size=vocab_size)
   return tokenizer_lib.train_tokenizer(texts, cfg)
+
+
+def fit_tokenizer_to_source(spec, envs, system_prompt: str, cfg: tokenizer_lib.TokenizerConfig, n: int, seed: int):
+  """`fit_tokenizer` on `n` tasks of the *train* side of `spec`'s source (never held-out tasks; procedural tasks
+  from generator seed `seed`), for baselines and demos that have no trained model's tokenizer."""
+  fit = dataclasses.replace(spec, split="train", n=n, seed=seed)
+  return fit_tokenizer(registry.load_tasks(fit, envs, log=lambda s: None), system_prompt, cfg)
 
 
 def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig) -> list[list[dict]]:
@@ -49,8 +57,7 @@ def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessCo
   Raises if the oracle fails a task (a broken grader); tasks marked `near_miss` carry a deliberately wrong
   demonstration and are not checked.
   """
-  tasks = with_oracle(tasks)
-  trajs = harness.run_episodes(scripted.ScriptedEngine(tokenizer, scripted.oracle_policy(tasks)), tokenizer,
+  trajs = harness.run_episodes(scripted.ScriptedEngine(tokenizer, policies.oracle_policy(tasks)), tokenizer,
                                list(tasks), envs, hcfg)
   bad = [t.task_id for t, task in zip(trajs, tasks, strict=True)
          if not t.metrics.get("solved") and not task.metadata.get("near_miss")]

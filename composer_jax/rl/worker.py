@@ -49,6 +49,8 @@ def throttle(follower, per_version: int, stopping: Callable[[], bool]) -> Callab
 def main(workdir: str, worker_index: int) -> None:
   ppid = os.getppid()
   _die_with_parent()
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # the trainer's cache directory (exported to this process)
   from composer_jax.rl import publishers, setup
   from rollout import workers
   from rollout.queue import QueueProducer

@@ -14,7 +14,7 @@ a mix `levels=1+2+3`, `n_tasks=`), `mined` (mine local git repositories now, `re
 `repos` with the filters (`min_files`, `min_lines`, `max_prompt_chars`) and writes a frozen, versioned set file
 instead of evaluating.
 
-Budgets: for repository sets (mined, swe, file) `harness.auto_budget` raises `max_turn_tokens` and
+Budgets: for repository sets (mined, swe, file) `auto_budget` raises `max_turn_tokens` and
 `context_budget` to what the set's gold patches need in the policy's tokenizer (`rollout/evaluation/budget.py`: a
 real patch is 1,100-2,200 tokens with the colab BPE at ~1.3 characters per token; a big-vocabulary tokenizer needs
 2-3x fewer); tasks whose oracle still does not fit are flagged. `harness.grade_workers` sets how many episodes are
@@ -30,10 +30,13 @@ several joined by ':' appear side by side on the plot; `model=` their model-conf
 Expected (procedural, 8 level-1 held-out tasks, k=2, oracle+noop+random, sandboxes): ~20-40 s on 2 busy cores;
 oracle pass@1 = 1.0, no-op 0.0, random 0.0; out/procedural/{summary.txt,pareto.png}, out/set_stats.txt.
 """
+import dataclasses
+
 import ml_collections
 
 from experiments.configs import common
 from experiments.configs import rl as rl_configs
+from rollout.tasks import miner
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -48,8 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     kind=arg.variant, n=arg.n_tasks if arg.variant == "procedural" else 0, seed=arg.seed,
     split="heldout" if arg.variant == "procedural" else "all", levels=tuple(int(x) for x in arg.levels.split("+")),
     repos=tuple(r for r in arg.repos.split(":") if r), jsonl=arg.jsonl, repos_dir=arg.repos_dir, path=arg.set_file,
-    heldout_percent=20, miner=dict(test_command="", timeout_s=120.0, max_commits=200, runs_per_side=2,
-                                   timeout_factor=5.0, min_prompt_words=3)))
+    heldout_percent=20, miner=dataclasses.asdict(miner.MinerConfig())))
   c.policies = arg.policies
   c.samples = arg.samples
   c.chunk_tasks = arg.chunk_tasks
@@ -64,17 +66,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.builder = ml_collections.ConfigDict(dict(path=arg.build_set, version=arg.set_version, min_files=arg.min_files,
                                              min_lines=arg.min_lines, max_prompt_chars=arg.max_prompt_chars))
   c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=1024, train_tasks=200))  # baselines without a checkpoint
+  # Mirrors rollout.harness.HarnessConfig (system_prompt names one of harness.SYSTEM_PROMPTS).
   c.harness = ml_collections.ConfigDict(dict(context_budget=4096, max_turn_tokens=1024, observation_reserve=512,
                                              max_turns=16, max_segments=3, summary_max_tokens=256,
-                                             temperature=arg.temperature, max_output_chars=2000,
-                                             system_prompt="full", grade_workers=4,
-                                             auto_budget=arg.variant != "procedural"))
+                                             sampling=dict(temperature=arg.temperature),
+                                             tools=dict(max_output_chars=2000), system_prompt="full",
+                                             grade_workers=4, seed=c.get_ref("seed")))
+  c.auto_budget = arg.variant != "procedural"
   if arg.harness == "rl_colab":   # the loop an rl.py:colab checkpoint was trained in (a policy is judged in its own)
     r = rl_configs.get_config("colab").harness
     c.harness.update(context_budget=r.context_budget, max_turn_tokens=r.max_turn_tokens,
                      observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=r.max_segments,
-                     summary_max_tokens=r.summary_max_tokens, max_output_chars=r.tools.max_output_chars,
-                     system_prompt=r.system_prompt, auto_budget=False)
+                     summary_max_tokens=r.summary_max_tokens, system_prompt=r.system_prompt)
+    c.harness.tools.max_output_chars = r.tools.max_output_chars
+    c.auto_budget = False
   elif arg.harness != "default":
     raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, rl_colab")
   return c

@@ -8,6 +8,10 @@ Variants:
   colab:   ~3M parameters; trains on one CPU core in minutes.
   small:   ~60M parameters; a real small MoE for a workstation or one GPU.
   kimi_k2: the published Kimi K2 shape (1.04T total / 32B active). Build it abstractly only (`jax.eval_shape`).
+
+To add a size: a branch below that `c.update(...)`s the shape fields (names follow Hugging Face's
+`DeepseekV3Config`; `composer_jax/model/config.py` lists them all) and its name in the error's list; check it with
+`composer_jax.model.count_params(configs.from_dict(ModelConfig, get_config("mine")))` (no allocation).
 """
 import ml_collections
 
@@ -30,7 +34,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.initializer_range = 0.02
   c.param_dtype = "float32"
   c.compute_dtype = "float32"
-  c.scan_layers = True
+  # None: by platform (unrolled on CPU, where it is faster; scanned elsewhere); a typed reference so that
+  # --config.model.scan_layers=True|False still parses.
+  c.scan_layers = ml_collections.FieldReference(None, field_type=bool)
   c.remat = False
   if arg.variant == "tiny":
     c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -12,6 +12,11 @@ Then the chained stages, each starting from the previous stage's exported params
       --workdir=runs/sft_colab --config.init.checkpoint=runs/long_context_colab \
       --config.sft.train_path=train.jsonl --config.sft.eval_path=eval.jsonl
 
+From a Hugging Face checkpoint (transformers' save_pretrained, DeepSeek-V3 / Kimi K2 layout, block-FP8 or not): its
+params (read sliced onto the mesh) and its tokenizer (chat tokens added; see composer_jax/interop/README.md):
+  python experiments/pretrain_main.py --config=experiments/configs/pretrain.py:tiny --workdir=runs/from_hf \
+      --config.init.hf=/path/to/checkpoint
+
 Multi-process (here: 2 processes on one CPU machine, 4 fake devices each; on a cluster one process per host, the
 same flags or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or --distributed_auto under SLURM):
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python experiments/pretrain_main.py \

@@ -1,4 +1,5 @@
-r"""RL on procedural repair tasks: SFT warm start on oracle trajectories, then (a)synchronous RL with workers.
+r"""RL on a task source (procedural repair tasks by default): SFT warm start on oracle trajectories, then
+(a)synchronous RL with workers.
 
   python experiments/rl_main.py                                              # = rl.py:colab, runs/rl_colab
   python experiments/rl_main.py --config=experiments/configs/rl.py:colab,mode=sync --workdir=runs/rl_sync
@@ -21,7 +22,10 @@ self-summary chains, length penalty and behavioural terms on; see `_recipe` for 
 chosen; not yet the default: its 30-minute fit is unmeasured), `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
-test`'s), `seed=`; any field: `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
+test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
+`levels=1+2+3`, `tasks=mined,repos=/src/a:/src/b`, `tasks=swe,jsonl=x.jsonl,repos_dir=/src`,
+`tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
+`--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
 Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt);
 `get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, λ = 0 vs λ > 0 at q = 0, 0.5, 1).
 """

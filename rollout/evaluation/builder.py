@@ -8,12 +8,11 @@ at least `min_lines` changed lines, and prompts of at most `max_prompt_chars` ch
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from collections.abc import Sequence
 
 from rollout.evaluation.stats import diff_size
 from rollout.tasks import miner, setfile
-from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks.environment import EnvironmentCache, git
 from rollout.tasks.task import Task
 
 
@@ -48,11 +47,9 @@ def build_set(repos: Sequence[str], envs: EnvironmentCache, filters: SetFilters 
   miner_cfg = miner_cfg or miner.MinerConfig()
   tasks, excluded, sources = [], [], []
   for repo in repos:
-    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True)
-    if head.returncode != 0:
-      raise ValueError(f"{repo!r} is not a git repository: {head.stderr.strip()[:200]}")
-    sources.append({"repo": repo, "head": head.stdout.strip()})
-    mined, rejected = miner.mine(repo, envs, miner_cfg)
+    root = miner.repo_root(repo)  # absolute; a subdirectory or a non-repository is a clear error
+    sources.append({"repo": root, "head": git(root, "rev-parse", "HEAD", error=miner.MiningError).strip()})
+    mined, rejected = miner.mine(root, envs, miner_cfg, log=log)
     excluded += [(r.commit, r.reason) for r in rejected]
     for t in mined:
       why = filter_reason(t, filters)

@@ -84,8 +84,8 @@ def pareto_plot(summaries: Mapping[str, Mapping[str, float]], path: str, title: 
     xs = [points[n][0] for n in front] + [right]
     ys = [points[n][1] for n in front]
     ax.step(xs, ys + ys[-1:], where="post", color="k", ls="--", lw=1.2, label="Pareto front")
-  ax.set_xlabel("inference cost per sample (active params x output tokens)" +
-                ("" if max_cost > 0 else "; all 0: scripted baselines run no model"))
+  ax.set_xlabel("inference cost per sample (active params x output tokens)" if max_cost > 0 else
+                "inference cost per sample (all 0: scripted baselines run no model)")
   ax.set_ylabel("pass@1")
   ax.set_ylim(-0.05, 1.05)
   ax.set_title(title or "accuracy vs cost")

@@ -94,7 +94,8 @@ def _check_run_info(out_dir: str, info: dict) -> None:
     with open(os.path.join(out_dir, RUN_INFO), "w", encoding="utf-8") as f:
       json.dump(info, f, indent=1)
     return
-  diff = settings_diff(old, info)
+  diff = [("the tasks differ (other tasks, contents or labels)" if d.startswith("set: ") else d)
+          for d in settings_diff(old, info)]
   if diff:
     raise ValueError(f"{out_dir} holds results made with other settings (stored -> now): {'; '.join(diff[:8])}. "
                      "Resuming would mix them: use a new output directory (or delete this one).")

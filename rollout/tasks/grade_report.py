@@ -5,13 +5,13 @@ A test command writes JSON lines `{"id": <test id>, "outcome": passed|failed|err
 the file named by `$GRADE_REPORT`, each line carrying the per-run `$GRADE_NONCE`. Two kinds of command
 (`HiddenTests.report`):
 
-  pytest  a `python -m pytest` command run in the workspace root: the grader writes `PYTEST_PLUGIN` there (a
-          file with a random name, on sys.path through `-m`) and loads it through `PYTEST_ADDOPTS`, so the stored
-          command needs no change (and may set its own PYTHONPATH). A run that wrote no report is an error. It writes one line per pytest report as it
-          happens (a timed-out run keeps what finished): a failed subtest fails its test, a setup/teardown failure
-          is an error, a file that fails to import is an error for that file (its tests are then missing), and
-          the other files still run (`--continue-on-collection-errors`: one file that cannot import before the
-          fix must not make every other test look failing before it).
+  pytest  a `python -m pytest` command run in the workspace root: the grader writes `PYTEST_PLUGIN` there (a file with
+          a random name, on sys.path through `-m`) and loads it through `PYTEST_ADDOPTS`, so the stored command needs
+          no change (and may set its own PYTHONPATH). A run that wrote no report is an error. It writes one line per
+          pytest report as it happens (a timed-out run keeps what finished): a failed subtest fails its test, a
+          setup/teardown failure is an error, a file that fails to import is an error for that file (its tests are
+          then missing), and the other files still run (`--continue-on-collection-errors`: one file that cannot import
+          before the fix must not make every other test look failing before it).
   script  a runner we write ourselves (procedural tasks, the auto-install check) that writes the lines directly,
           e.g. with `SCRIPT_REPORTER`.
 

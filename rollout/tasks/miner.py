@@ -203,7 +203,7 @@ def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfi
   gold_s = max(r.wall_s for r in after)
   numstat = git(repo, "diff", "--numstat", c.parent, c.commit, "--", *code, error=MiningError)
   changed_lines = sum(int(a) + int(d) for a, d, _ in (ln.split("\t") for ln in numstat.splitlines()) if a != "-")
-  name = re.sub(r"[^\w.-]", "_", os.path.basename(repo.rstrip("/")))
+  name = re.sub(r"[^\w.-]", "_", os.path.basename(repo.rstrip("/")).removesuffix(".git"))
   return Task(id=f"miner/{name}/{c.commit[:12]}", language="python", prompt=prompt, environment=env,
               tests=HiddenTests(command=command, fail_to_pass=f2p, pass_to_pass=p2p, patch=test_patch,
                                 timeout_s=round(max(cfg.min_timeout_s, cfg.timeout_factor * gold_s), 1)),

@@ -2,9 +2,10 @@
 reject commits whose message is no request.
 
 Dropped (the agent has no network and no issue tracker): URLs; issue and pull-request references (`#123`,
-`owner/repo#123`, `GH-123`, `PR 123`, `issue #123`, `pull request 123`); trailer lines (`Signed-off-by:`,
-`Co-authored-by:`, `Change-Id:` ...); a leading "Fix #12:" / "#12 -"; a bracketed aside holding a reference ("(see #12)", "(#1234)"); and lines
-left with only linking words ("Fixes", "See also:", "Closes"). Commit shas stay: the workspace holds the history, so they can be followed.
+`owner/repo#123`, `GH-123`, `PR 123`, `issue #123`, `pull request 123`); trailer lines (`Signed-off-by:`, `Co-
+authored-by:`, `Change-Id:` ...); a leading "Fix #12:" / "#12 -"; a bracketed aside holding a reference ("(see
+#12)", "(#1234)"); and lines left with only linking words ("Fixes", "See also:", "Closes"). Commit shas stay: the
+workspace holds the history, so they can be followed.
 
 Rejected: a revert of a commit in the same set (`reverted_commit`; its task would be the inverse of another one),
 and a prompt with fewer than `min_words` words of at least two letters once references are dropped (e.g. "Issue:
@@ -33,7 +34,7 @@ def _drop_lead(m: re.Match) -> str:
 
 def _clean_line(line: str) -> str:
   line = _REF_BRACKETS.sub("", _REF.sub(_GONE, _URL.sub(_GONE, line)))
-  line = re.sub(r"^\s*([A-Za-z]+\s*)?\x00\s*[:-]\s*", _drop_lead, line).replace(_GONE, "")  # "Fix #387: ..." 
+  line = re.sub(r"^\s*([A-Za-z]+\s*)?\x00\s*[:-]\s*", _drop_lead, line).replace(_GONE, "")  # "Fix #387: ..."
   line = re.sub(r"\s+([:,;.])", r"\1", re.sub(r"\s+", " ", line)).strip(" ,;")
   if all(w.lower() in _LINKING for w in _WORD.findall(line)):
     return ""  # nothing but linking words (or punctuation) left

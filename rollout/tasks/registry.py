@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from rollout.tasks import miner, procedural, setfile, swe
 from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks.miner import MinerConfig
 from rollout.tasks.task import Task
 
 Log = Callable[[str], None]
@@ -68,7 +69,7 @@ class SetSpec:
   repos_dir: str = ""
   path: str = ""
   heldout_percent: int = 20
-  miner: miner.MinerConfig = miner.MinerConfig()
+  miner: MinerConfig = MinerConfig()
 
   def __post_init__(self):
     for name in ("levels", "repos"):  # lists from JSON / ConfigDicts
@@ -92,11 +93,6 @@ class SetSpec:
     base = names[self.kind]() if self.kind in names else self.kind
     return base + (f"-{self.split}" if self.kind != "procedural" and self.split != "all" else "") + \
       (f"-n{self.n}" if self.n and self.kind != "procedural" else "")
-
-  def to_dict(self) -> dict:
-    """JSON-able form (recorded beside results, so a resumed run can check it evaluates the same set)."""
-    d = dataclasses.asdict(self)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 def split_of(task_id: str, heldout_percent: int) -> str:
