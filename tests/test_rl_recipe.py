@@ -221,3 +221,34 @@ def test_oracle_summaries_cover_every_step_and_near_misses_plan_their_wrong_edit
   edits = [c["arguments"]["new"] for t in miss.metadata["oracle"] for c in t["tool_calls"] if c["name"] == "edit"]
   plans = [m for s in miss.metadata["oracle_summaries"] for m in re.findall(r"-> `(return .+?)`", s)]
   assert set(plans) <= {e.strip().splitlines()[-1].strip() for e in edits}
+
+
+def test_success_rate_reports_each_level_and_tokens_per_solved_task(tmp_path, tok, envs, recipe):
+  """results.json's per-level figures: solve rate with its Wilson CI and mean generated tokens per solved task."""
+  import json
+
+  from composer_jax.rl import evaluate
+  l1 = procedural.generate(3, seed=8, split="heldout", level=1)
+  l2 = procedural.generate(2, seed=8, split="heldout", level=2)
+  tasks = [l1[0], l2[0], l1[1], l2[1], l1[2]]
+  only_l1 = scripted.ScriptedEngine(tok, scripted.oracle_policy(l1))   # cannot do level 2: answers in plain text
+  got = evaluate.success_rate(only_l1, tok, tasks, envs, recipe.harness, 1.0, str(tmp_path / "e"))
+  recs = [json.loads(line) for line in open(tmp_path / "e" / "results.jsonl")]
+  tokens = {r["task_id"]: r["samples"][0]["output_tokens"] for r in recs}
+  want_l1 = sum(tokens[t.id] for t in l1) / 3
+  assert got["success"] == pytest.approx(3 / 5) and got["n"] == 5
+  assert got["tokens_per_solved"] == pytest.approx(want_l1)      # unsolved episodes do not count
+  lo, hi = evaluate.wilson(3, 3)
+  assert got["levels"]["1"] == {"success": 1.0, "ci_low": lo, "ci_high": hi, "n": 3, "tokens_per_solved": want_l1}
+  lo, hi = evaluate.wilson(0, 2)
+  assert got["levels"]["2"] == {"success": 0.0, "ci_low": lo, "ci_high": hi, "n": 2, "tokens_per_solved": None}
+  json.dumps(got)   # goes into results.json as it is
+
+
+def test_trainer_logs_each_reward_term_per_step():
+  from composer_jax.rl import trainer
+  trajs = [{"breakdown": {"task": 1.0, "length": -0.1, "todo": 0.0}}, {"breakdown": {"task": 0.0, "length": -0.3,
+                                                                                    "todo": -0.05}}]
+  assert trainer.reward_terms(trajs) == pytest.approx({"reward/task": 0.5, "reward/length": -0.2,
+                                                       "reward/todo": -0.025})
+  assert trainer.reward_terms([{}]) == {}
