@@ -12,8 +12,9 @@ from rollout.evaluation.metrics import wilson
 
 
 def success_rate(engine: Engine, tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig,
-                 temperature: float, out_dir: str, policy: str = "policy", chunk: int = 64) -> dict[str, float]:
-  """Solve rate over `tasks` (one episode each) at `temperature` (0 = greedy), with its 95% CI.
+                 temperature: float, out_dir: str, policy: str = "policy", chunk: int = 64) -> dict:
+  """Solve rate over `tasks` (one episode each) at `temperature` (0 = greedy), with its 95% CI and the mean
+  generated tokens per solved task; for tasks with a procedural `level`, the same figures per level (`levels`).
 
   Episodes run through `rollout.evaluation.runner.run_policy` (batched chunks, per-task results in `out_dir`, so an
   interrupted evaluation resumes there and a finished one is read back, not re-run).
@@ -21,9 +22,20 @@ def success_rate(engine: Engine, tokenizer, tasks: Sequence, envs, hcfg: harness
   cfg = dataclasses.replace(hcfg, sampling=SamplingParams(temperature=temperature))
   records = runner.run_policy(policy, engine, tokenizer, tasks, envs, cfg, out_dir,
                               runner.RunConfig(samples=1, chunk_tasks=chunk), log=lambda s: None)
-  solved = sum(int(r["samples"][0]["solved"] > 0) for r in records)
-  lo, hi = wilson(solved, len(tasks))
-  return {"success": solved / len(tasks), "ci_low": lo, "ci_high": hi, "n": len(tasks)}
+  out = _figures([r["samples"][0] for r in records])
+  levels = [t.metadata.get("level") for t in tasks]
+  if any(lv is not None for lv in levels):  # a procedural mix: the same figures per level
+    out["levels"] = {str(lv): _figures([r["samples"][0] for r, l2 in zip(records, levels, strict=True) if l2 == lv])
+                     for lv in sorted({lv for lv in levels if lv is not None})}
+  return out
+
+
+def _figures(samples: Sequence[dict]) -> dict:
+  """Solve rate with its Wilson 95% CI, and the mean generated tokens per solved task (None if none solved)."""
+  won = [s for s in samples if s["solved"] > 0]
+  lo, hi = wilson(len(won), len(samples))
+  return {"success": len(won) / len(samples), "ci_low": lo, "ci_high": hi, "n": len(samples),
+          "tokens_per_solved": sum(s["output_tokens"] for s in won) / len(won) if won else None}
 
 
 def out_dir(workdir: str, policy: str, temperature: float) -> str:

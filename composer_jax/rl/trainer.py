@@ -39,6 +39,13 @@ def _truncate_applied(path: str, step: int) -> None:
   os.replace(path + ".tmp", path)
 
 
+def reward_terms(trajectories: list[dict]) -> dict[str, float]:
+  """Each reward term's mean over a step's trajectories (`reward/<term>`), so metrics.jsonl shows over training
+  which terms move the reward (the success term, or a penalty being shrunk instead)."""
+  keys = sorted({k for t in trajectories for k in t.get("breakdown", {})})
+  return {f"reward/{k}": float(np.mean([t["breakdown"].get(k, 0.0) for t in trajectories])) for k in keys}
+
+
 class Trainer:
   """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference."""
 
@@ -80,6 +87,7 @@ class Trainer:
     batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, self.batch_sh)
     self.state, m = self.step_fn(self.state, batch, self.ref_params)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
+    m.update(reward_terms([t for g in groups for t in g.trajectories()]))
     if not np.isfinite(m["loss"]):
       raise train_loop.NonFiniteLossError(f"non-finite RL loss at step {step_no}; last good checkpoint "
                                           f"{self.ckpts.latest_step()}")

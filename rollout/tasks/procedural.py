@@ -395,6 +395,6 @@ def near_miss(task: Task, rng: random.Random) -> Task:
     turns.append({**turn, "tool_calls": calls})
   meta = {**task.metadata, "oracle": turns, "near_miss": True}
   if chosen is not None and "oracle_summaries" in meta:  # a summary plans the same wrong edit the demo makes
-    meta["oracle_summaries"] = [s.replace(f"to `return {correct}`", f"to `return {chosen}`")
+    meta["oracle_summaries"] = [s.replace(f"-> `return {correct}`", f"-> `return {chosen}`")
                                 for s in meta["oracle_summaries"]]
   return dataclasses.replace(task, metadata=meta)
