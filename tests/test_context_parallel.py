@@ -154,7 +154,7 @@ def _check_model(impl: str, sizes: dict, L: int):
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
   np.testing.assert_array_equal(aux["experts"], aux_ref["experts"])  # natural order, as router replay needs
   np.testing.assert_allclose(aux["router_scores"], aux_ref["router_scores"], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(aux["mtp_logits"], aux_ref["mtp_logits"], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(aux["mtp_hidden"], aux_ref["mtp_hidden"], rtol=1e-4, atol=1e-5)   # the loss takes hiddens
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), g, g_ref)
 
 
