@@ -252,3 +252,32 @@ def test_trainer_logs_each_reward_term_per_step():
   assert trainer.reward_terms(trajs) == pytest.approx({"reward/task": 0.5, "reward/length": -0.2,
                                                        "reward/todo": -0.025})
   assert trainer.reward_terms([{}]) == {}
+
+
+def test_summaries_from_another_policy_decide_the_chain(recipe, tok, envs):
+  """SummariesFrom: action turns from the actor, summaries from the summarizer, results in request order. With the
+  oracle acting, its own summaries finish level 3; a summarizer that forgets the progress makes it start over and
+  run out of turns or segments (so the measurement can see a summary's worth at equal context budget)."""
+  from rollout.engines.split import SummariesFrom
+  tasks = procedural.generate(3, seed=4, split="heldout", level=3)
+  oracle = scripted.ScriptedEngine(tok, scripted.oracle_policy(tasks))
+  forgetful = scripted.ScriptedEngine(tok, lambda text: {"content": "completed steps: 0. Working on it."})
+  summary_id = cf.special_id(tok, cf.SUMMARY)
+  good = harness.run_episodes(SummariesFrom(oracle, oracle, summary_id), tok, tasks, envs, recipe.harness)
+  bad = harness.run_episodes(SummariesFrom(oracle, forgetful, summary_id), tok, tasks, envs, recipe.harness)
+  assert all(t.metrics["solved"] == 1.0 and len(t.segments) >= 2 for t in good)
+  assert all(t.stop_reason in ("max_segments", "max_turns") and t.metrics["solved"] == 0.0 for t in bad)
+  assert all(m["content"] == "completed steps: 0. Working on it." for t in bad for m in t.messages
+             if m["role"] == "summary")
+
+  class Recorder:
+    def __init__(self, inner):
+      self.inner, self.seen = inner, []
+
+    def generate(self, reqs):
+      self.seen += [r.request_id for r in reqs]
+      return self.inner.generate(reqs)
+
+  act, summ = Recorder(oracle), Recorder(forgetful)
+  harness.run_episodes(SummariesFrom(act, summ, summary_id), tok, tasks[:1], envs, recipe.harness)
+  assert summ.seen and not set(act.seen) & set(summ.seen)

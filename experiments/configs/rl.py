@@ -103,7 +103,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       staleness_policy="drop", publish_every=1, backend=arg.backend or ("local" if test else "sandbox"),
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
-  c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test))
+  c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test,
+                                          summaries_from_start=False))
   if recipe:
     _recipe(c)
   return c
@@ -164,7 +165,8 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
                            todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
                            lint_weight=0.0, penalty_cap=0.5)
   c.sft.update(seq_len=512, batch=8)   # the same tokens per step as 16 x 256, a whole segment per row
-  c.eval.tasks = 1500                  # 500 held-out tasks per level (the mix is spread evenly)
+  c.eval.update(tasks=1500,            # 500 held-out tasks per level (the mix is spread evenly)
+                summaries_from_start=True)   # RL acting with the SFT start's summaries: do trained ones help?
 
 
 def _recipe_sweep():
