@@ -27,7 +27,8 @@ test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedu
 `tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
 `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
 Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt);
-`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, λ = 0 vs λ > 0 at q = 0, 0.5, 1).
+`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, summaries vs dropped oldest turns,
+λ = 0 vs λ > 0 at q = 0, 0.5, 1).
 """
 import ml_collections
 
@@ -115,6 +116,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 RECIPE_LENGTH_K, RECIPE_LEVEL3_TOKENS, RECIPE_LEVEL3_COST = 0.01, 321, 0.1
 
 
+# The no-summary arm: the oldest turns are dropped instead. Segments are not the context budget (max_turns bounds
+# the episode); a segment of kept recent turns fills again sooner than one from a summary, so it may take more.
+DROP_OLDEST = {"overflow": "drop_oldest", "max_segments": 8}
+
+
 def _length_weight(q: float) -> float:
   """λ for shape q: the weight at which an oracle-length level-3 episode pays RECIPE_LEVEL3_COST, so the q rows of
   the sweep differ in C's shape (how much more a long episode pays than a short one), not in its overall scale."""
@@ -178,6 +184,8 @@ def _recipe_sweep():
   return ([{"seed": s} for s in (0, 1)]                                              # the default comparison
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
           + [{"harness.sampling.temperature": 0.7}]                                  # greedy: rollout temperature
+          + [{f"harness.{k}": v for k, v in DROP_OLDEST.items()}]    # summaries vs dropped oldest turns (the SFT
+          # start's summaries are in every run: eval.summaries_from_start)
           + [{"harness.rewards.length_weight": 0.0}]                                 # λ = 0
           + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q}
              for q in (0.0, 1.0)])                    # λ > 0 at q = 0 and 1; q = 0.5 is the recipe (the seed rows)
