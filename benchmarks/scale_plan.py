@@ -88,7 +88,8 @@ STAGES = {
 MESHES = {
     "pretrain_32k": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8},
                      1024: {"expert": 128, "context": 8}},
-    "long_256k": {64: {"context": 64}, 256: {"expert": 4, "context": 64}, 1024: {"expert": 16, "context": 64}},
+    "long_256k": {64: {"expert": 2, "context": 32}, 256: {"expert": 4, "context": 64},
+                  1024: {"expert": 16, "context": 64}},
     "rl": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8}, 1024: {"expert": 128, "context": 8}},
 }
 

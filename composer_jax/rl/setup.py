@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 
+from composer_jax import configs
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout.tasks import registry
@@ -32,7 +33,7 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
   if os.path.exists(path):
     with open(path) as f:
       frozen = json.load(f)
-    now = json.loads(json.dumps(spec.to_dict()))   # as JSON stores it (tuples become lists)
+    now = json.loads(json.dumps(configs.to_dict(spec)))   # as JSON stores it (tuples become lists)
     if frozen["spec"] != now:
       diff = {k: (v, now.get(k)) for k, v in frozen["spec"].items() if now.get(k) != v}
       raise ValueError(f"{path} froze the tasks of another task source {diff} (frozen, now): use a new workdir")
@@ -44,7 +45,7 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
     envs.factory.close()
   os.makedirs(cfg.workdir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
-    json.dump({"spec": spec.to_dict(), "tasks": [t.to_dict() for t in tasks]}, f)
+    json.dump({"spec": configs.to_dict(spec), "tasks": [t.to_dict() for t in tasks]}, f)
   os.replace(path + ".tmp", path)
   return tasks
 
