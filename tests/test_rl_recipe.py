@@ -252,3 +252,60 @@ def test_trainer_logs_each_reward_term_per_step():
   assert trainer.reward_terms(trajs) == pytest.approx({"reward/task": 0.5, "reward/length": -0.2,
                                                        "reward/todo": -0.025})
   assert trainer.reward_terms([{}]) == {}
+
+
+def test_summaries_from_another_policy_decide_the_chain(recipe, tok, envs):
+  """SummariesFrom: action turns from the actor, summaries from the summarizer, results in request order. With the
+  oracle acting, its own summaries finish level 3; a summarizer that forgets the progress makes it start over and
+  run out of turns or segments (so the measurement can see a summary's worth at equal context budget)."""
+  from rollout.engines.split import SummariesFrom
+  tasks = procedural.generate(3, seed=4, split="heldout", level=3)
+  oracle = scripted.ScriptedEngine(tok, scripted.oracle_policy(tasks))
+  forgetful = scripted.ScriptedEngine(tok, lambda text: {"content": "completed steps: 0. Working on it."})
+  summary_id = cf.special_id(tok, cf.SUMMARY)
+  good = harness.run_episodes(SummariesFrom(oracle, oracle, summary_id), tok, tasks, envs, recipe.harness)
+  bad = harness.run_episodes(SummariesFrom(oracle, forgetful, summary_id), tok, tasks, envs, recipe.harness)
+  assert all(t.metrics["solved"] == 1.0 and len(t.segments) >= 2 for t in good)
+  assert all(t.stop_reason in ("max_segments", "max_turns") and t.metrics["solved"] == 0.0 for t in bad)
+  assert all(m["content"] == "completed steps: 0. Working on it." for t in bad for m in t.messages
+             if m["role"] == "summary")
+
+  class Recorder:
+    def __init__(self, inner):
+      self.inner, self.seen = inner, []
+
+    def generate(self, reqs):
+      self.seen += [r.request_id for r in reqs]
+      return self.inner.generate(reqs)
+
+  act, summ = Recorder(oracle), Recorder(forgetful)
+  harness.run_episodes(SummariesFrom(act, summ, summary_id), tok, tasks[:1], envs, recipe.harness)
+  assert summ.seen and not set(act.seen) & set(summ.seen)
+
+
+def test_drop_oldest_overflow_continues_from_the_most_recent_turns(recipe, tok, envs):
+  """The no-summary ablation: at a full context the next segment starts from system + task + the most recent whole
+  turns that fit (all prompt), with no summary turn anywhere."""
+  task = procedural.generate(1, seed=6, split="heldout", level=3)[0]
+  turns = task.metadata["oracle"]
+  calls = []
+
+  def policy(text):   # the oracle's turns in order (it cannot count dropped turns from the context)
+    calls.append(text)
+    return turns[len(calls) - 1]
+
+  hcfg = dataclasses.replace(recipe.harness, **rl_configs.DROP_OLDEST)
+  (t,) = harness.run_episodes(scripted.ScriptedEngine(tok, policy), tok, [task], envs, hcfg)
+  assert t.metrics["solved"] == 1.0 and t.stop_reason == "finish" and len(t.segments) >= 2
+  assert not any(tr["kind"] == "summary" for s in t.segments for tr in s.turns)
+  assert not any(m["role"] == "summary" for m in t.messages)
+  limit = hcfg.context_budget - hcfg.max_turn_tokens - hcfg.observation_reserve
+  for prev, seg in zip(t.segments, t.segments[1:], strict=False):
+    assert seg.prompt_len <= limit and not seg.gen_mask_T[:seg.prompt_len].any()
+    prompt = tok.decode(seg.tokens_T[:seg.prompt_len].tolist(), skip_special_tokens=False)
+    assert prompt.startswith(cf.BEGIN_OF_TEXT + cf.SYSTEM) and task.prompt in prompt
+    last = prev.turns[-1]   # the previous segment's last turn is kept, its oldest (the todo list) dropped
+    assert tok.decode(prev.tokens_T[last["start"]:last["gen_end"]].tolist(), skip_special_tokens=False) in prompt
+    assert '"add"' not in prompt
+  with pytest.raises(ValueError, match="unknown overflow 'drop'"):
+    dataclasses.replace(hcfg, overflow="drop")

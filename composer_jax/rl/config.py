@@ -121,10 +121,12 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Held-out evaluation after RL: `tasks` tasks at each temperature; `control`: also an equal-time SFT control."""
+  """Held-out evaluation after RL: `tasks` tasks at each temperature; `control`: also an equal-time SFT control;
+  `summaries_from_start`: also the RL policy with the SFT start writing its self-summaries."""
   tasks: int = 500
   temperatures: tuple[float, ...] = (0.0, 1.0)
   control: bool = True
+  summaries_from_start: bool = False
 
   def __post_init__(self):
     _positive(self, "tasks")

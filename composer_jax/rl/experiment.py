@@ -2,7 +2,8 @@
 
 Three policies are evaluated on the same held-out tasks, greedy and at T=1 (`eval.temperatures`), with Wilson 95%
 CIs: the SFT start, the RL policy, and a control that spends RL's wall-clock on more SFT from the same start (so a
-gain is RL's, not more supervised training).
+gain is RL's, not more supervised training); with `eval.summaries_from_start`, also the RL policy acting with the
+SFT start's self-summaries (does RL's summary training help, at the same context budget?).
 """
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ from collections.abc import Callable
 from composer_jax.rl import evaluate, loop, publishers, setup, warmstart
 from composer_jax.rl.config import RunConfig
 from composer_jax.sampling.engine import JaxEngine
+from rollout import chat_format
+from rollout.engines import split
 
 
-def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str) -> dict:
-  """Success of policy `name` on `tasks` at each of `eval.temperatures` (0 = greedy); results in workdir/eval."""
-  eng = JaxEngine(params, cfg.model, dataclasses.replace(publishers.engine_config(cfg), min_batch_bucket=64,
-                                                         max_batch=64))
+def _engine(cfg: RunConfig, params) -> JaxEngine:
+  return JaxEngine(params, cfg.model, dataclasses.replace(publishers.engine_config(cfg), min_batch_bucket=64,
+                                                          max_batch=64))
+
+
+def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str, summarizer_params=None) -> dict:
+  """Success of policy `name` on `tasks` at each of `eval.temperatures` (0 = greedy); results in workdir/eval.
+  With `summarizer_params`, those params write the self-summaries (`rollout.engines.split.SummariesFrom`)."""
+  eng = _engine(cfg, params)
+  if summarizer_params is not None:
+    eng = split.SummariesFrom(eng, _engine(cfg, summarizer_params), chat_format.special_id(tok, chat_format.SUMMARY))
   return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, cfg.harness, t,
                                            evaluate.out_dir(cfg.workdir, name, t), policy=name)
           for t in cfg.eval.temperatures}
@@ -61,6 +71,9 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     if cfg.eval.control and cfg.sft.steps:
       ctrl = sft_control(cfg, tok, start, rl_seconds, log_fn)
       result["sft_control"] = evaluate_policy(cfg, ctrl, tok, tasks, envs, "sft_control")
+    if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
+      result["rl_start_summaries"] = evaluate_policy(cfg, out["params"], tok, tasks, envs, "rl_start_summaries",
+                                                     summarizer_params=start)
   finally:
     envs.factory.close()
   result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, eval_tasks=len(tasks),

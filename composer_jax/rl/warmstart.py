@@ -57,6 +57,9 @@ def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessCo
   Raises if the oracle fails a task (a broken grader); tasks marked `near_miss` carry a deliberately wrong
   demonstration and are not checked.
   """
+  # Demonstrations are summary chains even for the drop-oldest ablation: the scripted oracle keeps its place through
+  # its summaries (dropped turns would lose it), and the ablation changes what RL and evaluation do, not the start.
+  hcfg = dataclasses.replace(hcfg, overflow="summarize")
   trajs = harness.run_episodes(scripted.ScriptedEngine(tokenizer, policies.oracle_policy(tasks)), tokenizer,
                                list(tasks), envs, hcfg)
   bad = [t.task_id for t, task in zip(trajs, tasks, strict=True)

@@ -27,7 +27,8 @@ test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedu
 `tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
 `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
 Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt);
-`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, λ = 0 vs λ > 0 at q = 0, 0.5, 1).
+`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, summaries vs dropped oldest turns,
+λ = 0 vs λ > 0 at q = 0, 0.5, 1).
 """
 import ml_collections
 
@@ -103,7 +104,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       staleness_policy="drop", publish_every=1, backend=arg.backend or ("local" if test else "sandbox"),
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
-  c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test))
+  c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test,
+                                          summaries_from_start=False))
   if recipe:
     _recipe(c)
   return c
@@ -112,6 +114,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 # The recipe's length penalty: k of C(x), and what an oracle-length level-3 episode (x = 321 generated tokens, the
 # measured median of the scripted oracle's chains) pays at every q (`_length_weight`).
 RECIPE_LENGTH_K, RECIPE_LEVEL3_TOKENS, RECIPE_LEVEL3_COST = 0.01, 321, 0.1
+
+
+# The no-summary arm: the oldest turns are dropped instead. Segments are not the context budget (max_turns bounds
+# the episode); a segment of kept recent turns fills again sooner than one from a summary, so it may take more.
+DROP_OLDEST = {"overflow": "drop_oldest", "max_segments": 8}
 
 
 def _length_weight(q: float) -> float:
@@ -164,7 +171,8 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
                            todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
                            lint_weight=0.0, penalty_cap=0.5)
   c.sft.update(seq_len=512, batch=8)   # the same tokens per step as 16 x 256, a whole segment per row
-  c.eval.tasks = 1500                  # 500 held-out tasks per level (the mix is spread evenly)
+  c.eval.update(tasks=1500,            # 500 held-out tasks per level (the mix is spread evenly)
+                summaries_from_start=True)   # RL acting with the SFT start's summaries: do trained ones help?
 
 
 def _recipe_sweep():
@@ -176,6 +184,8 @@ def _recipe_sweep():
   return ([{"seed": s} for s in (0, 1)]                                              # the default comparison
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
           + [{"harness.sampling.temperature": 0.7}]                                  # greedy: rollout temperature
+          + [{f"harness.{k}": v for k, v in DROP_OLDEST.items()}]    # summaries vs dropped oldest turns (the SFT
+          # start's summaries are in every run: eval.summaries_from_start)
           + [{"harness.rewards.length_weight": 0.0}]                                 # λ = 0
           + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q}
              for q in (0.0, 1.0)])                    # λ > 0 at q = 0 and 1; q = 0.5 is the recipe (the seed rows)
