@@ -41,8 +41,9 @@ def main() -> None:
   a = ap.parse_args()
   from absl import logging
 
+  from composer_jax import configs
   from composer_jax.rl import loop
-  from experiments import rl_main
+  from composer_jax.rl.config import RunConfig
   from experiments.configs import rl as rl_configs
   logging.set_verbosity(logging.WARNING)
   root = a.workdir or tempfile.mkdtemp(prefix="async_rl_")
@@ -53,10 +54,10 @@ def main() -> None:
   for mode in ("sync", "async"):
     c = rl_configs.get_config(f"{a.variant},mode={mode},steps={a.steps},workers={a.workers},staleness={a.staleness}")
     c.progress_bar = False
-    c.ckpt_every = a.steps
+    c.train.ckpt_every = a.steps
     if a.init or mode == "async":
-      c.init_checkpoint, c.sft_steps = a.init or os.path.join(sync_dir, "sft"), 0
-    cfg = rl_main.run_config(c, os.path.join(root, mode))
+      c.sft.init_checkpoint, c.sft.steps = a.init or os.path.join(sync_dir, "sft"), 0
+    cfg = configs.from_dict(RunConfig, c, workdir=os.path.join(root, mode))
     loop.train_rl(cfg, log_fn=lambda s: None)
     out[mode] = _step_stats(cfg.workdir, a.warmup)
     print(f"{mode}: {out[mode]['step_s']:.2f} s/step, trainer idle {out[mode]['idle_fraction']:.0%}", flush=True)

@@ -29,7 +29,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from composer_jax import model  # noqa: E402
+from composer_jax import (
+  configs,  # noqa: E402
+  model,  # noqa: E402
+)
 from composer_jax.parallel import make_mesh  # noqa: E402
 from composer_jax.train.config import TrainConfig  # noqa: E402
 from composer_jax.train.step import loss_fn  # noqa: E402
@@ -59,7 +62,7 @@ def main():
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--impl", default="ring", choices=["ring", "allgather"])
   args = ap.parse_args()
-  cfg = model.ModelConfig.from_dict(model_configs.get_config(args.variant).to_dict())
+  cfg = configs.from_dict(model.ModelConfig, model_configs.get_config(args.variant).to_dict())
   cfg = dataclasses.replace(cfg, attention_impl=args.impl, max_position_embeddings=args.seq)
   rows = {cp: step_memory(cfg, cp, args.batch, args.seq) for cp in (1, 2, 4, 8)}
   base = rows[1]["temp"]

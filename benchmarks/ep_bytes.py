@@ -2,7 +2,7 @@ r"""Expert-parallel MoE layer: bytes each device sends per token, read from the 
 
   python benchmarks/ep_bytes.py [--hidden 512] [--experts 64] [--top_k 8] [--tokens 256]
 
-Compiles (never runs) one MoE layer's routed experts (`composer_jax.parallel.expert.expert_parallel`) on a mesh of
+Compiles (never runs) one MoE layer's routed experts (`composer_jax.model.expert_parallel.expert_parallel`) on a mesh of
 8 fake CPU devices and sums the operand sizes of the per-device all-to-alls in the compiled HLO (`ep_capacity`), or
 of the ragged-all-to-alls in the cuda lowering (`ep_ragged`: XLA:CPU cannot compile it), divided by the tokens per
 device. The minimum is one copy of each token per chosen expert out and back: 2 x top_k x hidden x bytes.
@@ -31,8 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from composer_jax.model import ModelConfig  # noqa: E402
+from composer_jax.model.expert_parallel import expert_parallel  # noqa: E402
 from composer_jax.parallel import make_mesh  # noqa: E402
-from composer_jax.parallel.expert import expert_parallel  # noqa: E402
 
 _HLO_SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
 _MLIR_SHAPE = re.compile(r"tensor<([\dx]+)x([a-z]+\d+)>")

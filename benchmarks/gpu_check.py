@@ -15,7 +15,7 @@ Sections, each a key of the JSON object printed as the last line:
   (1 draft token), and their ratio. The MTP heads are random unless `--pretrain_workdir` gives trained params, and
   `mtp_heads` says which: random heads accept few drafts, so that speedup measures the machinery, not MTP.
 - `ep_ragged`: the dropless expert-parallel MoE layer (`lax.ragged_all_to_all`, which XLA:CPU lacks) run on a
-  one-device mesh, against the dense one-hot reference (`moe.experts_dense`). `--dry` swaps in the padded
+  one-device mesh, against the dense one-hot reference (`experts.experts_dense`). `--dry` swaps in the padded
   all-to-all reference exchange.
 Timings are medians / best-of with warm-up excluded; `load_avg` is printed beside them.
 """
@@ -105,13 +105,13 @@ def grouped_matmul_speed(dry: bool) -> dict:
 
 def train_small(dry: bool, steps: int) -> dict:
   """The LM train step's tokens/s and MFU (bf16) on one device, as the trainer builds it."""
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
   ts = _bench_module("train_step")
   variant, B, L = ("tiny", 2, 64) if dry else ("small", 16, 2048)
   d = model_configs.get_config(variant).to_dict()
   d.update(num_nextn_predict_layers=0, param_dtype="bfloat16", compute_dtype="bfloat16")
-  cfg = model.ModelConfig.from_dict(d)
+  cfg = configs.from_dict(model.ModelConfig, d)
   params = model.init(jax.random.key(0), cfg)
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, L)).astype(np.int32)
   batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((B, L), jnp.int32),
@@ -153,8 +153,8 @@ def decode(dry: bool, repeats: int, workdir: str | None) -> dict:
 def ep_ragged(dry: bool) -> dict:
   """The dropless EP layer on a 1-device mesh vs the dense one-hot reference (same params, routing)."""
   from composer_jax.model import ModelConfig
+  from composer_jax.model.expert_parallel import ragged_all_to_all_reference
   from composer_jax.parallel import make_mesh
-  from composer_jax.parallel.expert import ragged_all_to_all_reference
   eb = _bench_module("ep_bytes")
   cfg = ModelConfig(hidden_size=64 if dry else 1024, n_routed_experts=8 if dry else 64, num_experts_per_tok=2 if dry
                     else 8, moe_intermediate_size=32 if dry else 512, moe_impl="ep_ragged")
@@ -166,8 +166,8 @@ def ep_ragged(dry: bool) -> dict:
 
 
 def _ep_ragged_compare(cfg, mesh, exchange, dry, p, x, idx, w, valid) -> dict:
-  from composer_jax.model.moe import experts_dense
-  from composer_jax.parallel.expert import expert_parallel
+  from composer_jax.model.expert_parallel import expert_parallel
+  from composer_jax.model.experts import experts_dense
   ep = jax.jit(lambda *a: expert_parallel(*a, cfg, mesh=mesh, ragged_all_to_all=exchange)[0])(p, x, idx, w, valid)
 
   D = cfg.hidden_size   # the one-device reference: every expert on every token, one-hot combined

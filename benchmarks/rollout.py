@@ -37,15 +37,15 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from composer_jax import configs, model  # noqa: E402
 from composer_jax.model.config import ModelConfig  # noqa: E402
 from composer_jax.sampling.engine import EngineConfig, JaxEngine  # noqa: E402
-from composer_jax.sampling.random_params import random_params  # noqa: E402
 from experiments.configs import model as model_configs  # noqa: E402
 from rollout.engines.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 
 def model_config(variant: str) -> ModelConfig:
-  return ModelConfig.from_dict(model_configs.get_config(variant).to_dict())
+  return configs.from_dict(ModelConfig, model_configs.get_config(variant).to_dict())
 
 
 def load_or_random(cfg: ModelConfig, workdir: str | None) -> tuple[dict, str]:
@@ -58,7 +58,7 @@ def load_or_random(cfg: ModelConfig, workdir: str | None) -> tuple[dict, str]:
     return load_params(workdir, cfg), "trained"
   print("WARNING: no --pretrain_workdir: random weights, so the MTP heads are untrained and the MTP figures below "
         "measure nothing about trained drafts")
-  return random_params(cfg, seed=0, std=cfg.initializer_range), "random"
+  return model.init(jax.random.key(0), cfg), "random"
 
 
 def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -69,9 +69,8 @@ def heldout_prompts(workdir: str, n: int, length: int) -> np.ndarray:
   """n windows of `length` tokens from the held-out documents of the colab pretraining corpus."""
   from composer_jax.train import corpus as corpus_lib
   from composer_jax.train import tokenizer as tokenizer_lib
-  from experiments.config_convert import stage_kwargs
   from experiments.configs import pretrain
-  corpus = corpus_lib.load_corpus(stage_kwargs(pretrain.get_config("colab"))["corpus_cfg"])
+  corpus = corpus_lib.load_corpus(configs.from_dict(corpus_lib.CorpusConfig, pretrain.get_config("colab").corpus))
   tok = tokenizer_lib.load_tokenizer(os.path.join(workdir, "tokenizer"))
   out = []
   for doc in corpus.heldout:
@@ -150,8 +149,8 @@ def hf_decode(hf_dir: str, prompts: np.ndarray, tokens: int, repeats: int) -> tu
 def weight_sync(cfg: ModelConfig, out_dir: str) -> dict:
   """Seconds for the embedded engine's in-place update and for the HF export (the SGLang fleet's input)."""
   from composer_jax.interop import hf
-  params = random_params(cfg, seed=1, std=cfg.initializer_range)
-  new = jax.tree.map(lambda a: a + 0, random_params(cfg, seed=2, std=cfg.initializer_range))
+  params = model.init(jax.random.key(1), cfg)
+  new = jax.tree.map(lambda a: a + 0, model.init(jax.random.key(2), cfg))
   engine = JaxEngine(params, cfg)
   jax.block_until_ready(new)
   t0 = time.perf_counter()

@@ -106,9 +106,9 @@ def rules_for(axes: dict[str, int]):
 
 def plan_model_config(variant: str, n_moe_layers: int, seq: int):
   """The variant's shape with 1 + `n_moe_layers` unrolled layers, ring attention and capacity expert parallelism."""
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
-  cfg = model.ModelConfig.from_dict(model_configs.get_config(variant).to_dict())
+  cfg = configs.from_dict(model.ModelConfig, model_configs.get_config(variant).to_dict())
   return dataclasses.replace(cfg, num_hidden_layers=cfg.first_k_dense_replace + n_moe_layers, scan_layers=False,
                              attention_impl="ring", moe_impl="ep_capacity",
                              max_position_embeddings=max(seq, cfg.max_position_embeddings))
@@ -169,7 +169,6 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   from composer_jax import model
   from composer_jax.parallel import layout, make_mesh
   from composer_jax.rl import step as rl_step_lib
-  from composer_jax.train import loop as train_loop
   from composer_jax.train import optim
   from composer_jax.train import step as step_lib
   from composer_jax.train.config import OptimConfig, TrainConfig
@@ -183,8 +182,8 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   p_shard = model.shardings(cfg, mesh, rules)
   abstract_params = model.abstract_params(cfg)
   optimizer = optim.make_optimizer(OptimConfig(), abstract_params)
-  abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, 0))
-  s_shard = train_loop.state_shardings(optimizer, abstract_params, p_shard, 0)
+  abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer))
+  s_shard = step_lib.state_shardings(optimizer, abstract_params, p_shard)
   rows = stage.rows_per_shard * axes.get("data", 1) * axes.get("expert", 1)
   case = {"cfg": cfg, "mesh": mesh, "rules": rules, "optimizer": optimizer, "p_shard": p_shard, "s_shard": s_shard,
           "rows": rows, "state": _sds(abstract_state, s_shard)}
@@ -244,7 +243,7 @@ def compile_for_run(variant: str, stage: Stage, axes: dict[str, int], n_moe_laye
   cfg, seq = case["cfg"], stage.seq
   with jax.set_mesh(case["mesh"]):
     params = model.init(jax.random.key(seed), cfg, case["mesh"], case["rules"])
-    state = jax.jit(lambda p: step_lib.init_state(p, case["optimizer"], seed), out_shardings=case["s_shard"])(params)
+    state = jax.jit(lambda p: step_lib.init_state(p, case["optimizer"]), out_shardings=case["s_shard"])(params)
     del params
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (case["rows"], seq)).astype(np.int32)
     batch = jax.device_put({"tokens": tokens, "segment_ids": np.ones_like(tokens), "loss_mask": np.ones_like(tokens),
@@ -469,9 +468,9 @@ def main():
     return report(rows, runs[0]["variant"], max(tuple(run.get("load_avg", ())) for run in runs), args.out)
   if len(args.depths) < 2:
     ap.error("--depths needs at least two MoE layer counts to extrapolate")
-  from composer_jax import model
+  from composer_jax import configs, model
   from experiments.configs import model as model_configs
-  full = model.ModelConfig.from_dict(model_configs.get_config(args.variant).to_dict())
+  full = configs.from_dict(model.ModelConfig, model_configs.get_config(args.variant).to_dict())
   n_moe = full.num_hidden_layers - full.first_k_dense_replace
   load = os.getloadavg()
   cases = run_children(args)

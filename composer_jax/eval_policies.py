@@ -2,8 +2,9 @@
 
 Two checkpoint layouts are read, both with the tokenizer in `workdir/tokenizer`:
   * an LM-stage workdir (`composer_jax.train.stages`): `params/` (orbax), policy version 0;
-  * an RL-run workdir (branch `rlloop`, `composer_jax/rl/publish.py`): `weights/latest.json` naming
-    `weights/v<version>.npz`, params flattened by `jax.tree_util.keystr` path; the version is reported.
+  * an RL-run workdir (`composer_jax/rl/publish.py`; a finished run ends with its final policy there):
+    `weights/latest.json` naming `weights/v<version>.npz`, params flattened by `jax.tree_util.keystr` path; the
+    version is reported.
 The inference-cost estimate uses the active parameter count of the model config (`count_params`).
 """
 
@@ -41,12 +42,8 @@ def checkpoint_policy(workdir: str, model_cfg: ModelConfig, engine_cfg=None):
     model_cfg: the model config the params were trained with.
     engine_cfg: `composer_jax.sampling.engine.EngineConfig` (default when None).
   """
-  try:
-    from composer_jax.sampling.engine import EngineConfig, JaxEngine
-  except ImportError as e:
-    raise ImportError("the embedded JAX engine (composer_jax.sampling, branch `engine`) is not available; "
-                      f"merge it to evaluate checkpoints ({e})") from None
   from composer_jax.model.params import count_params
+  from composer_jax.sampling.engine import EngineConfig, JaxEngine
   from composer_jax.train import tokenizer as tokenizer_lib
   tok = tokenizer_lib.load_tokenizer(os.path.join(workdir, "tokenizer"))
   if tok.get_vocab_size() > model_cfg.vocab_size:

@@ -9,13 +9,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Reuse compiled programs across runs (a resumed or repeated run skips most compile time).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/composer_jax/xla"))
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
-
-from experiments import config_convert  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the tokenizer.")
@@ -28,14 +24,16 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   from composer_jax.parallel import distributed
   distributed.initialize(distributed.DistributedConfig.from_env(
       coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
       auto=_AUTO.value or None))
+  from composer_jax import configs
   from composer_jax.train import stages
-  kwargs = config_convert.stage_kwargs(_CONFIG.value)
-  last = stages.run(workdir=_WORKDIR.value, **kwargs)
+  last = stages.run(configs.from_dict(stages.StageConfig, _CONFIG.value), _WORKDIR.value)
   if distributed.is_primary():
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()})
 

@@ -18,10 +18,11 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  from kernels_pallas.quant_ablation import AblationConfig, run
-  d = _CONFIG.value.ablation.to_dict()
-  d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-  run(AblationConfig(**d), _WORKDIR.value)
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
+  from composer_jax import configs
+  from composer_jax.quant_ablation import AblationConfig, run
+  run(configs.from_dict(AblationConfig, _CONFIG.value.ablation, "ablation."), _WORKDIR.value)
 
 
 if __name__ == "__main__":

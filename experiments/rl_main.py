@@ -2,7 +2,7 @@ r"""The project's main job: SFT warm start on oracle trajectories, asynchronous 
 
   python experiments/rl_main.py                          # colab config, embedded JAX engine, bubblewrap sandboxes
   python experiments/rl_main.py --config=experiments/configs/rl.py:colab,mode=sync --workdir=runs/rl_sync
-  python experiments/rl_main.py --config.rl.kl_coef=0.01           # one ablation of configs/rl.py:get_sweep()
+  python experiments/rl_main.py --config.rl.loss.kl_coef=0.01      # one ablation of configs/rl.py:get_sweep()
 
 The last line printed is JSON: success (with 95% CI) of the SFT start, the RL policy and the SFT control, greedy
 (T0) and at T=1. Metrics: workdir/metrics.jsonl, workdir/tb (TensorBoard), workdir/reward.png.
@@ -21,28 +21,15 @@ _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_
 _WORKDIR = flags.DEFINE_string("workdir", "runs/rl_colab", "Directory for checkpoints, queue, weights and metrics.")
 
 
-def run_config(c, workdir: str):
-  """ConfigDict → frozen RunConfig (unknown keys are errors)."""
-  from composer_jax.model.config import ModelConfig
-  from composer_jax.rl import losses
-  from composer_jax.rl.config import RunConfig
-  from composer_jax.rl.step import RLConfig
-  from composer_jax.train.config import from_dict
-  d = c.to_dict()
-  d.pop("control")
-  rl = dict(d.pop("rl"))
-  loss_names = {"kl_coef", "is_cap", "importance", "normalize", "adv_std"}
-  loss = from_dict(losses.LossConfig, {k: rl.pop(k) for k in list(rl) if k in loss_names})
-  return from_dict(RunConfig, {**d, "model": ModelConfig.from_dict(d["model"]), "workdir": workdir,
-                               "rl": from_dict(RLConfig, {**rl, "loss": loss})})
-
-
 def main(argv):
   del argv
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # a second run skips its compiles
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
+  from composer_jax import configs
   from composer_jax.rl import experiment
-  c = _CONFIG.value
-  result = experiment.run_experiment(run_config(c, _WORKDIR.value), control=c.control)
+  from composer_jax.rl.config import RunConfig
+  result = experiment.run_experiment(configs.from_dict(RunConfig, _CONFIG.value, workdir=_WORKDIR.value))
   print(json.dumps(result))
 
 

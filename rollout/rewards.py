@@ -2,16 +2,24 @@
 
   reward = task_reward
            - length_weight * C(x)                      x = output tokens, turns or tool calls (`length_unit`)
-           - todo_weight * unfinished todo items at finish
+           - todo_weight * todo items still open when the episode ends
            - malformed_weight * malformed tool calls (unparseable, unknown tool, bad arguments)
            - repeat_weight * repeated identical tool calls (the same name + arguments seen before: loops)
-           - no_message_weight * [finished without a final message to the user]
+           - no_message_weight * [the episode ended without a final message to the user]
            - lint_weight * new lint findings (ruff) in the files the agent changed
 
   C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)),   and its q -> 1 limit log(1 + k x) / k.
 
 C is concave for q > 0: the first tokens cost most, so the model is pushed to be quick on easy tasks while long work
 on hard ones costs relatively little more. Every term is reported in the breakdown, signed as it enters the sum.
+
+No term can be maximised instead of solving the task: every term but `task` is <= 0, so an unsolved episode scores
+<= 0, and with `penalty_cap` < 1 the penalties together take at most `penalty_cap` (each scaled down in proportion,
+so the breakdown still sums to the reward), so every solved episode scores >= 1 - penalty_cap > 0: success always
+dominates, however many malformed calls or tokens an episode spends, while below the cap each term keeps its
+weight. The todo and message terms are charged however the episode ends (finish, turn or segment limit): charging
+them only at `finish` would let an agent dodge both by never finishing, since the hidden tests grade the workspace
+either way.
 """
 
 from __future__ import annotations
@@ -34,8 +42,12 @@ class RewardConfig:
   repeat_weight: float = 0.02
   no_message_weight: float = 0.05
   lint_weight: float = 0.02
+  penalty_cap: float = 0.0    # > 0: the penalties' sum is floored at -penalty_cap (0: no floor)
 
   def __post_init__(self):
+    if not 0.0 <= self.penalty_cap < 1.0:
+      raise ValueError(f"penalty_cap must be in [0, 1) (0 = no cap; >= 1 would let penalties outweigh success), got "
+                       f"{self.penalty_cap}")
     if self.length_unit not in LENGTH_UNITS:
       raise ValueError(f"length_unit {self.length_unit!r} not in {LENGTH_UNITS}")
     if self.length_k <= 0:
@@ -89,18 +101,21 @@ def compute_reward(task_reward: float, stats: EpisodeStats, cfg: RewardConfig) -
 
   Returns:
     (reward, breakdown) with breakdown terms task, length, todo, malformed, repeat, no_message, lint summing to
-    reward.
+    reward (penalties scaled to `penalty_cap` in total when they exceed it).
   """
   x = {"tokens": stats.output_tokens, "turns": stats.turns, "tool_calls": stats.tool_calls}[cfg.length_unit]
-  no_message = stats.finished and not stats.final_message.strip()
+  no_message = not stats.final_message.strip()
   terms = {
     "task": float(task_reward),
     "length": -cfg.length_weight * length_penalty(x, cfg.length_k, cfg.length_q) if cfg.length_weight else 0.0,
-    # Open todos only count against an agent that declared itself done.
-    "todo": -cfg.todo_weight * (stats.unfinished_todos if stats.finished else 0),
+    "todo": -cfg.todo_weight * stats.unfinished_todos,
     "malformed": -cfg.malformed_weight * stats.malformed_calls,
     "repeat": -cfg.repeat_weight * stats.repeated_calls,
     "no_message": -cfg.no_message_weight * float(no_message),
     "lint": -cfg.lint_weight * stats.new_lint_findings,
   }
+  penalty = -sum(v for k, v in terms.items() if k != "task")
+  if cfg.penalty_cap and penalty > cfg.penalty_cap:
+    terms = {k: v if k == "task" else v * cfg.penalty_cap / penalty for k, v in terms.items()}
   return sum(terms.values()), terms
+

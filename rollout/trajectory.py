@@ -9,7 +9,9 @@ its token stream with per-token arrays, T tokens, N MoE layers, K experts per to
   versions_T          int32    policy version that generated the token (-1 for environment tokens)
   turns_T             int32    turn index the token belongs to (-1 for the initial prompt); a turn is the model's
                                output plus the environment's reply that follows it
-  routed_TxNxK        int32    experts the engine routed generated tokens to (-1 elsewhere), or None
+  routed_TxNxK        int32    experts the engine routed each token to as input: generated tokens from their decode
+                               step, earlier tokens from the prefill of the call that first saw them (engines that
+                               report prefill routing); -1 where never recorded; None for engines without routing
 
 plus `turns` (one dict per turn: token offsets, finish reason, tool names, timings, errors). The final reward is
 credited to every segment (summaries are trained too). `to_dict`/`from_dict` round-trip exactly (numpy arrays and
@@ -107,7 +109,17 @@ class SegmentBuilder:
   def __len__(self) -> int:
     return len(self.tokens)
 
-  def add_generated(self, ids, logprobs, routed_TxNxK, version: int, turn: int) -> None:
+  def add_generated(self, ids, logprobs, routed_TxNxK, version: int, turn: int, prompt_routed_PxNxK=None) -> None:
+    """Appends one engine call's output; `prompt_routed_PxNxK` (that call's prefill routing of the P tokens before
+    it) fills positions not recorded yet — a token keeps the routing it had when the engine first ran it."""
+    if prompt_routed_PxNxK is not None:
+      if len(prompt_routed_PxNxK) > len(self.tokens):
+        raise ValueError(f"prompt routing covers {len(prompt_routed_PxNxK)} positions, the context has "
+                         f"{len(self.tokens)}")
+      self.routed_shape = prompt_routed_PxNxK.shape[1:]
+      for i, r in enumerate(np.asarray(prompt_routed_PxNxK, np.int32)):
+        if self.routed[i] is None or self.routed[i].min() < 0:   # -1 rows: a token the engine never fed back
+          self.routed[i] = r
     self.tokens += [int(i) for i in ids]
     self.gen += [1] * len(ids)
     self.logprobs += [float(x) for x in logprobs]

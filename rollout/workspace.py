@@ -1,10 +1,11 @@
 """The one adapter between the harness and execution: workspaces (a sandbox over a directory tree) and snapshots.
 
 Everything in `rollout/` runs commands and touches files only through `Workspace` and `WorkspaceFactory`, so a
-change in the `sandboxes` API is a fix in this file alone. Two backends:
+change in the `sandboxes` API is a fix in this file alone. Both factories are `sandboxes` backends:
 
-  LocalFactory     plain directories + subprocess (no isolation; for tests of trusted, generated code)
-  SandboxFactory   the `sandboxes` package (namespaces, limits, overlay snapshot/fork), when it is installed
+  SandboxFactory   bubblewrap namespaces, limits, overlay snapshot/fork (the default; what RL and evaluation use)
+  LocalFactory     `sandboxes.UnsafeLocalBackend`: plain directory copies + host processes, NO isolation (for tests
+                   of trusted, generated code, and machines without Linux namespaces)
 
 Paths given to workspaces are relative to the workspace root; absolute paths or `..` that escape it are rejected
 with a `ValueError` (tools turn that into an error message for the model).
@@ -14,13 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import uuid
+
+import sandboxes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,98 +97,7 @@ class WorkspaceFactory:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Local backend: directories and subprocesses.
-
-
-class LocalWorkspace(Workspace):
-  """A private copy of a snapshot directory; commands run with it as cwd and `python` on PATH."""
-
-  def __init__(self, root: str, python_bin_dir: str):
-    self.root = root
-    self._env = dict(os.environ, PATH=python_bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                     PYTHONDONTWRITEBYTECODE="1", HOME=root)
-    self._env.pop("PYTHONPATH", None)
-    self.closed = False
-
-  def _abs(self, path: str) -> str:
-    return os.path.join(self.root, safe_relpath(path))
-
-  def run(self, command: str, timeout_s: float = 30.0, output_limit: int = 1 << 16) -> CommandResult:
-    start = time.perf_counter()
-    proc = subprocess.Popen(["bash", "-c", command], cwd=self.root, env=self._env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    timed_out = False
-    try:
-      out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: the shell and what it started
-      out, _ = proc.communicate()
-    text, truncated = cap_text(out.decode("utf-8", errors="replace"), output_limit)
-    return CommandResult(None if timed_out else proc.returncode, text, truncated, timed_out,
-                         time.perf_counter() - start)
-
-  def read_file(self, path: str) -> str:
-    with open(self._abs(path), encoding="utf-8", errors="replace") as f:
-      return f.read()
-
-  def write_file(self, path: str, text: str) -> None:
-    p = self._abs(path)
-    os.makedirs(os.path.dirname(p) or self.root, exist_ok=True)
-    with open(p, "w", encoding="utf-8") as f:
-      f.write(text)
-
-  def list_dir(self, path: str = ".") -> list[str]:
-    p = self._abs(path)
-    return sorted(e + "/" if os.path.isdir(os.path.join(p, e)) else e for e in os.listdir(p))
-
-  def exists(self, path: str) -> bool:
-    return os.path.exists(self._abs(path))
-
-  def close(self) -> None:
-    if not self.closed:
-      shutil.rmtree(self.root, ignore_errors=True)
-      self.closed = True
-
-
-class LocalFactory(WorkspaceFactory):
-  """Snapshots are read-only directory copies under `root`; a fork is a full copy (fine for small projects)."""
-
-  def __init__(self, root: str | None = None, python: str = sys.executable):
-    self._own_root = root is None
-    self.root = root or tempfile.mkdtemp(prefix="rollout_ws_")
-    os.makedirs(self.root, exist_ok=True)
-    self.python_bin_dir = os.path.dirname(python)
-
-  def _new_dir(self, kind: str) -> str:
-    return os.path.join(self.root, f"{kind}_{uuid.uuid4().hex[:12]}")
-
-  def snapshot_from_dir(self, directory: str) -> str:
-    if not os.path.isdir(directory):
-      raise FileNotFoundError(f"snapshot source {directory!r} is not a directory")
-    dest = self._new_dir("snap")
-    shutil.copytree(directory, dest, symlinks=True)
-    return dest
-
-  def fork(self, snapshot: str) -> LocalWorkspace:
-    if not isinstance(snapshot, str) or not os.path.isdir(snapshot):
-      raise ValueError(f"not a snapshot of this factory: {snapshot!r}")
-    dest = self._new_dir("ws")
-    shutil.copytree(snapshot, dest, symlinks=True)
-    return LocalWorkspace(dest, self.python_bin_dir)
-
-  def snapshot(self, workspace: Workspace) -> str:
-    if not isinstance(workspace, LocalWorkspace):
-      raise TypeError(f"LocalFactory cannot snapshot a {type(workspace).__name__}")
-    return self.snapshot_from_dir(workspace.root)
-
-  def close(self) -> None:
-    if self._own_root:
-      shutil.rmtree(self.root, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# `sandboxes` backend: isolated namespaces, limits, overlay snapshot/fork.
+# `sandboxes` backends.
 
 
 class SandboxWorkspace(Workspace):
@@ -235,38 +141,59 @@ class SandboxWorkspace(Workspace):
 
 class SandboxFactory(WorkspaceFactory):
   """Workspaces are `sandboxes` sandboxes (default: bubblewrap namespaces); the Python environment that runs this
-  code (its venv) is bound read-only inside and first on PATH, so `python -m pytest` and `python -m ruff` work."""
+  code (its venv) is bound read-only inside and first on PATH, so `python -m pytest` and `python -m ruff` work.
+
+  Args:
+    backend: a `sandboxes` backend name ("bwrap", or "unsafe-local": see `LocalFactory`).
+    venv: Python environment bound in (None: only the base Python).
+    ro_binds: more host paths visible read-only at the same path (e.g. a wheel directory).
+    path_prefix: more directories put first on PATH.
+    backend_options: keyword arguments for the backend itself (e.g. `state_root`).
+    **sandbox_kwargs: more `sandboxes.SandboxConfig` fields (limits, output_limit_bytes, ...).
+  """
 
   def __init__(self, backend: str = "bwrap", venv: str | None = sys.prefix, ro_binds: tuple[str, ...] = (),
-               **sandbox_kwargs):
-    """Args: backend: a `sandboxes` backend name; venv: Python environment bound in (None: only the base Python);
-    ro_binds: more host paths visible read-only at the same path (e.g. a wheel directory); sandbox_kwargs: more
-    `sandboxes.SandboxConfig` fields (limits, output_limit_bytes, ...)."""
-    import sandboxes  # only this backend needs it
-
+               path_prefix: tuple[str, ...] = (), backend_options: dict | None = None, **sandbox_kwargs):
     venvs = (venv,) if venv and venv != sys.base_prefix else ()
-    config = sandboxes.SandboxConfig.make(ro_binds=venvs + tuple(ro_binds),
-                                          path_prefix=tuple(os.path.join(v, "bin") for v in venvs),
-                                          env={"PYTHONDONTWRITEBYTECODE": "1"}, **sandbox_kwargs)
-    self.backend = sandboxes.make_backend(backend, config=config)
+    config = sandboxes.SandboxConfig.make(
+      ro_binds=venvs + tuple(ro_binds), path_prefix=tuple(os.path.join(v, "bin") for v in venvs) + tuple(path_prefix),
+      env={"PYTHONDONTWRITEBYTECODE": "1"}, **sandbox_kwargs)
+    self.backend = sandboxes.make_backend(backend, config=config, **(backend_options or {}))
 
   def snapshot_from_dir(self, directory: str):
+    if not os.path.isdir(directory):
+      raise FileNotFoundError(f"snapshot source {directory!r} is not a directory")
     return self.backend.import_dir(directory)
 
   def fork(self, snapshot) -> SandboxWorkspace:
+    if not isinstance(snapshot, sandboxes.Snapshot):
+      raise ValueError(f"not a snapshot of this factory: {snapshot!r}")
     return SandboxWorkspace(self.backend.fork(snapshot))
 
   def snapshot(self, workspace: Workspace):
     if not isinstance(workspace, SandboxWorkspace):
-      raise TypeError(f"SandboxFactory cannot snapshot a {type(workspace).__name__}")
+      raise TypeError(f"{type(self).__name__} cannot snapshot a {type(workspace).__name__}")
     return workspace.sb.snapshot()
 
   def close(self) -> None:
     self.backend.close()
 
 
-def make_factory(backend: str = "local", **kwargs) -> WorkspaceFactory:
-  """A factory by name: 'local' (directories + subprocess, no isolation) or 'sandbox' (the `sandboxes` package)."""
+class LocalFactory(SandboxFactory):
+  """`sandboxes.UnsafeLocalBackend` behind the same interface: snapshots and forks are directory copies under
+  `root`, commands run on the host (in their own session, with rlimits) with `python`'s directory first on PATH.
+
+  There is NO isolation (network, every file the caller can touch): for tests and trusted, generated code only.
+  Chosen by name, so it does not repeat the backend's warning.
+  """
+
+  def __init__(self, root: str | None = None, python: str = sys.executable):
+    super().__init__("unsafe-local", venv=None, path_prefix=(os.path.dirname(python),),
+                     backend_options={"state_root": root, "warn": False})
+
+
+def make_factory(backend: str = "sandbox", **kwargs) -> WorkspaceFactory:
+  """A factory by name: 'sandbox' (the `sandboxes` package, isolated) or 'local' (no isolation)."""
   factories = {"local": LocalFactory, "sandbox": SandboxFactory}
   if backend not in factories:
     raise ValueError(f"unknown workspace backend {backend!r}; valid: {sorted(factories)}")

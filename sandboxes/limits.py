@@ -13,6 +13,7 @@ import errno
 import math
 import os
 import resource
+import select
 import shlex
 import shutil
 import signal
@@ -190,7 +191,7 @@ class SandboxCgroup:
           os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
           pass
-      time.sleep(0.002)
+      _wait_any_exit(pids, 0.002)
 
   def cpu_seconds(self) -> float | None:
     """Total CPU seconds used by the group since it was created."""
@@ -249,6 +250,29 @@ class SandboxCgroup:
       remove_cgroup_dir(d)
       remove_if_empty(os.path.dirname(d))
     self.dirs = {}
+
+
+def _wait_any_exit(pids: set[int], timeout: float) -> None:
+  """Returns once one of `pids` has exited (so it has left its cgroup), or after `timeout` seconds.
+
+  After a normal exit bwrap's own pid 1 is usually still finishing; a fixed sleep here cost every run 2-8 ms under
+  load, a pidfd wakes us the moment it is gone.
+  """
+  poller, fds = select.poll(), []
+  try:
+    for pid in pids:
+      try:
+        fds.append(os.pidfd_open(pid))
+      except ProcessLookupError:
+        return  # already gone
+      except (AttributeError, OSError):
+        time.sleep(timeout)  # no pidfds (old kernel): poll the group again later
+        return
+      poller.register(fds[-1], select.POLLIN)
+    poller.poll(timeout * 1000)
+  finally:
+    for fd in fds:
+      os.close(fd)
 
 
 def remove_if_empty(group_parent: str) -> None:
@@ -328,6 +352,24 @@ _PRLIMIT_NAMES = {resource.RLIMIT_NOFILE: "nofile", resource.RLIMIT_CORE: "core"
                   resource.RLIMIT_CPU: "cpu", resource.RLIMIT_NPROC: "nproc", resource.RLIMIT_AS: "as"}
 
 
+def rlimits_argv(rlimits: list[tuple[int, int, int]]) -> list[str] | None:
+  """`prlimit --X=soft:hard ... --`, to put in front of a command; None where util-linux's prlimit is missing.
+
+  Unlike a `preexec_fn` it lets `subprocess` vfork, which is also the only safe way to start a child from a
+  multithreaded caller (a JAX process is one).
+  """
+  prlimit = shutil.which("prlimit")
+  if not prlimit:
+    return None
+  argv = [prlimit]
+  for res, soft, hard in rlimits:
+    _, cur_hard = resource.getrlimit(res)  # inherited by the child: never ask for more than we have
+    if cur_hard != resource.RLIM_INFINITY:
+      soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    argv.append(f"--{_PRLIMIT_NAMES[res]}={soft}:{hard}")
+  return argv + ["--"]
+
+
 def launcher_argv(procs_files: list[str], rlimits: list[tuple[int, int, int]], uid: int | None = None,
                   gid: int | None = None) -> list[str] | None:
   """An exec chain doing what `make_preexec` does, or None if `prlimit`/`setpriv` (util-linux) are missing.
@@ -337,19 +379,13 @@ def launcher_argv(procs_files: list[str], rlimits: list[tuple[int, int, int]], u
   with the caller's memory (measured: ~300 ms from a process with 2 GB resident, vs ~3 ms for vfork), and RL
   workers that sandbox commands often hold a model in memory.
   """
-  sh, prlimit, setpriv = shutil.which("sh"), shutil.which("prlimit"), shutil.which("setpriv")
-  if not (sh and prlimit and setpriv):
+  sh, setpriv, prlimit = shutil.which("sh"), shutil.which("setpriv"), rlimits_argv(rlimits)
+  if not (sh and setpriv and prlimit):
     return None
   script = "".join(f"echo $$ > {shlex.quote(f)} && " for f in procs_files) + 'exec "$@"'
   # The first setpriv arms the parent-death signal at once (so a caller that dies mid-launch takes the launch
   # with it); the uid change clears it, so the second setpriv arms it again; bwrap then sets its own.
-  argv = [setpriv, "--pdeathsig=KILL", "--", sh, "-c", script, "sh", prlimit]
-  for res, soft, hard in rlimits:
-    _, cur_hard = resource.getrlimit(res)  # inherited by the child: never ask for more than we have
-    if cur_hard != resource.RLIM_INFINITY:
-      soft, hard = min(soft, cur_hard), min(hard, cur_hard)
-    argv.append(f"--{_PRLIMIT_NAMES[res]}={soft}:{hard}")
-  argv.append("--")
+  argv = [setpriv, "--pdeathsig=KILL", "--", sh, "-c", script, "sh"] + prlimit
   if uid is not None or gid is not None:
     argv += [setpriv, "--pdeathsig=KILL", "--clear-groups"]
     argv += [f"--regid={gid}"] if gid is not None else []

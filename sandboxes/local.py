@@ -13,15 +13,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import warnings
-import weakref
-from collections.abc import Mapping, Sequence
 
-from sandboxes import bwrap, limits
+from sandboxes import fsops, limits
 from sandboxes.process import run_process
-from sandboxes.sandbox import Backend, Sandbox
-from sandboxes.types import RunResult, SandboxClosedError, SandboxConfig, SandboxError, Snapshot
+from sandboxes.sandbox import Backend, Sandbox, result_from
+from sandboxes.types import RunResult, SandboxConfig, SandboxError, Snapshot
 
 
 def _copy(src: str, dst: str) -> None:
@@ -35,24 +32,24 @@ class UnsafeLocalBackend(Backend):
   Args:
     config: default `SandboxConfig` (`ro_binds` and `network` have no effect here).
     state_root: where copies live (default: a new temp dir, removed on close).
+    warn: emit the "no isolation" RuntimeWarning (callers that chose this backend by name may silence it).
   """
 
   name = "unsafe-local"
 
-  def __init__(self, config: SandboxConfig | None = None, state_root: str | None = None):
-    warnings.warn("UnsafeLocalBackend runs model-written commands on the host WITHOUT isolation", RuntimeWarning,
-                  stacklevel=2)
-    self.config = config or SandboxConfig()
+  def __init__(self, config: SandboxConfig | None = None, state_root: str | None = None, warn: bool = True):
+    super().__init__(config)
+    if warn:
+      warnings.warn("UnsafeLocalBackend runs model-written commands on the host WITHOUT isolation", RuntimeWarning,
+                    stacklevel=2)
+    if state_root is not None:
+      os.makedirs(state_root, exist_ok=True)
     self.path = tempfile.mkdtemp(prefix="composer_unsafe_local_", dir=state_root)
     self._n = 0
-    self._lock = threading.Lock()
-    self._sandboxes: weakref.WeakSet[LocalSandbox] = weakref.WeakSet()
-    self._closed = False
 
   def _new_dir(self, kind: str) -> str:
     with self._lock:
-      if self._closed:
-        raise SandboxClosedError("backend is closed")
+      self._check_open()
       self._n += 1
       return os.path.join(self.path, f"{kind}{self._n}")
 
@@ -64,25 +61,25 @@ class UnsafeLocalBackend(Backend):
     return Snapshot(self.name, (d,), os.path.basename(d))
 
   def fork(self, snapshot: Snapshot, config: SandboxConfig | None = None) -> LocalSandbox:
-    if snapshot.backend != self.name or os.path.dirname(snapshot.layers[0]) != self.path:
-      raise SandboxError(f"snapshot {snapshot.snapshot_id} was not made by this backend instance")
+    if not isinstance(snapshot, Snapshot) or snapshot.backend != self.name \
+       or os.path.dirname(snapshot.layers[0]) != self.path:
+      raise SandboxError(f"snapshot {snapshot!r} was not made by this backend instance")
     d = self._new_dir("sb")
     _copy(snapshot.layers[0], os.path.join(d, "ws"))
     os.makedirs(os.path.join(d, "tmp"))
     sb = LocalSandbox(self, d, config or self.config)
-    with self._lock:
-      self._sandboxes.add(sb)
+    self._track(sb)
     return sb
 
-  def close(self) -> None:
-    with self._lock:
-      if self._closed:
-        return
-      self._closed = True
-      live = list(self._sandboxes)
-    for sb in live:
-      sb.close()
-    shutil.rmtree(self.path, ignore_errors=True)
+  def delete_snapshot(self, snapshot: Snapshot) -> None:
+    """Deletes a snapshot's copy (forks made from it are independent copies and stay)."""
+    if snapshot.backend != self.name or os.path.dirname(snapshot.layers[0]) != self.path \
+       or not os.path.isdir(snapshot.layers[0]):
+      raise SandboxError(f"unknown snapshot {snapshot.snapshot_id}: already deleted, or not made by this backend")
+    fsops.rmtree(snapshot.layers[0])
+
+  def _close(self) -> None:
+    fsops.rmtree(self.path)
 
 
 class LocalSandbox(Sandbox):
@@ -97,16 +94,12 @@ class LocalSandbox(Sandbox):
   def _root(self) -> str:
     return self.workspace
 
-  def run(self, cmd: str | Sequence[str], timeout: float = 60.0, stdin: bytes | None = None,
-          env: Mapping[str, str] | None = None) -> RunResult:
-    if not timeout > 0:
-      raise ValueError(f"timeout must be positive, got {timeout!r}")
-    argv = bwrap.shell_argv(cmd)
+  def _run(self, argv: list[str], timeout: float, stdin: bytes | None, env: dict[str, str]) -> RunResult:
     tmp = os.path.join(self.path, "tmp")
     path = ":".join(list(self.config.path_prefix) + [os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     full_env = {"HOME": tmp, "TMPDIR": tmp, "PATH": path, "LANG": "C.UTF-8", "WORKSPACE": self.workspace}
     full_env.update(dict(self.config.env))
-    full_env.update(env or {})
+    full_env.update(env)
     # No pids cgroup here; RLIMIT_NPROC would count all of the caller's processes, so it is not set either.
     rl = limits.rlimits_for(self.config.limits, {"pids"})
 
@@ -116,22 +109,18 @@ class LocalSandbox(Sandbox):
       except ProcessLookupError:
         pass
 
-    with self._lock:
-      self._check_open()
-      try:
-        out = run_process(argv, timeout=timeout, output_limit=self.config.output_limit_bytes, kill=kill, stdin=stdin,
-                          cwd=self.workspace, env=full_env, start_new_session=True,
-                          preexec_fn=limits.make_preexec([], rl))
-      except FileNotFoundError as e:  # an argv command that does not exist: report it like a shell would
-        return RunResult(127, b"", f"{e}\n".encode(), False, False, 0.0, False, None)
-    rc = out.returncode
-    if rc is not None and rc < 0:
-      rc = 128 - rc  # shell convention, as the bwrap backend reports it
-    limit = out.kill_reason if out.kill_reason not in (None, "timeout") else None
-    if limit is None and rc in (128 + signal.SIGXCPU, 128 + signal.SIGXFSZ):
-      limit = "cpu_time" if rc == 128 + signal.SIGXCPU else "file_size"
-    return RunResult(rc, out.stdout, out.stderr, out.stdout_truncated, out.stderr_truncated, out.wall_s,
-                     out.timed_out, limit)
+    prlimit = limits.rlimits_argv(rl)
+    if prlimit is not None:
+      argv, popen_kw = prlimit + argv, {}
+    else:  # e.g. macOS: a preexec_fn (a real fork(); unsafe in a multithreaded caller, but there is no other way)
+      popen_kw = {"preexec_fn": limits.make_preexec([], rl)}
+    try:
+      out = run_process(argv, timeout=timeout, output_limit=self.config.output_limit_bytes, kill=kill, stdin=stdin,
+                        poll=self._poll_closed, cwd=self.workspace, env=full_env, start_new_session=True,
+                        **popen_kw)
+    except FileNotFoundError as e:  # an argv command that does not exist: report it like a shell would
+      return RunResult(127, b"", f"{e}\n".encode(), False, False, 0.0, False, None)
+    return result_from(out)
 
   def snapshot(self) -> Snapshot:
     with self._lock:
@@ -141,4 +130,4 @@ class LocalSandbox(Sandbox):
       return Snapshot(self.backend.name, (d,), os.path.basename(d))
 
   def _close(self) -> None:
-    shutil.rmtree(self.path, ignore_errors=True)
+    fsops.rmtree(self.path)

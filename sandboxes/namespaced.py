@@ -1,39 +1,36 @@
-"""The default backend: bubblewrap (Linux namespaces) + overlayfs snapshots/forks + cgroup limits.
+"""The default backend: bubblewrap (Linux namespaces) + overlayfs snapshots/forks + cgroup limits + seccomp.
 
 Each `run` starts a fresh bwrap: new user/pid/ipc/uts/net/mount/cgroup namespaces, unprivileged uid 1000 inside
-with every capability dropped and nested user namespaces disabled, read-only system dirs, a private tmpfs /tmp,
-and the fork's overlay mount bound read-write at /workspace. The bwrap process is placed in the sandbox's cgroups
-before it execs, so every descendant is counted and limited; when the command exits (or is killed, or the caller
-dies) the pid namespace ends and takes every process with it. (Rootless callers get the same, except that bwrap
-mounts the overlay itself; see `BwrapBackend`.)
+with every capability dropped and nested user namespaces disabled, a syscall filter, read-only system dirs, a
+private tmpfs /tmp, and the fork's overlay mount bound read-write at /workspace. The bwrap process is placed in
+the sandbox's cgroups before it execs, so every descendant is counted and limited; when the command exits (or is
+killed, or the caller dies) the pid namespace ends and takes every process with it. The fork's writable layer
+(the overlay's upper dir) is a tmpfs of `Limits.disk_bytes` / `disk_inodes`, so the kernel bounds it. (Rootless
+callers get the same, except that bwrap mounts the overlay itself; see `rootless.py`.)
 """
 
 from __future__ import annotations
 
-import errno
+import dataclasses
 import os
 import shutil
 import signal
+import stat
 import subprocess
-import threading
-import time
 import warnings
-import weakref
-from collections.abc import Mapping, Sequence
 
-from sandboxes import bwrap, fsops, limits, overlay, scan
+from sandboxes import bwrap, checks, limits, overlay, scan
+from sandboxes import seccomp as syscall_filter
 from sandboxes.process import run_process
-from sandboxes.sandbox import Backend, Sandbox
+from sandboxes.sandbox import Backend, Sandbox, result_from
 from sandboxes.store import Store, check_traversable
-from sandboxes.types import (
-  WORKSPACE,
-  BackendUnavailableError,
-  RunResult,
-  SandboxClosedError,
-  SandboxConfig,
-  SandboxError,
-  Snapshot,
-)
+from sandboxes.types import BackendUnavailableError, RunResult, SandboxConfig, SandboxError, Snapshot
+
+BWRAP_MAX_ARGS = 9000  # bwrap refuses longer command lines
+# The launcher chain (setpriv, sh, prlimit, bwrap) needs no environment: every program is named by absolute path
+# and bwrap builds the command's environment itself (--clearenv/--setenv). Anything passed here would stay
+# readable inside, in /proc/1/environ (bwrap is the sandbox's pid 1).
+LAUNCH_ENV: dict[str, str] = {}
 
 
 class BwrapBackend(Backend):
@@ -60,20 +57,20 @@ class BwrapBackend(Backend):
     cgroup_parents: controller ("memory", "pids", "cpu", "cpuacct") -> cgroup dir to create sandbox groups under,
       instead of the caller's own cgroups; e.g. a delegated, process-free cgroup on a cgroup v2 host. {} disables
       cgroups (rlimits only).
+    seccomp: install the syscall filter of `seccomp.py` in every sandbox (needs libseccomp); False only for
+      hosts without it, and knowingly.
   """
 
   name = "bwrap"
 
   def __init__(self, config: SandboxConfig | None = None, state_root: str | None = None, max_layers: int = 32,
                bwrap_path: str | None = None, host_uid: int = 60000, host_gid: int = 60000,
-               cgroup_parents: dict[str, str] | None = None, launcher: str = "exec"):
-    # Rootless: bwrap mounts the overlay itself, inside the sandbox; the sandbox runs as the caller's uid; file
-    # calls go through commands in the sandbox; limits are rlimits unless a writable cgroup is given.
+               cgroup_parents: dict[str, str] | None = None, launcher: str = "exec", seccomp: bool = True):
+    super().__init__(config)
     self.rootless = os.geteuid() != 0
     if not 1 <= max_layers <= overlay.MAX_KERNEL_LAYERS:
       raise ValueError(f"{max_layers=} must be in [1, {overlay.MAX_KERNEL_LAYERS}]")
     self.bwrap = bwrap.find_bwrap(bwrap_path)
-    self.config = config or SandboxConfig()
     self.max_layers = max_layers
     if self.rootless:
       host_uid, host_gid = os.getuid(), os.getgid()
@@ -91,26 +88,25 @@ class BwrapBackend(Backend):
                     "and processes by RLIMIT_NPROC over all of this user's processes; memory/pids/disk-in-cgroup "
                     "hits are not reported as such", RuntimeWarning, stacklevel=2)
     self.store = Store(state_root)
-    self._lock = threading.Lock()
-    self._sandboxes: weakref.WeakSet[BwrapSandbox] = weakref.WeakSet()
     self._staged: dict[str, str] = {}
     self._snapshots: dict[str, tuple[str, ...]] = {}  # live snapshot id -> layers
     self._known_layers: set[str] = set()  # layers that _gc may delete once nothing uses them
     self._pending: list[tuple[str, ...]] = []  # layers of forks being mounted right now
-    self._closed = False
     try:
       check_traversable(self.store.path, *self.owner)
       if not self.rootless:
         self.bwrap = self._reachable_bwrap(self.bwrap)
       self._etc = os.path.join(self.store.path, "etc")
-      os.makedirs(self._etc, mode=0o755)
-      for fname, text in bwrap.etc_files().items():
-        with open(os.path.join(self._etc, fname), "w") as f:
-          f.write(text)
-        os.chmod(os.path.join(self._etc, fname), 0o644)
+      bwrap.stage_etc(self._etc)
+      if not self.rootless:
+        self._check_layer_fs()
+      self._seccomp = os.path.join(self.store.path, "seccomp.bpf") if seccomp else None
+      if self._seccomp:
+        syscall_filter.build(self._seccomp)
       self._self_test()
     except BaseException:
       self.close()
+      self.store.remove_state_root_if_made()
       raise
 
   def _reachable_bwrap(self, path: str) -> str:
@@ -137,6 +133,19 @@ class BwrapBackend(Backend):
     subprocess.run(["chmod", "-R", "a+rX", dst_root], check=True)
     return staged
 
+  def _check_layer_fs(self) -> None:
+    """Snapshots copy a fork's upper dir into the store; its whiteouts are 0:0 character devices, which some
+    filesystems (overlayfs itself, as inside many containers) refuse."""
+    probe = os.path.join(self.store.path, "whiteout-probe")
+    try:
+      os.mknod(probe, 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+      os.unlink(probe)
+    except OSError as e:
+      raise BackendUnavailableError(
+        f"the state_root {self.store.state_root} cannot hold overlay layers ({e}: no whiteout files). The "
+        "state_root must be on a filesystem such as ext4, xfs or tmpfs, not overlayfs itself (as inside many "
+        "containers): try state_root='/dev/shm/composer_sandboxes'.") from e
+
   def _self_test(self) -> None:
     """One `true` in an empty sandbox, so that a machine without user namespaces fails here, clearly; also the
     probe for usable cgroups."""
@@ -157,7 +166,7 @@ class BwrapBackend(Backend):
       except OSError as e:
         raise BackendUnavailableError(
           f"cannot mount an overlay for a sandbox under {self.store.path}: {e}. The state_root must be on a "
-          "filesystem that can hold overlayfs upper dirs (ext4, xfs, tmpfs; not overlayfs itself, as inside many "
+          "filesystem that can hold overlayfs lower dirs (ext4, xfs, tmpfs; not overlayfs itself, as inside many "
           "containers): try state_root='/dev/shm/composer_sandboxes'.") from e
       with sb:
         r = sb.run(["true"], timeout=30)
@@ -176,8 +185,12 @@ class BwrapBackend(Backend):
     below a root-only dir such as /root.
     """
     out = []
+    state = self.store.state_root + "/"
     for p in bwrap.python_prefixes() + tuple(config.ro_binds):
       real = os.path.realpath(p)
+      if state.startswith(real.rstrip("/") + "/"):
+        raise ValueError(f"SandboxConfig.ro_binds: {p!r} contains the sandbox state root {self.store.state_root} "
+                         "(every sandbox's workspace would be visible)")
       if self.rootless:  # nothing to stage (and no right to mount): what the caller reaches, bwrap reaches
         out.append((real, p))
         continue
@@ -219,13 +232,19 @@ class BwrapBackend(Backend):
   def fork(self, snapshot: Snapshot, config: SandboxConfig | None = None) -> BwrapSandbox:
     with self._lock:
       self._check_open()
-      if snapshot.backend != self.name or self._snapshots.get(snapshot.snapshot_id) != snapshot.layers:
-        raise SandboxError(f"unknown snapshot {snapshot.snapshot_id}: deleted, or not made by this backend instance")
+      if not isinstance(snapshot, Snapshot) or snapshot.backend != self.name \
+         or self._snapshots.get(snapshot.snapshot_id) != snapshot.layers:
+        raise SandboxError(f"unknown snapshot {snapshot!r}: deleted, or not made by this backend instance")
       self._pending.append(snapshot.layers)  # keeps _gc off these layers until the fork is registered
     try:
-      sb = BwrapSandbox(self, snapshot.layers, config or self.config)
-      with self._lock:
-        self._sandboxes.add(sb)
+      self.ro_binds(config or self.config)  # refuses bad binds now, not at the first run; stages the rest
+      if self.rootless:
+        from sandboxes.rootless import RootlessSandbox  # a subclass of BwrapSandbox: imported here, not above
+
+        sb = RootlessSandbox(self, snapshot.layers, config or self.config)
+      else:
+        sb = BwrapSandbox(self, snapshot.layers, config or self.config)
+      self._track(sb)
     finally:
       with self._lock:
         self._pending.remove(snapshot.layers)
@@ -255,38 +274,30 @@ class BwrapBackend(Backend):
     """How many layer directories exist (for tests and monitoring)."""
     return len(os.listdir(os.path.join(self.store.path, "l")))
 
-  def _check_open(self) -> None:
-    if self._closed:
-      raise SandboxClosedError("backend is closed")
-
-  def close(self) -> None:
-    with self._lock:
-      if self._closed:
-        return
-      self._closed = True
-      live = list(self._sandboxes)
-    for sb in live:
-      sb.close()
+  def _close(self) -> None:
     self.store.remove()
 
 
 class BwrapSandbox(Sandbox):
-  """A fork: an overlay of the snapshot's layers under its own upper dir, plus its own cgroup."""
+  """A fork: an overlay of the snapshot's layers under its own upper dir (on its own tmpfs), plus its own cgroup.
+
+  Layout under the fork's dir: `t/` the tmpfs holding `u/` (upper) and `w/` (overlay work dir); `m/` the merged
+  mount that is bound at /workspace.
+  """
 
   def __init__(self, backend: BwrapBackend, layers: tuple[str, ...], config: SandboxConfig):
     super().__init__(config)
     self.backend = backend
     self.layers = layers
     self.dir = backend.store.new_sandbox_dir()
-    self.upper, self.work, self.merged = (os.path.join(self.dir, x) for x in ("u", "w", "m"))
+    self.tmpfs, self.merged = os.path.join(self.dir, "t"), os.path.join(self.dir, "m")
+    self.upper, self.work = os.path.join(self.tmpfs, "u"), os.path.join(self.tmpfs, "w")
     self.cgroup = None
-    self._closing = False
     self._at_limit: set[tuple[str, int]] = set()  # files at file_size_bytes after the last run
     self._owner = backend.owner
     try:
-      for d in (self.upper, self.work, self.merged):
-        os.makedirs(d)
-      os.chown(self.upper, *self._owner)  # the workspace root (the overlay's root takes the upper's owner)
+      os.makedirs(self.tmpfs)
+      os.makedirs(self.merged)
       self._mount()
       if backend.cgroup_parents:
         name = os.path.basename(backend.store.path) + "-" + os.path.basename(self.dir)
@@ -298,67 +309,64 @@ class BwrapSandbox(Sandbox):
       self._close()
       raise
 
-  def close(self) -> None:
-    """Like `Sandbox.close`, but a command running in another thread is killed first instead of awaited."""
-    self._closing = True  # seen by the running command's poll within 50 ms
-    super().close()
+  # -- the writable layer ----------------------------------------------------------------------------------
+  def _new_upper(self) -> None:
+    """A fresh, empty tmpfs for the upper and work dirs (the few inodes of our own dirs come on top)."""
+    lim = self.config.limits
+    overlay.mount_tmpfs(self.tmpfs, lim.disk_bytes, lim.disk_inodes and lim.disk_inodes + 4, mode=0o711)
+    os.makedirs(self.upper)
+    os.makedirs(self.work)
+    os.chown(self.upper, *self._owner)  # the workspace root (the overlay's root takes the upper's owner)
 
   def _mount(self) -> None:
-    if not self.backend.rootless:  # rootless: bwrap mounts the overlay inside each sandbox instead
-      overlay.mount(self.layers, self.merged, self.upper, self.work)
+    self._new_upper()
+    overlay.mount(self.layers, self.merged, self.upper, self.work)
+
+  def _layer_full(self) -> str | None:
+    """"disk" / "inodes" when the writable layer has no room left (the kernel refused, or would refuse, writes)."""
+    st = os.statvfs(self.tmpfs)
+    if self.config.limits.disk_bytes is not None and st.f_bavail == 0:
+      return "disk"
+    if self.config.limits.disk_inodes is not None and st.f_favail == 0:
+      return "inodes"
+    return None
 
   def _root(self) -> str:
     return self.merged
 
-  def run(self, cmd: str | Sequence[str], timeout: float = 60.0, stdin: bytes | None = None,
-          env: Mapping[str, str] | None = None) -> RunResult:
-    return self._run(cmd, timeout, stdin, env)
+  # -- commands --------------------------------------------------------------------------------------------
+  def _run(self, argv: list[str], timeout: float, stdin: bytes | None, env: dict[str, str]) -> RunResult:
+    return self._launch(argv, timeout, stdin, env)
 
-  def _run(self, cmd: str | Sequence[str], timeout: float = 60.0, stdin: bytes | None = None,
-           env: Mapping[str, str] | None = None, output_limit: int | None = None,
-           workspace: tuple[tuple[str, ...], str | None, str | None] | None = None,
-           rw_binds: Sequence[tuple[str, str]] = ()) -> RunResult:
-    """`run` with internal options: a bigger output cap (file reads), another workspace or extra binds (flatten)."""
-    if not timeout > 0:
-      raise ValueError(f"timeout must be positive, got {timeout!r}")
-    with self._lock:
-      self._check_open()
-      if workspace is None:
-        workspace = (self.layers, self.upper, self.work) if self.backend.rootless else self.merged
-      argv = bwrap.build_argv(self.backend.bwrap, self.config, workspace, self.backend._etc, cmd, env,
-                              self.backend.ro_binds(self.config), rw_binds)
+  def _workspace(self):
+    """What bwrap binds at /workspace: the merged overlay mount."""
+    return self.merged
+
+  def _launch(self, argv: list[str], timeout: float, stdin: bytes | None, env: dict[str, str],
+              output_limit: int | None = None, workspace=None, rw_binds=()) -> RunResult:
+    """One bwrap run (lock held). Internal options: a bigger output cap (file reads), another workspace or extra
+    binds (flattening)."""
+    be, lim = self.backend, self.config.limits
+    fd = os.open(be._seccomp, os.O_RDONLY | os.O_CLOEXEC) if be._seccomp else None
+    try:
+      full = bwrap.build_argv(be.bwrap, self.config, workspace or self._workspace(), be._etc, argv, env,
+                              be.ro_binds(self.config), rw_binds, seccomp_fd=fd)
+      checks.total_size(full, BWRAP_MAX_ARGS)
+      full, popen_kw = self._launcher(full)
+      checks.total_size(full)
       cg = self.cgroup
-      controllers = set(cg.dirs) if cg else set()
-      nproc_base = 0
-      if self.backend.rootless and "pids" not in controllers and self.config.limits.max_pids is not None:
-        nproc_base = limits.processes_of(os.getuid())
-      rlimits = limits.rlimits_for(self.config.limits, controllers, nproc_base)
-      procs = cg.procs_files() if cg else []
-      uid_gid = self.backend._switch_uid or (None, None)
-      launcher = limits.launcher_argv(procs, rlimits, *uid_gid) if self.backend.launcher == "exec" else None
-      if launcher is not None:
-        argv, popen_kw = launcher + argv, {}
-      else:
-        popen_kw = {"preexec_fn": limits.make_preexec(procs, rlimits, *uid_gid)}
-      cpu_limit = self.config.limits.cpu_seconds if cg is not None and "cpuacct" in controllers else None
+      cpu_limit = lim.cpu_seconds if cg is not None and "cpuacct" in cg.dirs else None
       if cg is not None:
         cg.start_run()
-
-      disk_limit = self.config.limits.disk_bytes
-      next_disk_check = [time.monotonic() + self.config.limits.disk_poll_s]
+      full_seen = [None]  # the writable layer filling up during the run (a command may delete files after)
 
       def poll() -> str | None:
-        if self._closing:
-          return "closed"
         if cpu_limit is not None:
           used = cg.run_cpu_seconds()
           if used is not None and used > cpu_limit:
             return "cpu_time"
-        if disk_limit is not None and time.monotonic() >= next_disk_check[0]:
-          next_disk_check[0] = time.monotonic() + self.config.limits.disk_poll_s
-          if scan.tree_bytes(self.upper, stop_above=disk_limit) > disk_limit:
-            return "disk"
-        return None
+        full_seen[0] = full_seen[0] or self._layer_full()
+        return self._poll_disk() or self._poll_closed()
 
       def kill(proc: subprocess.Popen) -> None:
         if proc.poll() is None:
@@ -366,141 +374,98 @@ class BwrapSandbox(Sandbox):
         if cg is not None:
           cg.kill_all()
 
-      out = run_process(argv, timeout=timeout, output_limit=output_limit or self.config.output_limit_bytes, kill=kill,
-                        poll=poll, stdin=stdin, start_new_session=True, **popen_kw)
-      hit = cg.limit_hit() if cg is not None else None
-      if hit is None:
-        hit = _limit_from_exit(out.kill_reason, out.returncode)
-      if self.config.limits.file_size_bytes is not None:
-        # SIGXFSZ may kill a child whose status the shell hides (`cmd > f; echo done`); a file at exactly the
-        # limit that was not there (with that mtime) after the previous run is the trace it leaves.
-        at_limit = scan.files_at_size(self.upper, self.config.limits.file_size_bytes)
-        if hit is None and at_limit - self._at_limit:
-          hit = "file_size"
-        self._at_limit = at_limit
-      rc = out.returncode
-      if rc == 1 and out.stderr.startswith(b"bwrap: execvp "):
-        rc = 127  # bwrap's own report of a missing argv[0]; 127 is what a shell says
-      return RunResult(exit_code=rc, stdout=out.stdout, stderr=out.stderr,
-                       stdout_truncated=out.stdout_truncated, stderr_truncated=out.stderr_truncated,
-                       wall_s=out.wall_s, timed_out=out.timed_out, limit_hit=hit)
+      out = run_process(full, timeout=timeout, output_limit=output_limit or self.config.output_limit_bytes,
+                        kill=kill, poll=poll, stdin=stdin, start_new_session=True, env=LAUNCH_ENV,
+                        pass_fds=() if fd is None else (fd,), **popen_kw)
+    finally:
+      if fd is not None:
+        os.close(fd)
+    at_file_limit = self._file_size_hit()  # always: it also records this run's files for the next one
+    hit = (cg.limit_hit() if cg is not None else None) or self._layer_full() or full_seen[0] or at_file_limit
+    if out.returncode == 1 and out.stderr.startswith(b"bwrap: execvp "):
+      out = dataclasses.replace(out, returncode=127)  # bwrap's report of a missing argv[0]; a shell says 127
+    return result_from(out, hit)
 
+  def _launcher(self, argv: list[str]) -> tuple[list[str], dict]:
+    """The command line (and Popen options) that puts bwrap into the cgroups, rlimits and uid of the sandbox."""
+    cg, lim = self.cgroup, self.config.limits
+    controllers = set(cg.dirs) if cg else set()
+    nproc_base = 0
+    if self.backend.rootless and "pids" not in controllers and lim.max_pids is not None:
+      nproc_base = limits.processes_of(os.getuid())
+    rlimits = limits.rlimits_for(lim, controllers, nproc_base)
+    procs = cg.procs_files() if cg else []
+    uid_gid = self.backend._switch_uid or (None, None)
+    launcher = limits.launcher_argv(procs, rlimits, *uid_gid) if self.backend.launcher == "exec" else None
+    if launcher is not None:
+      return launcher + argv, {}
+    return argv, {"preexec_fn": limits.make_preexec(procs, rlimits, *uid_gid)}
+
+  def _poll_disk(self) -> str | None:
+    """As root the kernel bounds the writable layer; nothing to poll (rootless overrides this)."""
+    return None
+
+  def _file_size_hit(self) -> str | None:
+    """SIGXFSZ may kill a child whose status the shell hides (`cmd > f; echo done`); a file at exactly the
+    limit that was not there (with that mtime) after the previous run is the trace it leaves."""
+    if self.config.limits.file_size_bytes is None:
+      return None
+    at_limit = scan.files_at_size(self.upper, self.config.limits.file_size_bytes)
+    new, self._at_limit = at_limit - self._at_limit, at_limit
+    return "file_size" if new else None
+
+  # -- snapshots -------------------------------------------------------------------------------------------
   def snapshot(self) -> Snapshot:
     with self._lock:
       self._check_open()
-      store = self.backend.store
+      be = self.backend
       if not os.listdir(self.upper):  # unchanged since the last snapshot/fork: the same layers, a new id
-        with self.backend._lock:
-          return self.backend._register(self.layers)
-      if not self.backend.rootless:
-        overlay.umount(self.merged)
-      try:
-        layer = store.new_layer_dir()
-        os.rename(self.upper, layer)
-        self.layers = (layer,) + self.layers  # from here on the fork's state lives in `layer`
-        with self.backend._lock:
-          self.backend._known_layers.add(layer)
-        if len(self.layers) > self.backend.max_layers or not overlay.fits(self.layers, self.upper, self.work):
-          flat = store.new_layer_dir()
-          if self.backend.rootless:
-            self._flatten_inside(flat)
-          else:
-            overlay.flatten(self.layers, flat, scratch=os.path.join(self.dir, "f"))
-          with self.backend._lock:
-            self.backend._known_layers.add(flat)
-          self.layers = (flat,)
-        overlay.remove_tree(self.work)  # holds a root-only "work" dir from the old mount
-      finally:
-        if not os.path.isdir(self.upper):
-          os.makedirs(self.upper)
-          os.chown(self.upper, *self._owner)
-        self._at_limit = set()  # those files moved into a layer with the upper dir
-        os.makedirs(self.work, exist_ok=True)
-        self._mount()
-      with self.backend._lock:
-        snap = self.backend._register(self.layers)
-    self.backend._gc()  # e.g. the layers a flatten replaced
+        with be._lock:
+          return be._register(self.layers)
+      layer = be.store.new_layer_dir()
+      self._freeze_upper(layer)
+      self.layers = (layer,) + self.layers  # from here on the fork's state lives in `layer`
+      self._at_limit = set()  # those files moved into a layer with the upper dir
+      with be._lock:
+        be._known_layers.add(layer)
+      if len(self.layers) > be.max_layers or not overlay.fits(self.layers, self.upper, self.work):
+        flat = be.store.new_layer_dir()
+        self._flatten(flat)
+        with be._lock:
+          be._known_layers.add(flat)
+        self.layers = (flat,)
+      self._remount()
+      with be._lock:
+        snap = be._register(self.layers)
+    be._gc()  # e.g. the layers a flatten replaced
     return snap
 
-  def _flatten_inside(self, flat: str) -> None:
-    """Rootless flatten: copy a read-only overlay of the layers into `flat` from inside a sandbox."""
-    os.makedirs(flat)
-    r = self._run(["cp", "-a", WORKSPACE + "/.", "/flat/"], timeout=3600, workspace=(self.layers, None, None),
-                  rw_binds=[(flat, "/flat")])
-    if not r.ok:
-      raise SandboxError(f"flattening {len(self.layers)} layers failed: {r.stderr_text.strip()}")
+  def _freeze_upper(self, layer: str) -> None:
+    """Copies the (idle) fork's upper dir into the new layer `layer` and empties the fork's tmpfs.
 
-  # -- rootless file access: there is no merged view on the host, so it goes through commands in the sandbox --
-  def _file_cmd(self, argv: list[str], path: str, stdin: bytes | None = None,
-                output_limit: int | None = None) -> RunResult:
-    r = self._run(argv, timeout=600, stdin=stdin, output_limit=output_limit)
-    if r.exit_code != 0:
-      err = r.stderr_text.strip()
-      if "No such file" in err:
-        raise FileNotFoundError(errno.ENOENT, f"{err}", path)
-      if "Is a directory" in err:
-        raise IsADirectoryError(errno.EISDIR, f"{err}", path)
-      raise OSError(f"{argv[0]} {path!r} in the sandbox failed (exit {r.exit_code}): {err}")
-    return r
+    A copy, not a rename: the upper lives on the fork's tmpfs. If the copy fails the fork is left as it was.
+    """
+    overlay.umount(self.merged)
+    try:
+      overlay.copy_tree(self.upper, layer, preserve_owner=True)
+    except BaseException:
+      overlay.remove_tree(layer)
+      overlay.mount(self.layers, self.merged, self.upper, self.work)
+      raise
+    overlay.umount(self.tmpfs)
 
-  def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
-    if not self.backend.rootless:
-      return super().read_file(path, max_bytes)
-    p = _inside(path)
-    if max_bytes is None:  # stat first: the output cap must fit the whole file
-      size = int(self._file_cmd(["stat", "-L", "-c", "%s", "--", p], path).stdout)
-      return self._file_cmd(["cat", "--", p], path, output_limit=max(2, size + 1)).stdout
-    return self._file_cmd(["head", "-c", str(max_bytes), "--", p], path, output_limit=max(2, max_bytes)).stdout
+  def _flatten(self, flat: str) -> None:
+    overlay.flatten(self.layers, flat, scratch=os.path.join(self.dir, "f"))
 
-  def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-    if not self.backend.rootless:
-      return super().write_file(path, data, mode)
-    script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
-    data = data.encode() if isinstance(data, str) else data
-    self._file_cmd(["sh", "-c", script, "sh", _inside(path), f"{mode:o}"], path, stdin=data)
-
-  def list_dir(self, path: str = ".") -> list[str]:
-    if not self.backend.rootless:
-      return super().list_dir(path)
-    out = self._file_cmd(["find", _inside(path), "-mindepth", "1", "-maxdepth", "1", "-printf", "%f\\0"], path,
-                         output_limit=1 << 30).stdout
-    return sorted(n.decode("utf-8", "surrogateescape") for n in out.split(b"\0") if n)
-
-  def remove(self, path: str) -> None:
-    if not self.backend.rootless:
-      return super().remove(path)
-    p = _inside(path)
-    if os.path.normpath(p) == WORKSPACE:
-      raise SandboxError("refusing to remove the workspace root")
-    if not self.exists(path):
-      raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
-    self._file_cmd(["rm", "-rf", "--", p], path)
-
-  def exists(self, path: str) -> bool:
-    if not self.backend.rootless:
-      return super().exists(path)
-    p = _inside(path)
-    return self._run(["sh", "-c", 'test -e "$1" || test -L "$1"', "sh", p], timeout=60).exit_code == 0
+  def _remount(self) -> None:
+    self._mount()
 
   def _close(self) -> None:
     if self.cgroup is not None:
-      self.cgroup.remove()
-    overlay.remove_tree(self.dir)
-    self.backend._gc()  # layers only this fork still used (its snapshot was deleted while it lived)
-
-
-def _inside(path: str) -> str:
-  """The absolute in-sandbox path of a workspace path (validated like the host-side calls)."""
-  return os.path.normpath(os.path.join(WORKSPACE, fsops.to_relative(path)))
-
-
-# 128+N is how bwrap (like a shell) reports a command killed by signal N.
-_SIG_LIMITS = {128 + signal.SIGXCPU: "cpu_time", 128 + signal.SIGXFSZ: "file_size",
-               -signal.SIGXCPU: "cpu_time", -signal.SIGXFSZ: "file_size"}
-
-
-def _limit_from_exit(kill_reason: str | None, returncode: int | None) -> str | None:
-  if kill_reason not in (None, "timeout", "closed"):
-    return kill_reason
-  return _SIG_LIMITS.get(returncode)
-
+      self.cgroup.kill_all()  # nothing may hold the mounts open
+    try:
+      overlay.remove_tree(self.dir)  # unmounts the overlay and the tmpfs: the fork's files go at once
+    finally:
+      if self.cgroup is not None:
+        self.cgroup.remove()
+      self.backend._gc()  # layers only this fork still used (its snapshot was deleted while it lived)

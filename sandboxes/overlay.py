@@ -11,8 +11,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import shutil
 import subprocess
+
+from sandboxes import fsops
 
 MAX_KERNEL_LAYERS = 500
 MAX_OPTIONS_BYTES = 4000  # mount(2) data is one page (4096) including the NUL; keep a margin
@@ -23,6 +24,8 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
@@ -62,6 +65,18 @@ def mount(layers: tuple[str, ...], target: str, upper: str | None = None, work: 
   if _libc.mount(b"overlay", target.encode(), b"overlay", flags, opts.encode()) != 0:
     err = ctypes.get_errno()
     raise OSError(err, f"mount overlay at {target} failed: {os.strerror(err)} (options: {opts[:200]}...)")
+
+
+def mount_tmpfs(target: str, size_bytes: int | None, inodes: int | None, mode: int = 0o755) -> None:
+  """A private tmpfs at `target`: the kernel refuses writes past `size_bytes` or `inodes` with ENOSPC.
+
+  tmpfs pages are charged to the memory cgroup of the process that writes them, so a sandbox's files count
+  towards its memory limit too; unmounting frees them at once, however deep or many they are.
+  """
+  opts = f"mode={mode:o},size={size_bytes or 0},nr_inodes={inodes or 0}"  # 0: unlimited
+  if _libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"mount tmpfs at {target} ({opts}) failed: {os.strerror(err)}")
 
 
 def bind_readonly(src: str, target: str) -> None:
@@ -140,9 +155,4 @@ def remove_tree(path: str) -> None:
   left = mounts_under(path)
   if left:
     raise OSError(f"refusing to delete {path}: still mounted below it: {left}")
-  shutil.rmtree(path, ignore_errors=True)
-  if os.path.exists(path):  # e.g. read-only dirs left by the command: make writable and retry
-    for root, dirs, _ in os.walk(path):
-      for d in dirs:
-        os.chmod(os.path.join(root, d), 0o700)
-    shutil.rmtree(path)
+  fsops.rmtree(path)  # iterative: no depth of nesting a command made can make it fail

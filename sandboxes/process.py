@@ -52,6 +52,120 @@ class ProcessOutcome:
   kill_reason: str | None  # "timeout" or what `poll` returned
 
 
+class _Pipes:
+  """The child's stdout and stderr read, and its stdin fed, from one non-blocking loop.
+
+  Fed from the same loop as the reads, so a command that ignores its stdin (or floods its output) cannot block
+  us. A pidfd (Linux >= 5.3) is watched too, so the loop wakes the moment the process exits instead of at the
+  next poll tick.
+  """
+
+  def __init__(self, proc: subprocess.Popen, stdin: bytes | None, output_limit: int):
+    self.proc = proc
+    self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    self.bufs = {self.out_fd: CappedBuffer(output_limit), self.err_fd: CappedBuffer(output_limit)}
+    self.sel = selectors.DefaultSelector()
+    for fd in (self.out_fd, self.err_fd):
+      os.set_blocking(fd, False)
+      self.sel.register(fd, selectors.EVENT_READ)
+    self.pending = memoryview(stdin or b"")
+    if stdin is not None:
+      os.set_blocking(proc.stdin.fileno(), False)
+      if self.pending:
+        self.sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+      else:
+        proc.stdin.close()
+    try:
+      self.pidfd = os.pidfd_open(proc.pid)
+      self.sel.register(self.pidfd, selectors.EVENT_READ)
+    except (AttributeError, OSError):  # not Linux, or an old kernel: fall back to proc.wait with a timeout
+      self.pidfd = None
+
+  @property
+  def open(self) -> bool:
+    """Whether an output pipe (or stdin) is still being served."""
+    return any(key.fd != self.pidfd for key in self.sel.get_map().values())
+
+  def pump(self, wait: float) -> None:
+    """Serves whatever is ready within `wait` seconds (returns early when the process exits)."""
+    for key, _ in self.sel.select(wait):
+      if key.fd == self.pidfd:
+        continue  # exited: the caller's proc.poll() reaps it
+      if key.events & selectors.EVENT_WRITE:
+        self._feed(key.fd)
+        continue
+      try:
+        data = os.read(key.fd, 1 << 16)
+      except BlockingIOError:
+        continue
+      if data:
+        self.bufs[key.fd].feed(data)
+      else:
+        self.sel.unregister(key.fd)
+
+  def _feed(self, fd: int) -> None:
+    try:
+      self.pending = self.pending[os.write(fd, self.pending[: 1 << 16]):]
+    except BlockingIOError:
+      return
+    except BrokenPipeError:
+      self.pending = self.pending[:0]
+    if not self.pending:
+      self.sel.unregister(fd)
+      self.proc.stdin.close()
+
+  def wait_exit(self, wait: float) -> None:
+    """Output is closed: wait (at most `wait` s) for the exit itself."""
+    if self.pidfd is not None:
+      self.sel.select(wait)
+      return
+    try:
+      self.proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+      pass
+
+  def drain(self, timeout: float) -> None:
+    """Reads what backgrounded children (now killed) left in the pipes, for at most `timeout` seconds."""
+    if self.pidfd is not None:
+      self.sel.unregister(self.pidfd)
+      os.close(self.pidfd)
+      self.pidfd = None
+    end = time.monotonic() + timeout
+    while self.open and time.monotonic() < end:
+      self.pump(max(0.0, end - time.monotonic()))
+
+  def close(self) -> None:
+    if self.pidfd is not None:
+      os.close(self.pidfd)
+    self.sel.close()
+    for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+      if f is not None and not f.closed:
+        f.close()
+
+
+def _supervise(proc: subprocess.Popen, pipes: _Pipes, deadline: float, kill: Callable[[subprocess.Popen], None],
+               poll: Callable[[], str | None] | None, poll_interval: float) -> str | None:
+  """Serves the pipes until the process exits or must be killed; returns why it was killed (None: it exited)."""
+  next_poll = time.monotonic() + poll_interval
+  while proc.poll() is None:
+    now = time.monotonic()
+    reason = "timeout" if now >= deadline else None
+    if now >= next_poll:
+      if reason is None and poll is not None:
+        reason = poll()
+      next_poll = now + poll_interval
+    if reason is not None:
+      kill(proc)
+      proc.wait()
+      return reason
+    wait = max(0.0, min(deadline, next_poll) - now)
+    if pipes.open:
+      pipes.pump(wait)
+    else:
+      pipes.wait_exit(wait)
+  return None
+
+
 def run_process(
   argv: Sequence[str],
   *,
@@ -70,86 +184,21 @@ def run_process(
   the output pipes; the pipes are then drained for at most `drain_timeout` seconds.
   """
   t0 = time.monotonic()
-  proc = subprocess.Popen(
-    argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE, **popen_kw)
-  bufs = {proc.stdout.fileno(): CappedBuffer(output_limit), proc.stderr.fileno(): CappedBuffer(output_limit)}
-  out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-  sel = selectors.DefaultSelector()
-  for f in (proc.stdout, proc.stderr):
-    os.set_blocking(f.fileno(), False)
-    sel.register(f.fileno(), selectors.EVENT_READ)
-  pending = memoryview(stdin or b"")
-  if stdin is not None:  # fed from the same loop as the reads, so a command that ignores stdin cannot block us
-    in_fd = proc.stdin.fileno()
-    os.set_blocking(in_fd, False)
-    if pending:
-      sel.register(in_fd, selectors.EVENT_WRITE)
-    else:
-      proc.stdin.close()
-
-  def pump(wait: float) -> None:
-    nonlocal pending
-    for key, _ in sel.select(wait):
-      if key.events & selectors.EVENT_WRITE:
-        try:
-          pending = pending[os.write(key.fd, pending[: 1 << 16]):]
-        except BlockingIOError:
-          continue
-        except BrokenPipeError:
-          pending = pending[:0]
-        if not pending:
-          sel.unregister(key.fd)
-          proc.stdin.close()
-        continue
-      try:
-        data = os.read(key.fd, 1 << 16)
-      except BlockingIOError:
-        continue
-      if data:
-        bufs[key.fd].feed(data)
-      else:
-        sel.unregister(key.fd)
-
-  kill_reason = None
-  deadline = t0 + timeout
-  next_poll = t0 + poll_interval
+  proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen_kw)
+  pipes = _Pipes(proc, stdin, output_limit)
   try:
-    while proc.poll() is None:
-      now = time.monotonic()
-      if now >= deadline:
-        kill_reason = "timeout"
-      elif poll is not None and now >= next_poll:
-        kill_reason = poll()
-        next_poll = now + poll_interval
-      if kill_reason is not None:
-        kill(proc)
-        proc.wait()
-        break
-      wait = max(0.0, min(deadline - now, next_poll - now if poll is not None else poll_interval, poll_interval))
-      if sel.get_map():
-        pump(wait)
-      else:  # output closed; wait for the exit itself (subprocess backs off from 0.5 ms, so short exits are quick)
-        try:
-          proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-          pass
+    kill_reason = _supervise(proc, pipes, t0 + timeout, kill, poll, poll_interval)
     wall_s = time.monotonic() - t0
     kill(proc)  # reap anything the command left behind before draining the pipes
-    drain_end = time.monotonic() + drain_timeout
-    while sel.get_map() and time.monotonic() < drain_end:
-      pump(max(0.0, drain_end - time.monotonic()))
+    pipes.drain(drain_timeout)
   finally:
     if proc.poll() is None:
       kill(proc)
       proc.wait()
-    sel.close()
-    if proc.stdin is not None and not proc.stdin.closed:
-      proc.stdin.close()
-    proc.stdout.close()
-    proc.stderr.close()
+    pipes.close()
+  out, err = pipes.bufs[pipes.out_fd], pipes.bufs[pipes.err_fd]
   return ProcessOutcome(
-    returncode=None if kill_reason is not None else proc.returncode,
-    stdout=bufs[out_fd].value(), stderr=bufs[err_fd].value(),
-    stdout_truncated=bufs[out_fd].truncated, stderr_truncated=bufs[err_fd].truncated,
-    wall_s=wall_s, timed_out=kill_reason == "timeout", kill_reason=kill_reason)
+    returncode=None if kill_reason is not None else proc.returncode, stdout=out.value(), stderr=err.value(),
+    stdout_truncated=out.truncated, stderr_truncated=err.truncated, wall_s=wall_s,
+    timed_out=kill_reason == "timeout", kill_reason=kill_reason)

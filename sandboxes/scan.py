@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 
-def tree_bytes(root: str, stop_above: int) -> int:
-  """Disk usage (allocated blocks) of a tree; stops counting once above `stop_above`."""
-  total = 0
+def _entries(root: str) -> Iterator[os.DirEntry]:
+  """Every entry below `root`, depth first, without following symlinks (iteratively: no depth limit); unreadable
+  dirs are skipped."""
   stack = [root]
-  while stack and total <= stop_above:
+  while stack:
     try:
       it = os.scandir(stack.pop())
     except OSError:
       continue
     with it:
       for e in it:
-        try:
-          st = e.stat(follow_symlinks=False)
-        except OSError:
-          continue
-        total += st.st_blocks * 512
         if e.is_dir(follow_symlinks=False):
           stack.append(e.path)
+        yield e
+
+
+def tree_bytes(root: str, stop_above: int) -> int:
+  """Disk usage (allocated blocks) of a tree; stops counting once above `stop_above`."""
+  total = 0
+  for e in _entries(root):
+    if total > stop_above:
+      break
+    try:
+      total += e.stat(follow_symlinks=False).st_blocks * 512
+    except OSError:
+      continue
   return total
 
 
@@ -30,19 +39,12 @@ def files_at_size(root: str, size: int, max_entries: int = 20_000) -> set[tuple[
   """(path, mtime_ns) of regular files under `root` (the overlay upper: only what changed) of exactly `size` bytes."""
   found = set()
   seen = 0
-  stack = [root]
-  while stack and seen < max_entries:
-    try:
-      it = os.scandir(stack.pop())
-    except OSError:
-      continue
-    with it:
-      for e in it:
-        seen += 1
-        if e.is_dir(follow_symlinks=False):
-          stack.append(e.path)
-        elif e.is_file(follow_symlinks=False):
-          st = e.stat(follow_symlinks=False)
-          if st.st_size == size:
-            found.add((e.path, st.st_mtime_ns))
+  for e in _entries(root):
+    if seen >= max_entries:
+      break
+    seen += 1
+    if e.is_file(follow_symlinks=False):
+      st = e.stat(follow_symlinks=False)
+      if st.st_size == size:
+        found.add((e.path, st.st_mtime_ns))
   return found

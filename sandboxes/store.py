@@ -18,6 +18,7 @@ import secrets
 import tempfile
 import threading
 import time
+import warnings
 
 from sandboxes import limits, overlay
 from sandboxes.types import SandboxError
@@ -49,6 +50,7 @@ class Store:
 
   def __init__(self, state_root: str | None = None):
     self.state_root = os.path.abspath(state_root or DEFAULT_STATE_ROOT)
+    self.made_state_root = not os.path.exists(self.state_root)  # removed again if the backend fails to start
     # 0o711: the unprivileged sandbox uid must traverse to its workspace and staged binds, but not list stores.
     os.makedirs(self.state_root, mode=0o711, exist_ok=True)
     os.chmod(self.state_root, 0o711)
@@ -88,6 +90,14 @@ class Store:
   def remove(self) -> None:
     remove_store(self.path)
 
+  def remove_state_root_if_made(self) -> None:
+    """After a failed start: removes the state root too if this store created it and it is empty now."""
+    if self.made_state_root:
+      try:
+        os.rmdir(self.state_root)
+      except OSError:
+        pass  # another backend uses it meanwhile
+
 
 def remove_store(path: str) -> None:
   """Kills processes left in the store's cgroups, removes the cgroups, unmounts everything and deletes the dir."""
@@ -119,11 +129,15 @@ def cleanup(state_root: str | None = None) -> list[str]:
   removed = []
   for name in sorted(os.listdir(root)):
     path = os.path.join(root, name)
-    if name.endswith(".tmp") and time.time() - os.lstat(path).st_mtime < 60:
-      continue  # being created right now
-    if os.path.isdir(path) and not _owner_alive(path):
-      remove_store(path)
-      removed.append(path)
+    try:
+      if name.endswith(".tmp") and time.time() - os.lstat(path).st_mtime < 60:
+        continue  # being created right now
+      if os.path.isdir(path) and not _owner_alive(path):
+        remove_store(path)
+        removed.append(path)
+    except OSError as e:  # one store we cannot remove must not disable sandboxing for everyone else
+      warnings.warn(f"could not remove the stale sandbox store {path}: {e}; the next cleanup retries",
+                    RuntimeWarning, stacklevel=2)
   return removed
 
 

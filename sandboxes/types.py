@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
+
+from sandboxes import checks
 
 WORKSPACE = "/workspace"  # where the workspace appears inside a namespaced sandbox
 
@@ -36,10 +39,12 @@ class Limits:
       per process as a backstop).
     cpus: CPU bandwidth in cores (cgroup cfs quota / cpu.max), e.g. 0.5.
     file_size_bytes: largest file any process may write (RLIMIT_FSIZE; cgroups have no such control).
-    disk_bytes: total size of what the sandbox changed in its workspace (the overlay upper dir; the snapshot
-      it started from does not count). Polled every `disk_poll_s` during a run, so a fast writer can overshoot
-      by what it writes in that time; the command is then killed.
-    disk_poll_s: how often `disk_bytes` is checked (each check walks the changed files).
+    disk_bytes: total size of what the sandbox changed in its workspace (the snapshot it started from does not
+      count). As root the fork's writable layer is its own tmpfs of this size, so a write beyond it fails with
+      ENOSPC (`limit_hit="disk"`); being RAM, those files also count towards `memory_bytes`. Rootless, the
+      changed files are polled every `disk_poll_s` and the command is killed when over.
+    disk_inodes: how many files and directories the fork may add (the tmpfs's `nr_inodes`; `limit_hit="inodes"`).
+    disk_poll_s: how often the rootless `disk_bytes` check walks the changed files.
     tmp_bytes: size of the private tmpfs at /tmp.
     open_files: RLIMIT_NOFILE.
   """
@@ -50,17 +55,23 @@ class Limits:
   cpus: float | None = None
   file_size_bytes: int | None = 256 * MiB
   disk_bytes: int | None = 4096 * MiB
+  disk_inodes: int | None = 1 << 20
   disk_poll_s: float = 0.5
   tmp_bytes: int = 256 * MiB
   open_files: int = 1024
 
   def __post_init__(self):
-    for name in ("memory_bytes", "max_pids", "cpu_seconds", "cpus", "file_size_bytes", "disk_bytes", "disk_poll_s"):
+    required = ("tmp_bytes", "open_files", "disk_poll_s")  # the rest may be None (unlimited)
+    for name in ("memory_bytes", "max_pids", "file_size_bytes", "disk_bytes", "disk_inodes", "tmp_bytes",
+                 "open_files", "cpu_seconds", "cpus", "disk_poll_s"):
       v = getattr(self, name)
-      if v is not None and v <= 0:
-        raise ValueError(f"Limits.{name} must be positive or None, got {v!r}")
-    if self.tmp_bytes <= 0 or self.open_files <= 0:
-      raise ValueError(f"Limits.tmp_bytes and open_files must be positive, got {self.tmp_bytes=} {self.open_files=}")
+      if v is None and name not in required:
+        continue
+      whole = name not in ("cpu_seconds", "cpus", "disk_poll_s")  # counts and bytes: 1.5 pids means nothing
+      kind = int if whole else int | float
+      if isinstance(v, bool) or not isinstance(v, kind) or not v > 0 or not math.isfinite(v):
+        want = "a positive integer" if whole else "a positive, finite number"
+        raise ValueError(f"Limits.{name} must be {want}{'' if name in required else ' or None'}, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +96,15 @@ class SandboxConfig:
   network: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.limits, Limits):
+      raise TypeError(f"SandboxConfig.limits must be a Limits, got {type(self.limits).__name__}")
+    checks.env_vars(dict(self.env), "SandboxConfig.env")
     for p in self.ro_binds + self.path_prefix:
-      if not os.path.isabs(p):
+      if not isinstance(p, str) or not os.path.isabs(p):
         raise ValueError(f"SandboxConfig paths must be absolute, got {p!r}")
+    for p in self.ro_binds:
+      if os.path.realpath(p) == "/":
+        raise ValueError(f"SandboxConfig.ro_binds: {p!r} would show the whole host filesystem inside the sandbox")
     for p in self.ro_binds:
       if not os.path.exists(p):
         raise FileNotFoundError(f"SandboxConfig.ro_binds: host path {p!r} does not exist")
@@ -112,7 +129,7 @@ class RunResult:
     wall_s: wall-clock seconds from launch to exit.
     timed_out: the wall-clock timeout expired and the sandbox was killed.
     limit_hit: which limit stopped or constrained the command: "memory", "pids", "cpu_time", "file_size",
-      "disk", or None.
+      "disk" (the fork's writable layer is full), "inodes" (it holds `disk_inodes` entries), or None.
   """
 
   exit_code: int | None

@@ -11,6 +11,7 @@ import grain
 import jax
 import numpy as np
 
+from composer_jax import configs
 from composer_jax.model.config import ModelConfig
 from composer_jax.parallel import layout
 from composer_jax.parallel import mesh as mesh_lib
@@ -26,7 +27,7 @@ def model_config() -> ModelConfig:
   """The tiny test model with 4 heads, so tensor=4 divides every dimension it shards."""
   c = model_configs.get_config("tiny")
   c.num_attention_heads = 4
-  return ModelConfig.from_dict(c.to_dict())
+  return configs.from_dict(ModelConfig, c.to_dict())
 
 
 def train_config(steps: int) -> TrainConfig:

@@ -74,6 +74,12 @@ def reference(seed: int, prompt: tuple[int, ...], output: np.ndarray):
   return logp.argmax(-1), logp[np.arange(T), output], experts_TxNxK, logp
 
 
+def prompt_experts(seed: int, prompt: tuple[int, ...]) -> np.ndarray:
+  """Our forward's routing of the prompt tokens as inputs, int32 [P, N, K] (what prompt_routed_experts must be)."""
+  _, experts_NxLxK = _forward(params(seed), jnp.asarray(np.asarray(prompt, np.int32)[None]))
+  return np.asarray(experts_NxLxK[:, 0]).transpose(1, 0, 2)
+
+
 def routing_agreement(a_TxNxK: np.ndarray, b_TxNxK: np.ndarray) -> float:
   """Fraction of (token, layer) whose expert *sets* agree (engines may list the top-k in different orders)."""
   return float((np.sort(a_TxNxK, -1) == np.sort(b_TxNxK, -1)).all(-1).mean())

@@ -146,3 +146,16 @@ def test_default_corpus_is_the_stdlib():
   assert all(p.startswith(corpus_lib.default_paths()[0]) and p.endswith((".py", ".pyi")) for p in paths)
   assert not any("site-packages" in p for p in paths)
   assert 200_000 < corpus.stats["train_bytes"] + corpus.stats["heldout_bytes"] <= 300_000
+
+
+def test_export_is_what_the_contamination_guard_reads(tmp_path):
+  from rollout.evaluation import contamination
+  corpus = corpus_lib.load_corpus(corpus_lib.CorpusConfig(paths=(_make_tree(str(tmp_path / "src")),),
+                                                          heldout_fraction=0.2))
+  path = str(tmp_path / "out" / "train.jsonl")
+  assert corpus_lib.export_corpus(corpus, path) == len(corpus.train)
+  assert list(contamination.read_corpus(path)) == [d.text for d in corpus.train]
+  both = corpus_lib.export_corpus(corpus, str(tmp_path / "all.jsonl"), splits=("train", "heldout"))
+  assert both == len(corpus.train) + len(corpus.heldout)
+  with pytest.raises(ValueError, match="unknown corpus splits"):
+    corpus_lib.export_corpus(corpus, path, splits=("test",))

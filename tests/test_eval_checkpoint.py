@@ -8,13 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from composer_jax import eval_policies
+from composer_jax import configs, eval_policies
 from composer_jax.model import params as params_lib
 from composer_jax.model.config import ModelConfig
 from composer_jax.train import stages
 from experiments.configs import model as model_configs
 
-CFG = ModelConfig.from_dict(model_configs.get_config("tiny").to_dict())
+CFG = configs.from_dict(ModelConfig, model_configs.get_config("tiny").to_dict())
 
 
 @pytest.fixture(scope="module")

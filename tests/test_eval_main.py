@@ -30,7 +30,7 @@ def test_killed_run_resumes_without_rerunning_finished_tasks(tmp_path):
   out = tmp_path / "out"
   args = MAIN + ["--config=experiments/configs/eval.py:procedural,n_tasks=8,samples=2,chunk_tasks=1,policies=oracle",
                  f"--config.out={out}", "--config.tokenizer.train_tasks=40"]
-  results = out / "procedural" / "oracle" / "results.jsonl"
+  results = out / "procedural-L1-heldout" / "oracle" / "results.jsonl"
   proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True)
   deadline = time.time() + 240
@@ -47,7 +47,7 @@ def test_killed_run_resumes_without_rerunning_finished_tasks(tmp_path):
   assert after[:len(before)] == before  # finished tasks untouched
   ids = [json.loads(x)["task_id"] for x in after]
   assert len(ids) == 8 and len(set(ids)) == 8  # each task exactly once: none re-run
-  summary = json.loads((out / "procedural" / "summary.json").read_text())
+  summary = json.loads((out / "procedural-L1-heldout" / "summary.json").read_text())
   assert summary["oracle"]["pass@1"] == 1.0 and summary["oracle"]["n_tasks"] == 8
 
 
@@ -56,13 +56,14 @@ def test_checkpoint_is_evaluated_and_plotted_with_baselines(tmp_path):
   script = f"""
 import jax
 import numpy as np
+from composer_jax import configs
 from composer_jax.model import params as P
 from composer_jax.model.config import ModelConfig
 from composer_jax.train import stages, tokenizer as T
 from experiments.configs import model as M
 from rollout import harness
 from rollout.tasks import procedural
-cfg = ModelConfig.from_dict(M.get_config("tiny").to_dict())
+cfg = configs.from_dict(ModelConfig, M.get_config("tiny").to_dict())
 texts = [f for t in procedural.generate(40, level=1) for f in t.environment.files.values()] + [harness.SYSTEM_PROMPT]
 tc = T.TokenizerConfig(vocab_size=cfg.vocab_size)
 T.save_tokenizer(T.train_tokenizer(texts, tc), "{workdir}/tokenizer", tc)
@@ -92,13 +93,13 @@ print(P.count_params(cfg)[1])
                                "--config.harness.observation_reserve=128", "--config.harness.context_budget=1024"],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=500)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-  summary = json.loads((out / "procedural" / "summary.json").read_text())
+  summary = json.loads((out / "procedural-L1-heldout" / "summary.json").read_text())
   assert set(summary) == {"ckpt:ckpt@v0", "ckpt:ckpt_rl@v5", "oracle", "noop"}
   for name in ("ckpt:ckpt@v0", "ckpt:ckpt_rl@v5"):
     ck = summary[name]
     assert ck["output_tokens"] > 0 and ck["cost"] == pytest.approx(active * ck["output_tokens"])
   assert summary["oracle"]["pass@1"] == 1.0 and summary["noop"]["pass@1"] == 0.0
-  assert (out / "procedural" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+  assert (out / "procedural-L1-heldout" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
   assert "ckpt:ckpt_rl@v5" in run.stdout
 
 
@@ -106,10 +107,23 @@ def test_rl_colab_harness_preset_matches_the_rl_run():
   """`harness=rl_colab` evaluates an RL checkpoint in the loop it was trained in; unknown presets are errors."""
   from experiments.configs import eval as eval_config
   from experiments.configs import rl as rl_config
-  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab")
+  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab").harness
   assert (h.context_budget, h.max_turn_tokens, h.observation_reserve, h.max_turns) == (
     rl.context_budget, rl.max_turn_tokens, rl.observation_reserve, rl.max_turns)
   assert h.system_prompt == "short" and h.max_segments == 1
   assert eval_config.get_config("procedural").harness.system_prompt == "full"
   with pytest.raises(ValueError, match="harness preset"):
     eval_config.get_config("procedural,harness=huge")
+
+
+@pytest.mark.parametrize("args, message", [
+  ([], "--config is required"),
+  (["--config=experiments/configs/eval.py:file"], "no set file given"),
+  (["--config=experiments/configs/eval.py:procedural,samples=two"], "'samples' expects int (like 2), got 'two'"),
+  (["--config=experiments/configs/eval.py:mined,repos=/nonexistent,policies=oracle+noopp"],  # before any mining
+   "unknown policies ['noopp']"),
+])
+def test_bad_input_gets_a_clear_error(args, message):
+  run = subprocess.run(MAIN + args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+  assert run.returncode != 0 and message in run.stdout + run.stderr, run.stderr[-1500:]
+  assert "AttributeError" not in run.stderr and "FileNotFoundError: ''" not in run.stderr

@@ -55,7 +55,9 @@ def test_summarize_hand_values():
   assert s["pass@1"] == pytest.approx(0.5)  # task rates 0.5, 0, 1
   assert s["pass@2"] == pytest.approx((1 + 0 + 1) / 3)
   assert s["output_tokens"] == pytest.approx(110 / 6) and s["cost"] == pytest.approx(1100 / 6)
-  assert s["samples_per_task"] == 2 and s["n_tasks"] == 3
+  assert s["samples_per_task"] == 2 and s["n_tasks"] == 3 and s["grade_timeouts"] == 0
+  recs[1]["samples"][0]["grade_timed_out"] = True  # a grading timeout is counted, not folded into failures only
+  assert metrics.summarize(recs)["grade_timeouts"] == 1
   with pytest.raises(ValueError, match="different sample counts"):
     metrics.summarize([_rec([1], [1]), _rec([1, 0], [1, 1])])
 
@@ -98,6 +100,36 @@ def test_pareto_front():
   assert report.pareto_front(pts) == ["noop", "small", "mid"]
 
 
+def test_pareto_plot_axis_and_front_are_readable(tmp_path):
+  """All-zero costs get a plain axis around 0 (not symlog's +-0.05), the front is drawn even with one point, and
+  the title is what the caller names (the set)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+
+  def summ(p, cost=0.0):
+    return {"pass@1": p, "pass@1_lo": max(0, p - 0.1), "pass@1_hi": min(1, p + 0.1), "cost": cost}
+  drawn = {}
+  orig = plt.Figure.savefig
+
+  def spy(fig, path, *a, **k):
+    ax = fig.axes[0]
+    drawn.update(xlim=ax.get_xlim(), title=ax.get_title(), lines=[ln.get_label() for ln in ax.get_lines()])
+    return orig(fig, path, *a, **k)
+  plt.Figure.savefig = spy
+  try:
+    front = report.pareto_plot({"oracle": summ(1.0), "noop": summ(0.0), "random": summ(0.0)},
+                               str(tmp_path / "a.png"), title="attrs_v1: pass@1 vs cost")
+    assert front == ["noop", "random"]  # equal points: neither beats the other
+    assert drawn["xlim"] == (-1.0, 1.0) and drawn["title"] == "attrs_v1: pass@1 vs cost"
+    assert "Pareto front" in drawn["lines"]
+    report.pareto_plot({"noop": summ(0.0), "ckpt": summ(0.5, 1e9)}, str(tmp_path / "b.png"))
+    assert drawn["xlim"][1] >= 1e9 and "Pareto front" in drawn["lines"]
+  finally:
+    plt.Figure.savefig = orig
+  assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_contamination_flags_copied_solutions_only():
   solution = "def g():\n    return 3\n"
   corpus = ["unrelated text\n" * 3, "# some file\nimport os\n\ndef g():\n  return   3\nprint(g())\n"]
@@ -116,3 +148,13 @@ def test_contamination_reads_jsonl_and_names_bad_lines(tmp_path):
   with pytest.raises(ValueError, match="c.jsonl:2"):
     list(contamination.read_corpus(str(p)))
   assert len(list(contamination.read_corpus(str(tmp_path)))) == 1  # a directory: one document per file
+
+
+def test_directory_corpus_skips_git_and_binary_files(tmp_path):
+  (tmp_path / "a.py").write_text("def f():\n    return 1\n")
+  (tmp_path / ".git" / "objects").mkdir(parents=True)
+  (tmp_path / ".git" / "COMMIT_EDITMSG").write_text("def leaked():\n    return 2\n")
+  (tmp_path / "__pycache__").mkdir()
+  (tmp_path / "__pycache__" / "a.txt").write_text("cached")
+  (tmp_path / "blob.bin").write_bytes(b"\x00\x01def f")
+  assert list(contamination.read_corpus(str(tmp_path))) == ["def f():\n    return 1\n"]

@@ -20,7 +20,7 @@ def test_with_oracle_keeps_procedural_oracles_and_scripts_gold_for_others():
   scripted, kept = policies.with_oracle([t, own])
   assert kept is own
   turns = scripted.metadata["oracle"]
-  assert [c["name"] for turn in turns for c in turn["tool_calls"]] == ["write_file", "shell", "finish"]
+  assert [c["name"] for turn in turns for c in turn["tool_calls"]] == ["write_file", "shell", "finish"]  # no repo
   assert turns[0]["tool_calls"][0]["arguments"]["content"] == t.gold_patch
   with pytest.raises(ValueError, match="valid"):
     policies.baseline("gpt", None, [])

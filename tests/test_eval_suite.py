@@ -11,12 +11,12 @@ import pytest
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout import harness
 from rollout.evaluation import builder, policies, runner, suite
-from rollout.tasks import miner, procedural
+from rollout.tasks import procedural, registry, setfile
 from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.task import Task
+from tests.tasks_testlib import FAST
 
 CFG = harness.HarnessConfig(context_budget=2048, max_turn_tokens=768, observation_reserve=256, max_turns=8)
-FAST = miner.MinerConfig(test_command="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + miner.MinerConfig().test_command)
 
 UTIL_V1 = "def clamp(x, lo, hi):\n    return max(lo, x)\n"
 API_V1 = "from util import clamp\n\n\ndef score(x):\n    return clamp(x, 0, 10)\n"
@@ -45,7 +45,7 @@ def repo(tmp_path_factory):
   _commit(repo, {"README.md": "# r\n"}, "Docs")
   api3 = api2 + "\n\ndef double(x):\n    return 2 * x\n"
   test3 = test2.replace("import score", "import double, score") + "\n\ndef test_double():\n    assert double(4) == 8\n"
-  _commit(repo, {"api.py": api3, "tests/test_api.py": test3}, "Add double")
+  _commit(repo, {"api.py": api3, "tests/test_api.py": test3}, "Add double to the api")
   return str(repo)
 
 
@@ -120,9 +120,10 @@ def test_mined_set_builder_contamination_oracle_noop(tmp_path, factory, repo, to
   assert builder.filter_reason(mined[0], builder.SetFilters(max_prompt_chars=5)).startswith("prompt has")
   assert "min_lines=99" in builder.filter_reason(mined[0], builder.SetFilters(min_lines=99))
   path = str(tmp_path / "tiny.json")
-  builder.write_set(path, built)
-  header, tasks = builder.read_set(path)
-  assert header["version"] == "1" and {t.prompt for t in tasks} == {"score caps at 100", "Add double"}
+  setfile.write_set(path, built)
+  header, tasks = setfile.read_set(path)
+  assert header["version"] == "1" and {t.prompt for t in tasks} == {"score caps at 100", "Add double to the api"}
+  _assert_future_unreachable_in_sandbox(envs, repo, next(t for t in tasks if t.prompt == "score caps at 100"))
   corpus = tmp_path / "corpus"
   corpus.mkdir()
   (corpus / "leak.py").write_text("# scraped\ndef clamp(x, lo, hi):\n    return min(hi, max(lo, x))\n")
@@ -137,11 +138,31 @@ def test_mined_set_builder_contamination_oracle_noop(tmp_path, factory, repo, to
   assert out2["valid"] == 1  # contaminated task excluded by default
 
 
+def _assert_future_unreachable_in_sandbox(envs, repo, task):
+  """From inside the task's sandbox: HEAD is the parent, and neither the gold commit, nor a later commit, nor any
+  blob the gold commit added can be read, by any ref, reflog or object id; the host repository is not visible."""
+  def git(*a):
+    return subprocess.run(["git", "-C", repo, *a], capture_output=True, text=True, check=True).stdout.strip()
+  gold, later = task.metadata["commit"], git("rev-parse", "HEAD")
+  new_blobs = [line.split()[3] for line in git("diff-tree", "-r", task.metadata["parent"], gold).splitlines()]
+  ws = envs.fork(task)
+  try:
+    assert ws.run("git rev-parse HEAD").output.strip() == task.metadata["parent"]
+    for obj in [gold, later, *new_blobs]:
+      res = ws.run(f"git cat-file -e {obj}")
+      assert res.exit_code != 0, f"{obj} is readable in the sandbox"
+    assert gold not in ws.run("git log --all --reflog --format=%H; git for-each-ref; git fsck --unreachable "
+                              "--no-reflogs 2>&1; ls .git").output
+    assert ws.run(f"ls {repo}").exit_code != 0  # the source repository itself is not mounted
+  finally:
+    ws.close()
+
+
 def test_tampered_set_file_is_rejected(tmp_path):
-  task_set = {"format": builder.FORMAT, "name": "x", "version": "1", "tasks": [], "sha256": "0"}
+  task_set = {"format": setfile.FORMAT, "name": "x", "version": "1", "tasks": [], "sha256": "0"}
   (tmp_path / "s.json").write_text(json.dumps(task_set))
   with pytest.raises(ValueError, match="sha256"):
-    builder.read_set(str(tmp_path / "s.json"))
+    setfile.read_set(str(tmp_path / "s.json"))
 
 
 def test_swe_jsonl_set_gold_validated_oracle_noop(tmp_path, factory, repo, tok):
@@ -161,7 +182,7 @@ def test_swe_jsonl_set_gold_validated_oracle_noop(tmp_path, factory, repo, tok):
   path = tmp_path / "swe.jsonl"
   path.write_text(json.dumps(inst) + "\n" + json.dumps(bad) + "\n")
   envs = EnvironmentCache(factory)
-  tasks = suite.load_tasks(suite.SetSpec("swe", jsonl=str(path), repos_dir=os.path.dirname(repo)), envs)
+  tasks = registry.load_tasks(registry.SetSpec("swe", jsonl=str(path), repos_dir=os.path.dirname(repo)), envs)
   out = suite.evaluate({"swe": tasks}, _baselines(tok), envs, CFG, str(tmp_path / "run"), log=lambda s: None)["swe"]
   assert [i for i, _ in out["invalid"]] == ["swe/local__r-2"] and "test_missing" in out["invalid"][0][1]
   assert out["summaries"]["oracle"]["pass@1"] == 1.0 and out["summaries"]["noop"]["pass@1"] == 0.0

@@ -1,4 +1,4 @@
-"""Expert parallelism (composer_jax/parallel/expert.py) on 8 fake CPU devices against the single-device paths."""
+"""Expert parallelism (composer_jax/model/expert_parallel.py) on 8 fake CPU devices against the single-device paths."""
 import dataclasses
 import functools
 
@@ -11,9 +11,10 @@ from test_moe_paths import CFG, _loop_reference, _moe_params
 
 from composer_jax import model
 from composer_jax.model import ModelConfig
+from composer_jax.model import expert_parallel as ep
+from composer_jax.model import experts as experts_lib
 from composer_jax.model import moe as moe_lib
 from composer_jax.model.layers import mlp
-from composer_jax.parallel import expert as ep
 from composer_jax.parallel import make_mesh
 
 K = CFG.num_experts_per_tok
@@ -49,8 +50,8 @@ def test_ep_layer_matches_single_device(impl, axes):
   kw = {"ragged_all_to_all": ep.ragged_all_to_all_reference} if impl == "ep_ragged" else {}
   y, dropped = _ep(p, x, idx, w, jnp.ones((B, L), bool), cfg, make_mesh(axes), **kw)
   T, D = B * L, CFG.hidden_size
-  dense = moe_lib.experts_dense(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K))
-  cap, cap_dropped = moe_lib.experts_capacity(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K),
+  dense = experts_lib.experts_dense(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K))
+  cap, cap_dropped = experts_lib.experts_capacity(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K),
                                               jnp.ones(T, bool), NO_DROP)
   assert float(dropped) == 0.0 and float(cap_dropped) == 0.0
   # float32, the same per-row products on every path; only the order of the K-term (and, with tensor, the F-split)
@@ -242,7 +243,7 @@ def test_ep_ragged_gradients_match_dense():
     return (y * ct).sum()
 
   def dense_loss(p, x, w):
-    y = moe_lib.experts_dense(p, x.reshape(-1, D), idx.reshape(-1, K), w.reshape(-1, K))
+    y = experts_lib.experts_dense(p, x.reshape(-1, D), idx.reshape(-1, K), w.reshape(-1, K))
     return (y.reshape(B, L, D) * ct).sum()
 
   with jax.set_mesh(make_mesh({"data": 2, "expert": 4})):

@@ -60,7 +60,7 @@ def test_rollout_imports_neither_jax_nor_composer_jax():
   """Layering: the rollout side runs without JAX (ARCHITECTURE.md)."""
   import subprocess
   import sys
-  code = ("import sys, rollout.harness, rollout.evaluate, rollout.tasks.miner, rollout.tasks.swe, "
+  code = ("import sys, rollout.harness, rollout.evaluation.suite, rollout.tasks.registry, rollout.tasks.swe, "
           "rollout.tasks.autoinstall, rollout.engines.scripted, rollout.workspace\n"
           "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'composer_jax'))]\n"
           "assert not bad, bad")

@@ -112,3 +112,29 @@ def test_packed_documents_match_transformers_per_document(tmp_root):
     ours = np.sort(np.asarray(aux["experts"][:, 0, start:start + n]), -1)
     np.testing.assert_array_equal(ours, ref_experts)
     start += n
+
+
+def test_save_pretrained_with_default_mtp_setting_loads(tmp_path):
+  """transformers' default num_nextn_predict_layers=1 writes no MTP weights: the module is initialised fresh with a
+  warning (the trunk still matches transformers), dropped on request, and refused on request or when partial."""
+  kw = {k: v for k, v in BASE.items() if k != "num_mtp_layers"}
+  torch.manual_seed(0)
+  model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).eval()
+  assert model.config.num_nextn_predict_layers == 1
+  _randomise(model, 1)
+  path = str(tmp_path / "ckpt")
+  model.save_pretrained(path)
+  with pytest.warns(UserWarning, match=r"no tensors for MTP module\(s\) 0 \(model\.layers\.2\.\*\).*fresh"):
+    cfg, params = hf.load(path)
+  assert cfg.num_nextn_predict_layers == 1 and params["mtp"]["eh_proj"].shape == (1, 64, 32)
+  assert float(np.abs(np.asarray(params["mtp"]["eh_proj"])).max()) > 0   # initialised, not zeros
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
+  logits, _ = jax.jit(functools.partial(forward, cfg=cfg))(params, tokens)
+  np.testing.assert_allclose(np.asarray(logits), _hf_run(model, tokens)[0], rtol=0, atol=1e-4)
+  with pytest.warns(UserWarning, match="Dropped them"):
+    cfg0, params0 = hf.load(path, missing_mtp="drop")
+  assert cfg0.num_nextn_predict_layers == 0 and "mtp" not in params0
+  with pytest.raises(ValueError, match=r"model\.layers\.2\.\* is MTP module 0 .*missing_mtp='init'"):
+    hf.load(path, missing_mtp="error")
+  with pytest.raises(ValueError, match="missing_mtp='bogus'; valid"):
+    hf.load(path, missing_mtp="bogus")

@@ -39,7 +39,8 @@ def _tokens():
 def test_save_then_transformers_from_pretrained(tmp_path):
   hf.save(str(tmp_path), CFG, _params())
   d = json.load(open(tmp_path / "config.json"))
-  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes (FACTS.md).
+  # What SGLang's DeepSeek-V3 loader needs beyond what transformers writes: a YaRN rope_scaling (its CPU rope
+  # factory has no other) and the MoE keys real DeepSeek-V3/Kimi configs carry (moe_layer_freq, topk_method, ...).
   assert d["rope_scaling"]["type"] == "yarn" and d["moe_layer_freq"] == 1
   assert d["topk_method"] == "noaux_tc" and d["scoring_func"] == "sigmoid" and d["num_nextn_predict_layers"] == 1
   assert d["architectures"] == ["DeepseekV3ForCausalLM"] and d["torch_dtype"] == "float32"
@@ -126,3 +127,41 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
   os.remove(file)
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     hf.load(path)
+
+
+def test_partial_mtp_module_is_an_error(tmp_path):
+  path = str(tmp_path)
+  hf.save(path, CFG, _params())
+  file = os.path.join(path, hf.SINGLE_FILE)
+  tensors = load_file(file)
+  del tensors["model.layers.2.eh_proj.weight"]
+  save_file(tensors, file)
+  with pytest.raises(ValueError) as e:
+    hf.load(path)
+  assert "missing 1 tensor(s):\n  model.layers.2.eh_proj.weight" in str(e.value)
+  assert "model.layers.2.* is MTP module 0" in str(e.value) and "a partial one cannot" in str(e.value)
+
+
+def test_one_of_two_mtp_modules_missing(tmp_path):
+  """Module 1 absent: 'init' keeps module 0 as saved and initialises module 1; 'drop' keeps only module 0; with
+  module 0 absent instead, 'drop' cannot (a count of modules can only lose the trailing ones)."""
+  cfg = dataclasses.replace(CFG, num_nextn_predict_layers=2)
+  params = init(jax.random.key(5), cfg)
+  path = str(tmp_path)
+  hf.save(path, cfg, params)
+  file = os.path.join(path, hf.SINGLE_FILE)
+  full = load_file(file)
+  save_file({k: v for k, v in full.items() if not k.startswith("model.layers.3.")}, file)
+  with pytest.warns(UserWarning, match=r"MTP module\(s\) 1 \(model\.layers\.3\.\*\)"):
+    got_cfg, got = hf.load(path, seed=3)
+  assert got_cfg == cfg
+  for a, b in zip(jax.tree.leaves(got["mtp"]), jax.tree.leaves(params["mtp"])):
+    np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
+  fresh = np.asarray(got["mtp"]["eh_proj"][1])
+  assert np.abs(fresh).max() > 0 and not np.array_equal(fresh, np.asarray(params["mtp"]["eh_proj"][1]))
+  with pytest.warns(UserWarning, match="Dropped them"):
+    cfg1, p1 = hf.load(path, missing_mtp="drop")
+  assert cfg1.num_nextn_predict_layers == 1 and p1["mtp"]["eh_proj"].shape[0] == 1
+  save_file({k: v for k, v in full.items() if not k.startswith("model.layers.2.")}, file)
+  with pytest.raises(ValueError, match="can only drop trailing modules"):
+    hf.load(path, missing_mtp="drop")

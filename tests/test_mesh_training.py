@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from mesh_testlib import B, batches, logged, model_config, train
 
-from composer_jax import model
+from composer_jax import configs, model
 from composer_jax.parallel import layout
 from composer_jax.parallel import mesh as mesh_lib
-from composer_jax.train import loop
-from experiments import config_convert
+from composer_jax.train import loop, stages
 from experiments.configs import pretrain as pretrain_config
 
 STEPS = 3
@@ -99,10 +98,10 @@ def test_a_batch_the_data_axis_does_not_divide_is_named():
 
 def test_mesh_config_errors_name_the_problem():
   c = pretrain_config.get_config("tiny")
-  assert config_convert.stage_kwargs(c)["mesh_cfg"] == mesh_lib.MeshConfig(data=1)
+  assert configs.from_dict(stages.StageConfig, c).mesh == mesh_lib.MeshConfig(data=1)
   c.mesh.dtaa = 2
-  with pytest.raises(ValueError, match="dtaa"):
-    config_convert.stage_kwargs(c)
+  with pytest.raises(ValueError, match="mesh.dtaa"):
+    configs.from_dict(stages.StageConfig, c)
   with pytest.raises(ValueError, match="At most one"):
     mesh_lib.MeshConfig(data=-1, tensor=-1)
   with pytest.raises(ValueError, match="needs 16 devices"):

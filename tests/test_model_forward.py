@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from composer_jax.model import ModelConfig, RopeScaling, forward, init, mtp_targets, shardings
+from composer_jax.model import ModelConfig, RopeScaling, forward, init, shardings
 from composer_jax.parallel import ShardingRules, logical_to_spec, make_mesh
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -44,13 +44,19 @@ def test_output_shapes():
   assert aux["mtp_expert_load"].shape == (1, 8) and float(aux["mtp_expert_load"].sum()) == 2 * 12 * 2
 
 
+def test_layer_stacking_default_by_platform():
+  from composer_jax.model.transformer import scans_layers
+  assert scans_layers(CFG, "cpu") is False and scans_layers(CFG, "cuda") is True
+  assert scans_layers(dataclasses.replace(CFG, scan_layers=True), "cpu") is True
+
+
 def test_scan_loop_and_remat_agree():
   deep = dataclasses.replace(CFG, num_hidden_layers=3)  # a 2-layer MoE stack
   # Second MoE layer: the first one perturbed (saves compiling another init).
   params = dict(_params(), moe_layers=jax.tree.map(lambda a: jnp.concatenate([a, a * 0.9 + 0.01]),
                                                    _params()["moe_layers"]))
   tok = _tokens()
-  ref, aux_ref = _fwd(params, tok, deep)
+  ref, aux_ref = _fwd(params, tok, dataclasses.replace(deep, scan_layers=True))
   assert aux_ref["experts"].shape == (2, 2, 12, 2)
   out, aux = _fwd(params, tok, dataclasses.replace(deep, scan_layers=False))
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -112,12 +118,16 @@ def test_router_replay_reproduces_and_trains_router():
 
 
 def test_mtp_targets_and_detach():
+  # MTP module j at position t predicts token t+2+j: the targets are `shifted_targets(..., shift=j + 2)`.
+  from composer_jax.train.losses import shifted_targets
   tok = jnp.arange(10)[None] + 1
-  tgt, mask = mtp_targets(tok, 2, jnp.array([[1] * 6 + [2] * 4]))
-  np.testing.assert_array_equal(tgt[0, 0, :8], tok[0, 2:])
-  np.testing.assert_array_equal(tgt[1, 0, :7], tok[0, 3:])
-  np.testing.assert_array_equal(mask[0, 0], [1, 1, 1, 1, 0, 0, 1, 1, 0, 0])
-  np.testing.assert_array_equal(mask[1, 0], [1, 1, 1, 0, 0, 0, 1, 0, 0, 0])
+  seg = jnp.array([[1] * 6 + [2] * 4])
+  tgt0, mask0 = shifted_targets(tok, seg, jnp.ones_like(tok), 2)
+  tgt1, mask1 = shifted_targets(tok, seg, jnp.ones_like(tok), 3)
+  np.testing.assert_array_equal(tgt0[0, :8], tok[0, 2:])
+  np.testing.assert_array_equal(tgt1[0, :7], tok[0, 3:])
+  np.testing.assert_array_equal(mask0[0], [1, 1, 1, 1, 0, 0, 1, 1, 0, 0])
+  np.testing.assert_array_equal(mask1[0], [1, 1, 1, 0, 0, 0, 1, 0, 0, 0])
 
   tok = _tokens()
   params = _params()

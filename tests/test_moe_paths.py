@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from composer_jax.model import ModelConfig, param_specs
+from composer_jax.model import experts as experts_lib
 from composer_jax.model import moe as moe_lib
 from composer_jax.model.params import ArrayInfo
 
@@ -103,12 +104,12 @@ def test_paths_match_loop_reference(impl):
   w = moe_lib.gate_weights(scores, idx, CFG)
   ref, _ = _loop_reference(p, x, idx, w)
   if impl == "dense":
-    out = moe_lib.experts_dense(p, x, idx, w)
+    out = experts_lib.experts_dense(p, x, idx, w)
   elif impl == "ragged":
-    out = jax.jit(moe_lib.experts_ragged)(p, x, idx, w)
+    out = jax.jit(experts_lib.experts_ragged)(p, x, idx, w)
   else:
     # Capacity factor E/K guarantees C >= T: nothing can be dropped, so it must equal the others.
-    out, dropped = moe_lib.experts_capacity(p, x, idx, w, jnp.ones(T, bool),
+    out, dropped = experts_lib.experts_capacity(p, x, idx, w, jnp.ones(T, bool),
                                             CFG.n_routed_experts / CFG.num_experts_per_tok)
     assert float(dropped) == 0.0
   # float32 matmuls over D=16, F=8 with O(10) activations: ~1e-5 relative error.
@@ -123,8 +124,8 @@ def test_capacity_drops_like_loop_reference():
   idx = moe_lib.select_experts(scores, p["bias"], CFG)
   w = moe_lib.gate_weights(scores, idx, CFG)
   factor = 0.5
-  C = moe_lib.capacity(dataclasses.replace(CFG, capacity_factor=factor), T)
-  out, dropped = moe_lib.experts_capacity(p, x, idx, w, jnp.ones(T, bool), factor)
+  C = experts_lib.capacity(factor, T, CFG.num_experts_per_tok, CFG.n_routed_experts)
+  out, dropped = experts_lib.experts_capacity(p, x, idx, w, jnp.ones(T, bool), factor)
   ref, ref_dropped = _loop_reference(p, x, idx, w, capacity=C)
   assert ref_dropped > 0, "test must exercise dropping"
   np.testing.assert_allclose(float(dropped), ref_dropped, rtol=1e-6)
@@ -139,7 +140,7 @@ def test_capacity_ignores_padding_tokens():
   idx = moe_lib.select_experts(scores, p["bias"], CFG)
   w = moe_lib.gate_weights(scores, idx, CFG)
   valid = jnp.arange(T) < 10
-  out, dropped = moe_lib.experts_capacity(p, x, idx, w, valid, 8.0)
+  out, dropped = experts_lib.experts_capacity(p, x, idx, w, valid, 8.0)
   ref, _ = _loop_reference(p, x[:10], idx[:10], w[:10])
   np.testing.assert_allclose(np.asarray(out[:10]), ref, rtol=1e-4, atol=1e-4)
   np.testing.assert_array_equal(np.asarray(out[10:]), 0.0)
@@ -186,3 +187,36 @@ def test_bad_config_errors():
     param_specs(dataclasses.replace(CFG, moe_impl="sparse"))
   with pytest.raises(ValueError, match="n_group"):
     param_specs(dataclasses.replace(CFG, n_group=3))
+
+
+def test_moe_impl_registry_auto_and_errors():
+  assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="auto"), "cpu") == "dense"
+  assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="auto"), "cuda") == "ragged"
+  # Quantised expert matmuls need the grouped path on every platform.
+  assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="auto", moe_matmul="mxfp8"), "cpu") == "ragged"
+  assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="capacity"), "cuda") == "capacity"
+  with pytest.raises(ValueError, match=r"moe_impl='sparse'; valid: \['auto', 'dense', 'ragged', 'capacity'"):
+    moe_lib.check_moe_impl("sparse")
+
+
+@pytest.mark.parametrize("impl", ["auto", "dense", "ragged"])
+def test_moe_block_equals_loop_reference_with_shared_expert(impl):
+  p = _moe_params(CFG)
+  x = jax.random.normal(jax.random.key(9), (2, 6, CFG.hidden_size))
+  cfg = dataclasses.replace(CFG, moe_impl=impl)
+  out, aux = jax.jit(moe_lib.moe_block, static_argnums=3)(p, x, jnp.ones((2, 6), bool), cfg)
+  x_TxD = x.reshape(12, -1)
+  w = moe_lib.gate_weights(aux["router_scores"].reshape(12, -1), aux["experts"].reshape(12, -1), CFG)
+  routed, _ = _loop_reference(p, x_TxD, aux["experts"].reshape(12, -1), w)
+  from composer_jax.model.layers import mlp
+  ref = routed + np.asarray(mlp(p["shared"], x_TxD), np.float64)
+  np.testing.assert_allclose(np.asarray(out).reshape(12, -1), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["dense", "ragged", "capacity"])
+def test_moe_paths_lower_for_cuda(impl):
+  p = _moe_params(CFG)
+  x = jax.random.normal(jax.random.key(10), (2, 8, CFG.hidden_size))
+  cfg = dataclasses.replace(CFG, moe_impl=impl)
+  f = jax.jit(jax.grad(lambda p, x: moe_lib.moe_block(p, x, jnp.ones((2, 8), bool), cfg)[0].sum(), argnums=(0, 1)))
+  f.trace(p, x).lower(lowering_platforms=("cuda",))

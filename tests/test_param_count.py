@@ -46,9 +46,10 @@ def test_kimi_k2_config_variant_builds_abstractly_with_published_sizes():
   """`experiments/configs/model.py:kimi_k2` is the real shape: built with eval_shape only, ~1.04T / ~32B."""
   import jax
 
+  from composer_jax import configs
   from composer_jax.model import abstract_params
   from experiments.configs import model as model_configs
-  cfg = ModelConfig.from_dict(model_configs.get_config("kimi_k2").to_dict())
+  cfg = configs.from_dict(ModelConfig, model_configs.get_config("kimi_k2").to_dict())
   shapes = abstract_params(cfg)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))   # nothing allocated
   total, active = count_params(cfg)

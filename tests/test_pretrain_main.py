@@ -115,11 +115,11 @@ def test_init_from_a_hugging_face_checkpoint(tmp_path):
   import jax
   import numpy as np
 
-  from composer_jax import model
+  from composer_jax import configs, model
   from composer_jax.interop import hf
   from composer_jax.train import stages
   from experiments.configs import model as model_configs
-  cfg = model.ModelConfig.from_dict(model_configs.get_config("tiny").to_dict())
+  cfg = configs.from_dict(model.ModelConfig, model_configs.get_config("tiny").to_dict())
   params = jax.device_get(model.init(jax.random.key(7), cfg))
   hf.save(str(tmp_path / "hf"), cfg, params)
   work = tmp_path / "run"

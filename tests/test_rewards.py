@@ -54,8 +54,74 @@ def test_compute_reward_units_and_conditions():
   for unit, x in (("tokens", 8), ("turns", 3), ("tool_calls", 15)):
     cfg = RewardConfig(length_weight=1.0, length_k=1.0, length_q=0.0, length_unit=unit)
     assert compute_reward(0.0, stats, cfg)[1]["length"] == pytest.approx(-x)  # q = 0: C(x) = x
-  # Not finished: open todos and a missing final message are not charged (the agent never claimed to be done).
-  _, terms = compute_reward(0.0, stats, RewardConfig())
-  assert terms["todo"] == 0.0 and terms["no_message"] == 0.0
   _, terms = compute_reward(0.0, EpisodeStats(finished=True, final_message="ok", unfinished_todos=4), RewardConfig())
   assert terms["todo"] == pytest.approx(-4 * RewardConfig().todo_weight) and terms["no_message"] == 0.0
+
+
+# Each behavioural term's edge case: the cheapest way to max the term out must not pay more than solving.
+
+def test_todo_and_message_terms_cannot_be_dodged_by_never_finishing():
+  """Hidden tests grade the workspace however the episode ends, so a term charged only at `finish` could be
+  avoided by running into the turn limit instead: both are charged at any end."""
+  cfg = RewardConfig()
+  finished = EpisodeStats(finished=True, final_message="", unfinished_todos=2)
+  ran_out = EpisodeStats(finished=False, final_message="", unfinished_todos=2)
+  for stats in (finished, ran_out):
+    _, terms = compute_reward(1.0, stats, cfg)
+    assert terms["todo"] == pytest.approx(-2 * cfg.todo_weight)
+    assert terms["no_message"] == pytest.approx(-cfg.no_message_weight)
+  # The only way to zero both: tick the list off and tell the user.
+  _, terms = compute_reward(1.0, EpisodeStats(finished=True, final_message="Fixed f.", unfinished_todos=0), cfg)
+  assert terms["todo"] == 0.0 and terms["no_message"] == 0.0
+
+
+RECIPE = RewardConfig(length_weight=4.75e-4, length_k=0.01, length_q=0.5, todo_weight=0.05, malformed_weight=0.05,
+                      repeat_weight=0.02, no_message_weight=0.05, lint_weight=0.0, penalty_cap=0.5)
+
+
+@pytest.mark.parametrize("term,stats,want", [
+  ("length", EpisodeStats(output_tokens=100_000, final_message="ok"), 0.5),        # any number of tokens
+  ("malformed", EpisodeStats(malformed_calls=500, final_message="ok"), 0.5),
+  ("repeat", EpisodeStats(repeated_calls=500, final_message="ok"), 0.5),
+  ("todo", EpisodeStats(unfinished_todos=200, final_message="ok"), 0.5),
+  ("no_message", EpisodeStats(final_message=""), 1.0 - 0.05),                     # 0/1: its weight at most
+  ("all", EpisodeStats(output_tokens=100_000, malformed_calls=500, repeated_calls=500, unfinished_todos=200), 0.5),
+])
+def test_a_solved_episode_outscores_every_unsolved_one_whatever_it_costs(term, stats, want):
+  """With the cap, however bad a term gets, solving still beats the best unsolved episode (a no-op: 0 tokens, no
+  calls, a message; every penalty at its maximum of 0), and each term's share shrinks in proportion."""
+  best_unsolved, terms_u = compute_reward(0.0, EpisodeStats(finished=True, final_message="Done."), RECIPE)
+  assert best_unsolved == 0.0 and all(v == 0.0 for k, v in terms_u.items() if k != "task")
+  solved, terms = compute_reward(1.0, stats, RECIPE)
+  assert solved == pytest.approx(want) and solved > best_unsolved
+  assert sum(terms.values()) == pytest.approx(solved)
+  if term != "all":  # the one term carries the whole penalty; the others stay 0
+    assert terms[term] == pytest.approx(want - 1.0)
+    assert all(v == 0.0 for k, v in terms.items() if k not in (term, "task"))
+
+
+def test_penalty_cap_scales_in_proportion_and_leaves_small_penalties_alone():
+  cfg = RewardConfig(malformed_weight=0.1, repeat_weight=0.1, todo_weight=0.0, no_message_weight=0.0,
+                     lint_weight=0.0, penalty_cap=0.5)
+  # Below the cap: unchanged (3 x 0.1 = 0.3).
+  r, terms = compute_reward(1.0, EpisodeStats(malformed_calls=2, repeated_calls=1), cfg)
+  assert r == pytest.approx(0.7)
+  assert terms["malformed"] == pytest.approx(-0.2) and terms["repeat"] == pytest.approx(-0.1)
+  # Above: 6 malformed (0.6) + 2 repeats (0.2) = 0.8 -> 0.5, scaled by 5/8: -0.375 and -0.125.
+  r, terms = compute_reward(1.0, EpisodeStats(malformed_calls=6, repeated_calls=2), cfg)
+  assert r == pytest.approx(0.5)
+  assert terms["malformed"] == pytest.approx(-0.375) and terms["repeat"] == pytest.approx(-0.125)
+  # An unsolved episode is floored at -cap too: still below every solved one.
+  assert compute_reward(0.0, EpisodeStats(malformed_calls=100), cfg)[0] == pytest.approx(-0.5)
+  with pytest.raises(ValueError, match="penalty_cap"):
+    RewardConfig(penalty_cap=1.0)
+
+
+def test_every_term_but_task_is_a_penalty():
+  """No behavioural term can add reward, so no unsolved episode scores above 0 (nothing to farm)."""
+  cfg = RewardConfig(length_weight=0.01, lint_weight=0.02)
+  for stats in (EpisodeStats(), EpisodeStats(output_tokens=50, turns=3, tool_calls=4, malformed_calls=1,
+                                             repeated_calls=1, finished=True, final_message="x", unfinished_todos=1,
+                                             new_lint_findings=2)):
+    r, terms = compute_reward(0.0, stats, cfg)
+    assert r <= 0.0 and all(v <= 0.0 for k, v in terms.items() if k != "task")

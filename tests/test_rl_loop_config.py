@@ -4,37 +4,46 @@ import math
 import numpy as np
 import pytest
 
+from composer_jax import configs
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import evaluate, publish, setup
+from composer_jax.rl import evaluate, publish, warmstart
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout.tasks import procedural
 
 
-def _cfg(**kw):
-  return RunConfig(model=ModelConfig(vocab_size=512), workdir="/tmp/unused", **kw)
+def _cfg(**overrides):
+  """A RunConfig with dotted-path overrides (`**{"rollout.mode": "sync"}`)."""
+  return configs.replace(RunConfig(model=ModelConfig(vocab_size=512), workdir="/tmp/unused"), **overrides)
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(mode="fast"), "mode"),
-    (dict(engine="vllm"), "engine"),
-    (dict(mode="sync", max_staleness=2), "max_staleness=0"),
-    (dict(samples_per_prompt=1), ">= 2"),
-    (dict(steps=0), "steps"),
-    (dict(staleness_policy="ignore"), "staleness_policy"),
-    (dict(max_staleness=0, publish_every=3), "dropped as stale"),
-    (dict(context_budget=100, max_turn_tokens=64, observation_reserve=64), "context_budget"),
-    (dict(vocab_size=1024), "vocab_size"),
-    (dict(sft_demo_accuracy=0.0), "sft_demo_accuracy"),
-    (dict(sft_steps=0), "init_checkpoint"),
+    ({"rollout.mode": "fast"}, "mode"),
+    ({"rollout.engine": "vllm"}, "engine"),
+    ({"rollout.mode": "sync", "rollout.max_staleness": 2}, "max_staleness=0"),
+    ({"rollout.samples_per_prompt": 1}, ">= 2"),
+    ({"train.steps": 0}, "steps"),
+    ({"rollout.staleness_policy": "ignore"}, "staleness_policy"),
+    ({"rollout.max_staleness": 0, "rollout.publish_every": 3}, "dropped as stale"),
+    ({"harness.context_budget": 100, "harness.max_turn_tokens": 64, "harness.observation_reserve": 64},
+     "context_budget"),
+    ({"tokenizer.vocab_size": 1024}, "vocab_size"),
+    ({"sft.demo_accuracy": 0.0}, "demo_accuracy"),
+    ({"sft.steps": 0}, "init_checkpoint"),
+    ({"rollout.mode": "sync", "rollout.max_staleness": 0, "rollout.publish_every": 2}, "publish_every must be 1"),
 ])
 def test_bad_run_config_is_a_clear_error(kw, match):
   with pytest.raises(ValueError, match=match):
     _cfg(**kw)
 
 
+def test_unknown_engine_lists_the_registry():
+  with pytest.raises(ValueError, match=r"valid: \['jax', 'sglang'\]"):
+    _cfg(**{"rollout.engine": "vllm"})
+
+
 def test_sync_with_zero_staleness_is_valid():
-  assert _cfg(mode="sync", max_staleness=0).batch_rows == 4 * 8
+  assert _cfg(**{"rollout.mode": "sync", "rollout.max_staleness": 0}).batch_rows == 4 * 8
 
 
 def test_wilson_interval_matches_hand_computation():
@@ -68,21 +77,21 @@ def test_publish_roundtrip_and_pruning(tmp_path):
 
 
 def test_rl_main_config_converts_and_typos_fail():
-  from experiments import rl_main
   c = rl_configs.get_config("test,mode=sync")
-  cfg = rl_main.run_config(c, "/tmp/x")
-  assert cfg.mode == "sync" and cfg.max_staleness == 0 and cfg.rl.loss.kl_coef == c.rl.kl_coef
-  assert cfg.rl.router_replay is True
-  c.rl.unlock()
-  c.rl.klcoef = 0.1
-  with pytest.raises(ValueError, match="klcoef"):
-    rl_main.run_config(c, "/tmp/x")
+  cfg = configs.from_dict(RunConfig, c, workdir="/tmp/x")
+  assert cfg.rollout.mode == "sync" and cfg.rollout.max_staleness == 0
+  assert cfg.rl.loss.kl_coef == c.rl.loss.kl_coef and cfg.rl.router_replay is True
+  assert cfg.rl.loss.adv_eps == c.rl.loss.adv_eps and cfg.rl.loss.norm_constant is None   # every LossConfig key
+  assert cfg.harness.seed == cfg.seed and cfg.harness.system_prompt.startswith("Fix the code")
+  c.rl.loss.unlock()
+  c.rl.loss.klcoef = 0.1
+  with pytest.raises(ValueError, match=r"rl\.loss\.klcoef .*valid keys: \['adv_eps'"):
+    configs.from_dict(RunConfig, c, workdir="/tmp/x")
   with pytest.raises(ValueError, match="unknown rl variant"):
     rl_configs.get_config("huge")
 
 
 def test_every_sweep_entry_builds_a_valid_run_config():
-  from experiments import rl_main
   for overrides in rl_configs.get_sweep():
     c = rl_configs.get_config("colab")
     for k, v in overrides.items():
@@ -91,16 +100,91 @@ def test_every_sweep_entry_builds_a_valid_run_config():
       for p in path:
         node = node[p]
       node[leaf] = v
-    if c.mode == "sync":
-      c.max_staleness = 0
-    cfg = rl_main.run_config(c, "/tmp/x")
+    cfg = configs.from_dict(RunConfig, c, workdir="/tmp/x")
     assert cfg.model.vocab_size == 512
+
+
+def test_colab_level1_is_todays_colab_recipe():
+  a, b = rl_configs.get_config("colab"), rl_configs.get_config("colab_level1")
+  assert a.to_dict() == b.to_dict() and b.tasks.levels == (1,)
 
 
 def test_sft_demo_accuracy_sets_the_share_of_near_miss_demonstrations():
   pool = procedural.generate(400, seed=1, level=1)
-  assert not any(t.metadata.get("near_miss") for t in setup.sft_tasks(_cfg(sft_tasks=300), pool))
-  tasks = setup.sft_tasks(_cfg(sft_tasks=300, sft_demo_accuracy=0.5), pool)
+  assert not any(t.metadata.get("near_miss") for t in warmstart.sft_tasks(_cfg(**{"sft.tasks": 300}), pool))
+  tasks = warmstart.sft_tasks(_cfg(**{"sft.tasks": 300, "sft.demo_accuracy": 0.5}), pool)
   assert [t.id for t in tasks] == [t.id for t in pool[-300:]]
   misses = sum(bool(t.metadata.get("near_miss")) for t in tasks)
   assert 120 <= misses <= 180, misses   # binomial(300, 0.5): ±3.5 sd
+
+
+def test_publisher_and_source_registries_list_valid_names():
+  from composer_jax.rl import publishers, sources
+  with pytest.raises(ValueError, match=r"unknown publisher 'npz'; valid: \['files', 'fleet', 'in_place'\]"):
+    publishers.publisher_class("npz")
+  assert publishers.publisher_name(_cfg()) == "files"
+  assert publishers.publisher_name(_cfg(**{"rollout.mode": "sync", "rollout.max_staleness": 0})) == "in_place"
+  assert publishers.publisher_name(_cfg(**{"rollout.engine": "sglang"})) == "fleet"
+  with pytest.raises(ValueError, match="no worker processes"):
+    publishers.follow(_cfg(**{"rollout.mode": "sync", "rollout.max_staleness": 0}))
+  assert sorted(sources.SOURCES) == ["async", "sync"]
+  with pytest.raises(ValueError, match="needs an in-process engine"):
+    sources.InProcess(_cfg(**{"rollout.mode": "sync", "rollout.max_staleness": 0}), None, None, None)
+
+
+def test_worker_throttle_allows_per_version_groups_then_waits_for_a_newer_version():
+  from composer_jax.rl import publishers, worker
+  state = {"version": 0, "loads": 0}
+
+  def load_newer():
+    state["loads"] += 1
+    if state["loads"] == 5:          # the trainer publishes v1 while the worker waits
+      state["version"] = 1
+
+  follower = publishers.Follower(engine=None, version=lambda: state["version"], load_newer=load_newer)
+  refresh = worker.throttle(follower, per_version=2, stopping=lambda: False)
+  refresh()
+  refresh()
+  assert state["loads"] == 2 and state["version"] == 0      # two groups of v0 without waiting
+  refresh()                                                  # a third one waits until v1 arrives
+  assert state["version"] == 1 and state["loads"] == 5
+  stopped = worker.throttle(follower, per_version=1, stopping=lambda: True)
+  stopped()
+  stopped()                                                  # a stopping worker is never held back
+
+
+def test_checkpointer_saves_the_queue_cursor_with_the_state(tmp_path):
+  import jax
+
+  from composer_jax.train import checkpoint
+  ck = checkpoint.Checkpointer(str(tmp_path), keep=2, async_save=False)
+  state = {"w": np.arange(4.0)}
+  ck.save(3, state, meta={"cursor": {"worker0": 7}}, force=True)
+  ck.wait()
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  np.testing.assert_array_equal(ck.restore(like)["w"], state["w"])
+  assert ck.restore_meta() == {"cursor": {"worker0": 7}} and ck.latest_step() == 3
+  ck.close()
+
+
+def test_success_rate_runs_through_the_evaluation_runner_and_resumes(tmp_path):
+  from rollout import harness
+  from rollout.engines import scripted
+  from rollout.tasks.environment import EnvironmentCache
+  from rollout.workspace import make_factory
+  tasks = procedural.generate(4, seed=5, split="heldout", level=1)
+  tok = warmstart.fit_tokenizer(tasks, harness.SHORT_SYSTEM_PROMPT, 512)
+  hcfg = harness.HarnessConfig(system_prompt="short", context_budget=512, max_turn_tokens=128,
+                               observation_reserve=128, max_turns=4, max_segments=1)
+  envs = EnvironmentCache(make_factory("local"))
+  try:
+    got = evaluate.success_rate(scripted.ScriptedEngine(tok, scripted.oracle_policy(tasks)), tok, tasks, envs, hcfg,
+                                0.0, str(tmp_path / "oracle"))
+    lo, hi = evaluate.wilson(4, 4)
+    assert {k: got[k] for k in ("success", "ci_low", "ci_high", "n")} == {"success": 1.0, "ci_low": lo, "ci_high": hi,
+                                                                          "n": 4}
+    assert len(open(tmp_path / "oracle" / "results.jsonl").readlines()) == 4
+    noop = scripted.ScriptedEngine(tok, scripted.noop_policy)   # finished tasks are read back, not re-run
+    assert evaluate.success_rate(noop, tok, tasks, envs, hcfg, 0.0, str(tmp_path / "oracle"))["success"] == 1.0
+  finally:
+    envs.factory.close()

@@ -28,8 +28,10 @@ def test_token_logprobs_and_entropy_alignment():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(2, 4, 5)).astype(np.float32)
   tokens = rng.integers(0, 5, (2, 4))
-  lp = np.asarray(losses.token_logprobs(jnp.asarray(logits), jnp.asarray(tokens)))
-  ent = np.asarray(losses.token_entropy(jnp.asarray(logits)))
+  # The identity as the head (D = V): the hidden states are the logits.
+  lp, ent = map(np.asarray, losses.token_logprobs(jnp.asarray(logits), jnp.eye(5), jnp.asarray(tokens),
+                                                  with_entropy=True))
+  np.testing.assert_array_equal(losses.token_logprobs(jnp.asarray(logits), jnp.eye(5), jnp.asarray(tokens)), lp)
   for b in range(2):
     assert lp[b, 0] == 0 and ent[b, 0] == 0
     for t in range(1, 4):

@@ -11,9 +11,10 @@ import os
 import pytest
 import sglang_testlib
 
+from composer_jax import configs
 from composer_jax.rl import fleet as fleet_lib
 from composer_jax.rl import loop
-from experiments import rl_main
+from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 
 
@@ -28,16 +29,16 @@ def _group_alive(pgid):
 def test_async_rl_on_an_sglang_fleet(tmp_path):
   sglang_testlib.require_sglang()
   c = rl_configs.get_config("test,mode=async,engine=sglang,steps=3")
-  c.ckpt_every = 3
-  cfg = rl_main.run_config(c, str(tmp_path))
+  c.train.ckpt_every = 3
+  cfg = configs.from_dict(RunConfig, c, workdir=str(tmp_path))
   out = loop.train_rl(cfg, log_fn=print)
   m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in m] == [1, 2, 3]
   applied = [json.loads(line) for line in open(tmp_path / "applied.jsonl")]
   keys = [k for r in applied for k in r["keys"]]
-  assert len(keys) == len(set(keys)) == 3 * cfg.groups_per_step          # each group trained on once
+  assert len(keys) == len(set(keys)) == 3 * cfg.train.groups_per_step          # each group trained on once
   fresh = [r for r in m if r["staleness_mean"] == 0]
-  assert fresh and all(r["staleness_mean"] <= cfg.max_staleness for r in m)
+  assert fresh and all(r["staleness_mean"] <= cfg.rollout.max_staleness for r in m)
   for r in fresh:
     # Groups of the trainer's own version: its logprobs of the served tokens equal the server's (f32 both sides;
     # measured < 1e-6) and its top-k equals the experts the server reported at every recorded position.
@@ -56,7 +57,7 @@ def test_async_rl_on_an_sglang_fleet(tmp_path):
 
 def test_sglang_engine_without_sglang_names_the_install(tmp_path, monkeypatch):
   c = rl_configs.get_config("test,engine=sglang,steps=1")
-  cfg = rl_main.run_config(c, str(tmp_path))
+  cfg = configs.from_dict(RunConfig, c, workdir=str(tmp_path))
   monkeypatch.setattr(fleet_lib.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(RuntimeError, match="install_sglang_cpu.sh"):
     fleet_lib.FleetPublisher(cfg, params=None, version=0)

@@ -1,4 +1,8 @@
 """The RL step: router replay wiring, mismatch/gap metrics, and one sharded optimizer step that learns."""
+import dataclasses
+import functools
+
+import compile_testlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +13,9 @@ from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.rl import losses
 from composer_jax.rl import step as rl_step_lib
 from composer_jax.rl.batch import BatchConfig, from_consumed
-from composer_jax.train import loop, optim
+from composer_jax.train import optim
 from composer_jax.train import step as train_step_lib
-from composer_jax.train.config import OptimConfig
+from composer_jax.train.config import OptimConfig, TrainConfig
 from rollout.queue import QueueConsumer, QueueProducer, open_store
 from rollout.staleness import StalenessConfig
 
@@ -38,8 +42,10 @@ def _batch(tokens, inf_logprobs, routing, reward=(1.0, 0.0, 0.5, 0.0), group=(0,
 
 
 def _logp(params, tokens, routing=None):
+  """The reference: full logits from `model.forward` and a plain log-softmax (the step runs the chunked head)."""
   logits, aux = model.forward(params, tokens, CFG, routing=routing)
-  return losses.token_logprobs(logits, tokens), aux["experts"]
+  lp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], -1), tokens[:, 1:, None], -1)[..., 0]
+  return jnp.pad(lp, ((0, 0), (1, 0))), aux["experts"]
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +115,8 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   optimizer = optim.make_optimizer(OptimConfig(learning_rate=3e-3, warmup_steps=0, weight_decay=0.0), params)
   abstract = jax.eval_shape(lambda: params)
   p_shard = model.shardings(CFG, mesh)
-  shardings = loop.state_shardings(optimizer, abstract, p_shard, seed=0)
-  state = jax.jit(lambda p: train_step_lib.init_state(p, optimizer, 0), out_shardings=shardings)(
-      jax.device_put(params, p_shard))
+  shardings = train_step_lib.state_shardings(optimizer, abstract, p_shard)
+  state = train_step_lib.init_state(jax.device_put(params, p_shard), optimizer)   # eager, as in a notebook
   rows = 8                                   # the 8 fake devices each take one row
   tok = jnp.concatenate([tokens, tokens])
   own8 = jnp.concatenate([own, own], axis=1)
@@ -127,7 +132,8 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   step = rl_step_lib.make_rl_step(CFG, rl_step_lib.RLConfig(), optimizer, shardings, bsh, p_shard)
   gen = np.asarray(batch["gen_mask"])
   before = (np.asarray(lp8) * gen).sum(1)
-  state, m = step(state, batch, ref)
+  with compile_testlib.lowerings() as first:
+    state, m = step(state, batch, ref)
   assert int(state.step) == 1
   for k in ("loss", "kl", "entropy", "reward", "pass_rate", "length", "clip_fraction", "importance_ratio_mean",
             "routing_mismatch_rate", "logprob_gap_replay", "logprob_gap_no_replay", "grad_norm",
@@ -138,6 +144,68 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   after = (np.asarray(jax.jit(_logp)(jax.device_get(state.params), np.asarray(tok))[0]) * gen).sum(1)
   delta = after - before
   assert (delta[0::2] > 0).all() and (delta[1::2] < 0).all(), delta   # rewarded up, unrewarded down
+  with compile_testlib.lowerings() as second:
+    jax.block_until_ready(step(state, batch, ref))
+  assert first.count >= 1 and second.count == 0, (first.count, second.count)
+
+
+def test_routing_needed_stops_before_each_rows_last_generated_token():
+  gen = np.zeros((3, 6), np.float32)
+  gen[0, [2, 4]] = 1          # last generated token at 4: positions 0..3 feed it
+  gen[1, 1] = 1
+  seg = np.ones((3, 6), np.int32)
+  seg[0, 5] = 0
+  got = rl_step_lib.routing_needed({"tokens": jnp.zeros((3, 6), jnp.int32), "gen_mask": jnp.asarray(gen),
+                                    "segment_ids": jnp.asarray(seg)})
+  want = np.zeros((3, 6), bool)
+  want[0, :4] = True
+  want[1, :1] = True          # row 2 generated nothing: no position matters
+  np.testing.assert_array_equal(got, want)
+
+
+measured_loss_fn = jax.jit(lambda p, b, r, measure: rl_step_lib.rl_loss_fn(
+    p, b, r, model_cfg=CFG, rl_cfg=rl_step_lib.RLConfig(), measure_unreplayed=measure)[1][0])
+
+
+def test_unreplayed_pass_runs_only_when_routing_is_missing_or_its_metric_is_due(setup):
+  params, ref_params, tokens, _, own, engine, lp_engine = setup
+  # Everything recorded except the last position, which no trained token depends on (SGLang never feeds it).
+  tail_unrecorded = engine.at[:, :, L - 1].set(-1)
+  full = _batch(tokens, lp_engine, tail_unrecorded)
+  skipped = measured_loss_fn(params, full, ref_params, False)
+  measured = measured_loss_fn(params, full, ref_params, True)
+  assert np.isnan(float(skipped["logprob_gap_no_replay"]))           # pass 2 did not run
+  assert float(measured["logprob_gap_no_replay"]) > 1e-3              # it did, and saw the engine's other routing
+  for k in ("loss", "kl", "logprob_gap_replay", "routing_mismatch_rate", "entropy"):
+    np.testing.assert_allclose(skipped[k], measured[k], rtol=1e-6, err_msg=k)   # the same replay either way
+  assert float(skipped["logprob_gap_replay"]) < 1e-5
+  # A needed position unrecorded (the prompt, as from an engine that logs decode routing only): pass 2 must run.
+  prompt_unrecorded = _batch(tokens, lp_engine, engine.at[:, :, :PROMPT].set(-1))
+  assert float(measured_loss_fn(params, prompt_unrecorded, ref_params, False)["logprob_gap_no_replay"]) > 1e-3
+
+
+def _routing_load(routing_LmxBxLxK):
+  return np.stack([np.bincount(np.asarray(r).ravel(), minlength=CFG.n_routed_experts) for r in routing_LmxBxLxK])
+
+
+def test_rl_step_updates_router_bias_from_the_replayed_load_and_compiles_once(setup):
+  params, ref_params, tokens, lp_own, own, _, _ = setup
+  skewed = own.at[0].set(jnp.broadcast_to(jnp.array([0, 1]), (B, L, 2)))   # layer 0: every token to experts 0, 1
+  rate = 0.01
+  cfg = rl_step_lib.RLConfig(bias_update_rate=rate)
+  opt = optim.make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=0), params)
+  fn = jax.jit(functools.partial(rl_step_lib.rl_step, model_cfg=CFG, rl_cfg=cfg, optimizer=opt))
+  batch = _batch(tokens, lp_own, skewed)
+  state = train_step_lib.init_state(params, opt)
+  with compile_testlib.lowerings() as first:
+    new, _ = fn(state, batch, ref_params)
+  bias0, bias1 = np.asarray(params["moe_layers"]["moe"]["bias"]), np.asarray(new.params["moe_layers"]["moe"]["bias"])
+  load = _routing_load(skewed)                                               # [Lm, E]
+  np.testing.assert_allclose(bias1, bias0 + rate * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
+  assert (bias1[0, :2] < bias0[0, :2]).all() and (bias1[0, 2:] > bias0[0, 2:]).all()   # overloaded pushed down
+  with compile_testlib.lowerings() as second:
+    jax.block_until_ready(fn(new, batch, ref_params))
+  assert first.count >= 1 and second.count == 0, (first.count, second.count)
 
 
 def test_queue_to_batch_to_step(setup):
@@ -172,3 +240,19 @@ def test_freeze_subtrees_stops_weight_decay_on_mtp():
   assert float(jnp.abs(updates["mtp"]["w"]).max()) == 0.0                    # frozen: no decay
   assert float(jnp.abs(updates["moe_layers"]["moe"]["bias"]).max()) == 0.0    # the router bias stays frozen
   assert float(jnp.abs(updates["moe_layers"]["moe"]["router"]).max()) > 0.0   # trained leaves still decay
+
+
+def test_rl_and_lm_steps_lower_for_cuda(setup):
+  """The GPU path (moe_impl='ragged', the pass-2 `lax.cond`, the chunked head) still lowers for cuda on a CPU host."""
+  params, ref_params, tokens, lp_own, own, _, _ = setup
+  gpu_cfg = dataclasses.replace(CFG, moe_impl="ragged")
+  opt = optim.make_optimizer(OptimConfig(), params)
+  state = train_step_lib.init_state(params, opt)
+  rl = jax.jit(functools.partial(rl_step_lib.rl_step, model_cfg=gpu_cfg, rl_cfg=rl_step_lib.RLConfig(),
+                                 optimizer=opt))
+  rl.trace(state, _batch(tokens, lp_own, own), ref_params).lower(lowering_platforms=("cuda",))
+  lm_batch = {"tokens": tokens, "segment_ids": jnp.ones((B, L), jnp.int32),
+              "positions": jnp.broadcast_to(jnp.arange(L), (B, L)), "loss_mask": jnp.ones((B, L))}
+  lm = jax.jit(functools.partial(train_step_lib.train_step, model_cfg=gpu_cfg, train_cfg=TrainConfig(),
+                                 optimizer=opt))
+  lm.trace(state, lm_batch).lower(lowering_platforms=("cuda",))

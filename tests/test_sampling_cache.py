@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from composer_jax import model
-from composer_jax.model.attention import attend, expand_kv
+from composer_jax.model.attention import attend, attend_latent, expand_kv
+from composer_jax.model.rope import softmax_scale
 from composer_jax.sampling import cached_model as cm
-from composer_jax.sampling.random_params import random_params
 
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                         num_hidden_layers=3, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -21,7 +21,7 @@ ATOL = 2e-5
 
 
 def test_absorbed_attention_equals_expanded():
-  params = random_params(CFG, std=0.2)
+  params = model.init(jax.random.key(0), dataclasses.replace(CFG, initializer_range=0.2))
   p = jax.tree.map(lambda a: a[0], params["moe_layers"])["attn"]
   k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
   B, L, S, H = 2, 3, 7, CFG.num_attention_heads
@@ -30,8 +30,8 @@ def test_absorbed_attention_equals_expanded():
   kr = jax.random.normal(k3, (B, S, CFG.qk_rope_head_dim))
   mask = cm.cache_mask(jnp.array([[4, 5, 6], [2, 3, 4]]), jnp.array([0, 2]), S)
   k, v = expand_kv(p, c, kr)
-  want = attend(q, k, v, mask, cm.softmax_scale(CFG))
-  got = cm.attend_latent(p, q, c, kr, mask, CFG)
+  want = attend(q, k, v, mask, softmax_scale(CFG))
+  got = attend_latent(p, q, c, kr, mask, CFG)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -51,7 +51,7 @@ def test_prefill_then_decode_matches_forward(variant):
     cfg = dataclasses.replace(CFG, tie_word_embeddings=True, q_lora_rank=8, n_group=2, topk_group=1,
                               rope_scaling=model.RopeScaling(factor=4.0, original_max_position_embeddings=8,
                                                              mscale=1.0, mscale_all_dim=1.0))
-  params = random_params(cfg, seed=1, std=0.2)
+  params = model.init(jax.random.key(1), dataclasses.replace(cfg, initializer_range=0.2))
   rng = np.random.default_rng(0)
   P, T = 6, 4  # padded prompt width, decoded tokens
   pad = jnp.array([1, 3], jnp.int32)
@@ -81,7 +81,7 @@ def test_prefill_then_decode_matches_forward(variant):
 
 def test_padded_forward_equals_unpadded():
   """The left-padding convention the engine and the trainer share leaves the real tokens' outputs unchanged."""
-  params = random_params(CFG, seed=2, std=0.2)
+  params = model.init(jax.random.key(2), dataclasses.replace(CFG, initializer_range=0.2))
   seq = jnp.asarray(np.random.default_rng(1).integers(1, CFG.vocab_size, size=(1, 5)), jnp.int32)
   padded = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), seq], axis=1)
   lg_pad, aux_pad = jax.jit(functools.partial(padded_reference, cfg=CFG))(params, padded, jnp.array([3]))
@@ -91,7 +91,7 @@ def test_padded_forward_equals_unpadded():
 
 
 def test_cache_is_latent_sized():
-  cache = cm.init_cache(random_params(CFG), CFG, batch=3, slots=10)
+  cache = cm.init_cache(model.init(jax.random.key(0), CFG), CFG, batch=3, slots=10)
   per_token_layer = sum(a.shape[-1] for a in jax.tree.leaves(cache["moe_layers"]))
   assert per_token_layer == CFG.kv_lora_rank + CFG.qk_rope_head_dim
   assert cache["moe_layers"]["c"].shape == (2, 3, 10, CFG.kv_lora_rank)

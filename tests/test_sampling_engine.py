@@ -9,7 +9,6 @@ import pytest
 
 from composer_jax import model
 from composer_jax.sampling.engine import EngineConfig, JaxEngine, sample
-from composer_jax.sampling.random_params import random_params
 from rollout.engines.protocol import Engine, GenerateRequest, SamplingParams
 
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -38,7 +37,7 @@ def _requests(seed=0):
 
 @pytest.fixture(scope="module")
 def params():
-  return random_params(CFG, seed=0, std=0.2)
+  return model.init(jax.random.key(0), dataclasses.replace(CFG, initializer_range=0.2))
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "speculative"])
@@ -78,7 +77,7 @@ def test_is_a_rollout_engine(engine):
 
 
 def test_outputs_match_trainer_forward(engine, params):
-  """Logprobs equal the trainer's tempered log-softmax (<= 1e-3; ~1e-6 seen) and routing is identical."""
+  """Logprobs equal the trainer's tempered log-softmax (<= 1e-3; ~1e-6 seen) and routing (prompt too) is identical."""
   reqs = _requests()
   results = engine.generate(reqs)
   assert len(results) == len(reqs)
@@ -99,6 +98,9 @@ def test_outputs_match_trainer_forward(engine, params):
     np.testing.assert_allclose(res.logprobs, want, atol=1e-3, err_msg=f"request {b}")
     assert res.routed_experts.shape == (n, CFG.num_hidden_layers - 1, CFG.num_experts_per_tok)
     np.testing.assert_array_equal(res.routed_experts, np.transpose(aux["experts"][:, b, 16 - n:], (1, 0, 2)))
+    P = len(req.prompt_ids)   # the prefill's routing of the prompt, as the trainer's forward routes it
+    np.testing.assert_array_equal(res.prompt_routed_experts,
+                                  np.transpose(aux["experts"][:, b, 16 - n - P:16 - n], (1, 0, 2)))
     if sp.top_k == 1 or sp.temperature == 0:  # greedy rows: every token is the argmax
       np.testing.assert_array_equal(res.output_ids, np.argmax(logits[b, out], -1))
   assert any(r.finish_reason == "stop" for r in results)
@@ -124,7 +126,7 @@ def test_seeds_make_rows_reproducible(engine):
 
 
 def test_unseeded_requests_differ():
-  eng = JaxEngine(random_params(CFG, seed=0, std=0.2), CFG, ECFG)
+  eng = JaxEngine(model.init(jax.random.key(0), dataclasses.replace(CFG, initializer_range=0.2)), CFG, ECFG)
   reqs = [GenerateRequest((1, 2), SamplingParams(temperature=1.0, max_tokens=8))] * 8
   outs = {tuple(r.output_ids) for r in eng.generate(reqs)}
   assert len(outs) > 1
@@ -134,7 +136,7 @@ def test_update_weights_in_place(params):
   eng = JaxEngine(params, CFG, ECFG, policy_version=3)
   reqs = [GenerateRequest(r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=8)) for r in _requests(3)]
   before = eng.generate(reqs)
-  new = random_params(CFG, seed=5, std=0.2)
+  new = model.init(jax.random.key(5), dataclasses.replace(CFG, initializer_range=0.2))
   eng.update_weights(new, policy_version=4)
   after = eng.generate(reqs)
   assert {r.policy_version for r in before} == {3} and {r.policy_version for r in after} == {4}

@@ -12,7 +12,6 @@ import pytest
 from composer_jax import model
 from composer_jax.sampling import sampler
 from composer_jax.sampling.engine import EngineConfig, JaxEngine
-from composer_jax.sampling.random_params import random_params
 from composer_jax.sampling.speculative import verify
 from rollout.engines.protocol import GenerateRequest, SamplingParams
 
@@ -68,7 +67,7 @@ def exact_token_marginal(params, index, temperature, top_k, top_p):
 @pytest.mark.parametrize("draft_tokens,index", [(0, 1), (1, 1), (2, 2)], ids=["plain", "k1_second", "k2_third"])
 def test_output_token_distribution(draft_tokens, index):
   """Token 1 is the first verified draft; with k = 2, token 2 is the first chained draft (or a residual/bonus)."""
-  params = random_params(CFG, seed=4, std=0.3)
+  params = model.init(jax.random.key(4), dataclasses.replace(CFG, initializer_range=0.3))
   temperature, top_k, top_p, n = 0.9, 12, 0.95, 4096
   ecfg = EngineConfig(speculative=draft_tokens > 0, draft_tokens=max(draft_tokens, 1), max_batch=1024,
                       min_prompt_bucket=8, min_len_bucket=8)
@@ -86,7 +85,7 @@ def test_output_token_distribution(draft_tokens, index):
 @pytest.mark.parametrize("draft_tokens", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_greedy_multi_draft_equals_plain(draft_tokens):
   """Greedy speculative output with chained drafts equals plain greedy (tokens, logprobs, routing)."""
-  params = random_params(CFG, seed=6, std=0.3)
+  params = model.init(jax.random.key(6), dataclasses.replace(CFG, initializer_range=0.3))
   reqs = [GenerateRequest(tuple(range(i, 2 * i + 3)), SamplingParams(temperature=0.0, max_tokens=16,
                                                                      stop_token_ids=(7,) if i == 2 else ()))
           for i in range(4)]
@@ -101,7 +100,7 @@ def test_greedy_multi_draft_equals_plain(draft_tokens):
 @pytest.mark.slow
 def test_greedy_speculative_equals_plain_long():
   """Greedy speculative output equals plain greedy over a longer generation (many accept/reject steps)."""
-  params = random_params(CFG, seed=6, std=0.3)
+  params = model.init(jax.random.key(6), dataclasses.replace(CFG, initializer_range=0.3))
   reqs = [GenerateRequest(tuple(range(i, i + 3 + i)), SamplingParams(temperature=0.0, max_tokens=40))
           for i in range(8)]
   outs = [JaxEngine(params, CFG, EngineConfig(speculative=s)).generate(reqs) for s in (False, True)]

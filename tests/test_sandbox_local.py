@@ -48,3 +48,25 @@ def test_limits_timeout_and_output(backend, tmp_path):
     assert r.exit_code == 127
     r = sb.run("exit 7")
     assert r.exit_code == 7
+
+
+def test_rollout_local_factory_is_this_backend(tmp_path):
+  """rollout's LocalFactory is this backend behind the factory interface (one unsafe local workspace, not two)."""
+  import sys
+
+  from rollout.workspace import LocalFactory
+
+  (tmp_path / "src").mkdir()
+  (tmp_path / "src" / "a.txt").write_text("a\n")
+  f = LocalFactory(root=str(tmp_path / "ws"))
+  assert isinstance(f.backend, UnsafeLocalBackend)
+  ws = f.fork(f.snapshot_from_dir(str(tmp_path / "src")))
+  r = ws.run("cat a.txt; echo $PYTHONDONTWRITEBYTECODE; command -v python3")
+  assert r.ok and r.output.splitlines()[:2] == ["a", "1"]
+  assert r.output.splitlines()[2].startswith(os.path.dirname(sys.executable))  # the caller's python comes first
+  ws.write_file("b/c.txt", "c")
+  assert ws.list_dir() == ["a.txt", "b/"] and ws.read_file("b/c.txt") == "c"
+  with pytest.raises(sandboxes.SandboxError, match="outside the workspace"):
+    ws.sb.read_file("../x")
+  f.close()
+  assert os.listdir(tmp_path / "ws") == []

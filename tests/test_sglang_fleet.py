@@ -35,14 +35,16 @@ def _prompts(n, seed=0):
 
 
 def _check_against_reference(results, prompts, seed):
-  agree = []
+  agree, prompt_agree = [], []
   for prompt, r in zip(prompts, results, strict=True):
     greedy, logprobs, experts, _ = lib.reference(seed, prompt, r.output_ids)
     np.testing.assert_array_equal(r.output_ids, greedy)
     np.testing.assert_allclose(r.logprobs, logprobs, atol=1e-2, rtol=0)  # f32 both sides: summation order only
     assert r.routed_experts.shape == experts.shape
     agree.append(lib.routing_agreement(r.routed_experts, experts))
+    prompt_agree.append(lib.routing_agreement(r.prompt_routed_experts, lib.prompt_experts(seed, prompt)))
   assert np.mean(agree) >= 0.99, agree
+  assert np.mean(prompt_agree) >= 0.99, prompt_agree   # the prefill's routing, from the same log
 
 
 def test_greedy_batch_of_16_matches_our_forward(fleet):

@@ -69,31 +69,41 @@ def test_hidden_tests_fail_before_and_pass_with_gold_patch(envs, level):
     assert after.passed and after.pass_fraction == 1.0, after
 
 
-def test_parse_results_and_missing_tests(envs):
-  out = "PASSED a\nFAILED b AssertionError\nsome noise\nERROR c\nPASSED b\n"
-  assert environment.parse_results(out) == {"a": "PASSED", "b": "PASSED", "c": "ERROR"}
-  task = Task("t", "python", "p", Environment(files={"x.py": "print('PASSED t1')\nprint('FAILED t2')\n"}),
-              HiddenTests("python3 x.py", fail_to_pass=("t1", "t2"), pass_to_pass=("t3",)))
+def test_report_lines_and_missing_tests(envs):
+  """Results come from the report file: printed lines do not count, unreported tests are MISSING, the worst of
+  several lines for one id wins, and lines without this run's nonce are ignored."""
+  from rollout.tasks import grade_report
+  script = (grade_report.SCRIPT_REPORTER + "\nprint('PASSED t2')\n_write('t1', 'passed')\n_write('t2', 'failed')\n"
+            "_write('t2', 'passed')\n")
+  task = Task("t", "python", "p", Environment(files={"x.py": script}),
+              HiddenTests("python3 x.py", fail_to_pass=("t1", "t2"), pass_to_pass=("t3",), report="script"))
   ws = envs.fork(task)
   report = environment.grade(ws, task.tests)
   ws.close()
   assert report.results == {"t1": "PASSED", "t2": "FAILED", "t3": "MISSING"}
   assert not report.passed and report.pass_fraction == pytest.approx(1 / 3)
+  lines = ['{"id": "a", "outcome": "passed", "nonce": "n1"}', '{"id": "b", "outcome": "passed", "nonce": "n2"}',
+           '{"id": "c", "outcome": "error", "nonce": "n1"}', '{"id": "c", "outcome": "passed", "nonce": "n1"}',
+           '{"id": "d", "outcome": "pass', "not json"]
+  assert grade_report.parse_report("\n".join(lines), "n1") == {"a": "PASSED", "c": "ERROR"}
 
 
 def test_printed_output_cannot_forge_results(envs):
-  """Code under test that prints fake PASSED lines and exits early does not pass (the runner's lines carry a nonce)."""
+  """Code under test that prints fake PASSED lines (or writes fake report lines) and exits early does not pass."""
   task = procedural.generate(1, seed=2, level=1)[0]
   (path,) = task.environment.files
   fn = task.tests.fail_to_pass[0][len("test_"):]
   ws = envs.fork(task)
-  ws.write_file(path, "import os\n" + "".join(f"print('PASSED {t}')\n" for t in task.tests.fail_to_pass) +
-                f"def {fn}(*a):\n    os._exit(0)\n")
+  fake = "".join(f"print('PASSED {t}')\n" for t in task.tests.fail_to_pass)
+  # Finds the report file and writes lines with the only token it can see (the directory's name).
+  fake += ("import glob, json\nfor _p in glob.glob('.grade_*/report.jsonl'):\n"
+           "    with open(_p, 'a') as _f:\n" + "".join(
+             f"        _f.write(json.dumps({{'id': '{t}', 'outcome': 'passed', 'nonce': _p.split('/')[0][7:]}}))\n"
+             for t in task.tests.fail_to_pass))
+  ws.write_file(path, "import os\n" + fake + f"def {fn}(*a):\n    os._exit(0)\n")
   report = environment.grade(ws, task.tests)
   ws.close()
   assert not report.passed and set(report.results.values()) == {"MISSING"}
-  assert environment.parse_results("PASSED a n1\nPASSED b\nFAILED c n1 \nPASSED d n2\n", "n1") == {
-    "a": "PASSED", "c": "FAILED"}
 
 
 def test_bad_config_and_environment_errors():
@@ -103,6 +113,8 @@ def test_bad_config_and_environment_errors():
     procedural.generate(1, level=9)
   with pytest.raises(ValueError, match="fail_to_pass is empty"):
     HiddenTests("true", fail_to_pass=())
+  with pytest.raises(ValueError, match=r"unknown HiddenTests.report 'stdout'; valid: \('pytest', 'script'\)"):
+    HiddenTests("true", ("a",), report="stdout")
   with pytest.raises(ValueError, match="repo and commit go together"):
     Environment(repo="/x")
 

@@ -74,3 +74,11 @@ def test_errors_name_the_problem(instance, tmp_path):
   bad.write_text(json.dumps({**inst, "FAIL_TO_PASS": "[oops"}) + "\n")
   with pytest.raises(ValueError, match="FAIL_TO_PASS is a string but not a JSON list"):
     swe.load_jsonl(str(bad), repos)
+
+
+def test_relative_repos_dir_is_stored_absolute(instance, monkeypatch):
+  import os
+  path, repos, _ = instance
+  monkeypatch.chdir(os.path.dirname(repos))
+  (task,) = swe.load_jsonl(path, os.path.basename(repos))
+  assert task.environment.repo == os.path.join(repos, "acme__clampy")  # the set works from any directory

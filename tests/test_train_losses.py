@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 
+from composer_jax.model import head
 from composer_jax.train import losses, optim, step
 from composer_jax.train.config import OptimConfig
 
@@ -22,24 +23,26 @@ def test_shifted_targets_respect_segments_padding_and_mask():
 
 
 def test_cross_entropy_hand_computed():
-  logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))
+  # With the identity as the head (D = V), the hidden states are the logits.
+  h = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))
   targets = jnp.array([[0, 2]])
-  ce, n = losses.cross_entropy(logits, targets, jnp.array([[1.0, 1.0]]))
+  ce, n = head.cross_entropy(h, jnp.eye(3), targets, jnp.array([[1.0, 1.0]]))
   np.testing.assert_allclose(ce, (np.log(2) + np.log(10)) / 2, rtol=1e-6)
   assert float(n) == 2
-  ce, n = losses.cross_entropy(logits, targets, jnp.array([[0.0, 1.0]]))
+  ce, n = head.cross_entropy(h, jnp.eye(3), targets, jnp.array([[0.0, 1.0]]))
   np.testing.assert_allclose(ce, np.log(10), rtol=1e-6)
 
 
 def test_mtp_self_distillation_targets_main_head_at_next_position():
   rng = np.random.default_rng(0)
   B, L, V = 1, 5, 4
-  main = jnp.asarray(rng.normal(size=(B, L, V)), jnp.float32)
+  main = jnp.asarray(rng.normal(size=(B, L, V)), jnp.float32)    # identity head: hiddens are the logits
   mtp = jnp.asarray(rng.normal(size=(1, B, L, V)), jnp.float32)
+  w = jnp.eye(V)
   tokens = jnp.array([[1, 2, 3, 0, 1]])
   seg = jnp.ones((B, L), jnp.int32)
   mask = jnp.ones((B, L), jnp.int32)
-  loss, agree = losses.mtp_losses(main, mtp, tokens, seg, mask, "self_distill")
+  loss, agree = losses.mtp_losses(main, mtp, w, w, tokens, seg, mask, "self_distill")
   # MTP module 1 at t predicts token t+2, which the main head predicts at t+1; valid t = 0, 1, 2.
   p = jax.nn.softmax(main[0, 1:4], -1)
   logq = jax.nn.log_softmax(mtp[0, 0, 0:3], -1)
@@ -47,9 +50,34 @@ def test_mtp_self_distillation_targets_main_head_at_next_position():
   np.testing.assert_allclose(loss[0], expected, rtol=1e-6)
   expected_agree = np.mean(np.argmax(mtp[0, 0, 0:3], -1) == np.argmax(main[0, 1:4], -1))
   np.testing.assert_allclose(agree[0], expected_agree)
-  ce_loss, _ = losses.mtp_losses(main, mtp, tokens, seg, mask, "cross_entropy")
+  ce_loss, ce_agree = losses.mtp_losses(main, mtp, w, w, tokens, seg, mask, "cross_entropy")
   logq_t = jax.nn.log_softmax(mtp[0, 0], -1)
   np.testing.assert_allclose(ce_loss[0], -np.mean([logq_t[0, 3], logq_t[1, 0], logq_t[2, 1]]), rtol=1e-6)
+  np.testing.assert_allclose(ce_agree[0], expected_agree)
+  with pytest.raises(ValueError, match="Unknown MTP loss mode 'kl'"):
+    losses.mtp_losses(main, mtp, w, w, tokens, seg, mask, "kl")
+
+
+def test_mtp_self_distillation_gradient_reaches_only_the_student():
+  rng = np.random.default_rng(1)
+  B, L, V = 1, 6, 5
+  main = jnp.asarray(rng.normal(size=(B, L, V)), jnp.float32)
+  mtp = jnp.asarray(rng.normal(size=(2, B, L, V)), jnp.float32)
+  tokens, seg, mask = jnp.zeros((B, L), jnp.int32), jnp.ones((B, L), jnp.int32), jnp.ones((B, L), jnp.int32)
+  g_main, g_mtp, g_w = jax.grad(lambda h, m, w: jnp.sum(losses.mtp_losses(h, m, w, w, tokens, seg, mask,
+                                                                          "self_distill")[0]), (0, 1, 2))(
+      main, mtp, jnp.eye(V))
+
+  def plain(m):   # the same loss on full logits: −Σ softmax(teacher) · log_softmax(student), masked mean
+    out = []
+    for k in range(2):
+      t = jax.nn.softmax(jnp.roll(main, -(k + 1), axis=1), -1)
+      ce = -jnp.sum(t * jax.nn.log_softmax(m[k], -1), -1)
+      out.append(jnp.sum(ce[:, :L - k - 2]) / (L - k - 2))
+    return sum(out)
+  assert float(jnp.abs(g_main).max()) == 0.0                       # the teacher is held fixed
+  np.testing.assert_allclose(g_mtp, jax.grad(plain)(mtp), atol=1e-6)
+  assert float(jnp.abs(g_w).max()) > 0                              # through the student's head only
 
 
 def test_router_bias_update_rule():

@@ -19,3 +19,8 @@ def test_plot_metrics_smoothed_and_raw(tmp_path):
     out = tmp_path / f"reward{smooth}.png"
     metrics.plot_metrics(str(path), str(out), ("reward",), smooth=smooth)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_points_skip_steps_a_metric_was_not_measured():
+  rows = [{"step": 1, "gap": 0.5}, {"step": 2, "gap": float("nan")}, {"step": 3}, {"step": 4, "gap": 2}]
+  assert metrics.measured_points(rows, "gap") == [(1, 0.5), (4, 2)]

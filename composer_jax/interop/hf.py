@@ -1,196 +1,170 @@
 """Load and save Hugging Face `DeepseekV3ForCausalLM` checkpoints (config.json + safetensors, optionally sharded).
 
 `save` writes config.json the way real DeepSeek-V3 / Kimi K2 checkpoints do, so transformers and SGLang both load
-it; MTP modules go to layer indices num_hidden_layers + j. `load` validates names and shapes before building params.
+it; MTP modules go to layer indices num_hidden_layers + j; `fp8=True` writes the published block-FP8 layout.
+`load` validates names, shapes and FP8 scales, then each process reads from the safetensors files only the
+rows/columns its devices hold under the run's `ShardingRules` (block-FP8 weights dequantised to the param dtype) and
+assembles its arrays with `jax.make_array_from_single_device_arrays`. See composer_jax/interop/README.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Any
+import warnings
 
 import jax
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from composer_jax.interop.hf_names import expected_shapes, from_hf, to_hf
-from composer_jax.model.config import ModelConfig, RopeScaling
-from composer_jax.model.params import abstract_params, shardings
+from composer_jax.interop import fp8 as fp8_lib
+from composer_jax.interop import hf_files
+from composer_jax.interop.hf_config import config_from_hf, config_to_hf
+from composer_jax.interop.hf_files import INDEX_FILE, SINGLE_FILE
+from composer_jax.interop.hf_names import Source, block_of, hub_tensors, leaf_paths, mtp_copies, read_block, sources
+from composer_jax.interop.hf_save import save
+from composer_jax.model.config import ModelConfig
+from composer_jax.model.params import abstract_params, init, shardings
 from composer_jax.parallel.rules import ShardingRules
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-# HF config keys copied 1:1 to/from ModelConfig fields.
-_SAME_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-              "v_head_dim", "rope_theta", "max_position_embeddings", "rms_norm_eps", "n_routed_experts",
-              "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob",
-              "routed_scaling_factor", "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers",
-              "tie_word_embeddings", "initializer_range", "rope_interleave")
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "ReadStats", "config_from_hf", "config_to_hf", "load", "load_with_stats",
+           "save"]
+MISSING_MTP = ("init", "drop", "error")
 
 
-def config_to_hf(cfg: ModelConfig, *, yarn_identity: bool = True) -> dict[str, Any]:
-  """config.json dict in the DeepSeek-V3 / Kimi K2 layout.
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+  """What one process's `load` did: bytes it read from the files (as stored) and MTP modules it initialised fresh."""
+  bytes_read: int
+  fresh_mtp: tuple[int, ...] = ()
 
-  With `yarn_identity` and no rope scaling, writes a YaRN block with factor 1 (numerically plain RoPE) because
-  SGLang's CPU rope factory only supports deepseek_yarn.
+
+def _mtp_prefix(cfg: ModelConfig, j: int) -> str:
+  return f"model.layers.{cfg.num_hidden_layers + j}."
+
+
+def _missing_mtp_modules(cfg: ModelConfig, names: set[str]) -> list[int]:
+  """MTP modules of which the checkpoint holds no tensor (the embed/head copies do not count)."""
+  copies = set(mtp_copies(cfg))
+  return [j for j in range(cfg.num_nextn_predict_layers)
+          if not any(n.startswith(_mtp_prefix(cfg, j)) and n not in copies for n in names)]
+
+
+def _resolve_missing_mtp(cfg: ModelConfig, missing: list[int], policy: str) -> tuple[ModelConfig, tuple[int, ...]]:
+  """(config to load, MTP modules to initialise fresh) for modules the checkpoint lacks entirely, with a warning."""
+  if policy not in MISSING_MTP:
+    raise ValueError(f"missing_mtp={policy!r}; valid: {MISSING_MTP}")
+  if not missing or policy == "error":
+    return cfg, ()
+  n = cfg.num_nextn_predict_layers
+  where = ", ".join(f"{j} ({_mtp_prefix(cfg, j)}*)" for j in missing)
+  head = (f"The checkpoint has no tensors for MTP module(s) {where} although config.json sets "
+          f"num_nextn_predict_layers={n} (transformers' save_pretrained writes no MTP weights). ")
+  if policy == "drop":
+    if missing != list(range(n - len(missing), n)):
+      raise ValueError(head + "missing_mtp='drop' can only drop trailing modules; use missing_mtp='init'")
+    warnings.warn(head + f"Dropped them (missing_mtp='drop'): num_nextn_predict_layers={n - len(missing)}. Pass "
+                  "missing_mtp='init' to initialise them fresh instead.", stacklevel=3)
+    return dataclasses.replace(cfg, num_nextn_predict_layers=n - len(missing)), ()
+  warnings.warn(head + "Initialised them fresh (missing_mtp='init', the default). Pass missing_mtp='drop' (or "
+                "num_nextn_predict_layers=0) to load without them, or missing_mtp='error' to refuse.", stacklevel=3)
+  return cfg, tuple(missing)
+
+
+
+def _build_leaf(src: Source, aval, sharding, region, fresh: jax.Array | None, fresh_ix: tuple[int, ...]) -> jax.Array:
+  """One leaf from this process's shards only: each distinct block its devices hold is read once.
+
+  `fresh` (MTP leaves only) supplies stacked indices `fresh_ix` from a fresh init with the same sharding.
   """
-  d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
-  d.update({k: getattr(cfg, k) for k in _SAME_KEYS})
-  rs = cfg.rope_scaling
-  if rs is None and yarn_identity:
-    rs = RopeScaling(factor=1.0, original_max_position_embeddings=cfg.max_position_embeddings)
-  if rs is not None:
-    d["rope_scaling"] = {"type": "yarn", "factor": rs.factor, "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow,
-                         "mscale": rs.mscale, "mscale_all_dim": rs.mscale_all_dim,
-                         "original_max_position_embeddings": rs.original_max_position_embeddings}
-  else:
-    d["rope_scaling"] = None
-  dtype = jax.numpy.dtype(cfg.param_dtype).name
-  d.update({"num_key_value_heads": cfg.num_attention_heads, "hidden_act": "silu", "attention_bias": False,
-            "attention_dropout": 0.0, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "seq_aux": True,
-            "aux_loss_alpha": cfg.seq_aux_loss_coef, "ep_size": 1, "use_cache": True, "bos_token_id": 0,
-            "eos_token_id": 1, "torch_dtype": dtype, "dtype": dtype})
-  return d
+  fresh_on = {s.device: np.asarray(s.data) for s in fresh.addressable_shards} if fresh is not None else {}
+  blocks: dict = {}
+  arrays = []
+  for device, idx in sharding.addressable_devices_indices_map(aval.shape).items():
+    block = block_of(idx, aval.shape)
+    if block not in blocks:
+      (j0, j1), rest = (block[0], block[1:]) if fresh_ix else ((0, 0), ())
+      if fresh_ix:   # module by module: fresh ones from the init's local shard, the others from the files
+        blocks[block] = np.stack([fresh_on[device][j - j0] if j in fresh_ix else
+                                  read_block(src, ((j, j + 1), *rest), region, aval.dtype)[0] for j in range(j0, j1)])
+      else:
+        blocks[block] = read_block(src, block, region, aval.dtype)
+    arrays.append(jax.device_put(blocks[block], device))
+  return jax.make_array_from_single_device_arrays(aval.shape, sharding, arrays)
 
 
-def config_from_hf(d: dict[str, Any], **overrides) -> ModelConfig:
-  """ModelConfig from a DeepSeek-V3 config.json dict; unsupported settings raise naming the key."""
-  if d.get("model_type") not in ("deepseek_v3", "kimi_k2"):
-    raise ValueError(f"config.json model_type={d.get('model_type')!r}; expected 'deepseek_v3'")
-  checks = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc", "attention_bias": False}
-  for k, want in checks.items():
-    if k in d and d[k] != want:
-      raise ValueError(f"config.json {k}={d[k]!r} is unsupported (need {want!r})")
-  if d.get("num_key_value_heads", d["num_attention_heads"]) != d["num_attention_heads"]:
-    raise ValueError("config.json num_key_value_heads must equal num_attention_heads for MLA")
-  kw = {k: d[k] for k in _SAME_KEYS if k in d}
-  if "num_nextn_predict_layers" not in d and "num_mtp_layers" in d:
-    kw["num_nextn_predict_layers"] = d["num_mtp_layers"]
-  rs = d.get("rope_scaling") or d.get("rope_parameters")
-  if rs and "rope_theta" in rs and "rope_theta" not in d:
-    kw["rope_theta"] = rs["rope_theta"]
-  kind = (rs or {}).get("type", (rs or {}).get("rope_type", "default"))
-  if kind == "yarn":
-    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
-    kw["rope_scaling"] = RopeScaling(**{k: v for k, v in rs.items() if k in fields})
-  elif kind not in ("default", None):
-    raise ValueError(f"rope scaling type {kind!r} is unsupported (only 'yarn')")
-  if "aux_loss_alpha" in d:
-    kw["seq_aux_loss_coef"] = d["aux_loss_alpha"]
-  dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
-  kw["param_dtype"] = dtype
-  kw.update(overrides)
-  return ModelConfig(**kw)
+def read_params(ckpt: hf_files.Checkpoint, cfg: ModelConfig, mesh=None, rules: ShardingRules | None = None, *,
+                fresh_mtp: tuple[int, ...] = (), seed: int = 0) -> dict:
+  """Params for `cfg` placed on `mesh` under `rules`, each process reading only its devices' blocks from `ckpt`."""
+  avals = leaf_paths(abstract_params(cfg))
+  placed = leaf_paths(shardings(cfg, mesh, rules))
+  srcs = sources(cfg)
+  fresh = {}
+  if fresh_mtp:   # under jit only the random draws the MTP leaves use are computed (the rest is dead code)
+    mtp_shardings = shardings(cfg, mesh, rules)["mtp"]
+    fresh = leaf_paths({"mtp": jax.jit(lambda k: init(k, cfg, mesh, rules)["mtp"], out_shardings=mtp_shardings)(
+        jax.random.key(seed))})
+  out = {}
+  for path, aval in avals.items():
+    if path in fresh and len(fresh_mtp) == cfg.num_nextn_predict_layers:
+      out[path] = fresh[path]
+    else:
+      out[path] = _build_leaf(srcs[path], aval, placed[path], ckpt.region, fresh.get(path),
+                              fresh_mtp if path in fresh else ())
+  tree: dict = {}
+  for path, x in out.items():
+    node = tree
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = x
+  return tree
 
 
-def _open_tensors(path: str) -> dict[str, str]:
-  """Map of tensor name → safetensors file holding it."""
-  index = os.path.join(path, INDEX_FILE)
-  if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
-    return {k: os.path.join(path, v) for k, v in weight_map.items()}
-  single = os.path.join(path, SINGLE_FILE)
-  if not os.path.exists(single):
-    raise FileNotFoundError(f"No {INDEX_FILE} or {SINGLE_FILE} in {path}")
-  with safe_open(single, framework="np") as f:
-    return dict.fromkeys(f.keys(), single)
+def load_with_stats(path: str, *, mesh=None, rules: ShardingRules | None = None, missing_mtp: str = "init",
+                    seed: int = 0, **config_overrides) -> tuple[ModelConfig, dict, ReadStats]:
+  """`load`, also returning what this process read (`ReadStats`)."""
+  with open(os.path.join(path, "config.json")) as f:
+    d = json.load(f)
+  file_cfg = config_from_hf(d)
+  fmt = fp8_lib.BlockFP8.from_config(d.get("quantization_config"))
+  cfg = dataclasses.replace(file_cfg, **config_overrides)
+  where = hf_files.tensor_files(path)
+  # MTP modules the caller chose to drop (num_nextn_predict_layers overridden lower) are skipped, not an error.
+  dropped = [_mtp_prefix(cfg, j) for j in range(cfg.num_nextn_predict_layers, file_cfg.num_nextn_predict_layers)]
+  where = {k: v for k, v in where.items() if not k.startswith(tuple(dropped))}
+  cfg, fresh = _resolve_missing_mtp(cfg, _missing_mtp_modules(cfg, set(where)), missing_mtp)
+  want = {k: v.shape for k, v in hub_tensors(cfg).items()}
+  optional = set(mtp_copies(cfg)) | {n for n in want if n.startswith(tuple(_mtp_prefix(cfg, j) for j in fresh))}
+  notes = {_mtp_prefix(cfg, j): (f"{_mtp_prefix(cfg, j)}* is MTP module {j} (config.json "
+                                 f"num_nextn_predict_layers={file_cfg.num_nextn_predict_layers}); a module missing "
+                                 "entirely can be initialised fresh (missing_mtp='init') or dropped "
+                                 "(missing_mtp='drop' / num_nextn_predict_layers=0), a partial one cannot")
+           for j in range(cfg.num_nextn_predict_layers)}
+  ckpt = hf_files.Checkpoint(where, fmt)
+  hf_files.check(ckpt, want, optional, notes)
+  params = read_params(ckpt, cfg, mesh, rules, fresh_mtp=fresh, seed=seed)
+  return cfg, params, ReadStats(ckpt.bytes_read, fresh)
 
 
-def _check_names_and_shapes(cfg: ModelConfig, where: dict[str, str], optional: set[str]) -> None:
-  want = expected_shapes(cfg)
-  missing = sorted(set(want) - set(where) - optional)
-  unexpected = sorted(set(where) - set(want))
-  bad_shape = []
-  handles: dict[str, Any] = {}
-  for name in sorted(set(want) & set(where)):
-    file = where[name]
-    if file not in handles:
-      handles[file] = safe_open(file, framework="np")
-    got = tuple(handles[file].get_slice(name).get_shape())
-    if got != want[name]:
-      bad_shape.append(f"{name}: got {got}, expected {want[name]}")
-  if missing or unexpected or bad_shape:
-    def show(xs):
-      return "\n  ".join(xs[:20]) + (f"\n  ... and {len(xs) - 20} more" if len(xs) > 20 else "")
-    msg = ["Checkpoint does not match its config.json:"]
-    if missing:
-      msg.append(f"missing {len(missing)} tensor(s):\n  {show(missing)}")
-    if unexpected:
-      msg.append(f"unexpected {len(unexpected)} tensor(s):\n  {show(unexpected)}")
-    if bad_shape:
-      msg.append(f"mis-shaped {len(bad_shape)} tensor(s):\n  {show(bad_shape)}")
-    raise ValueError("\n".join(msg))
-
-
-def load(path: str, *, mesh=None, rules: ShardingRules | None = None, **config_overrides) -> tuple[ModelConfig, dict]:
-  """Loads a `DeepseekV3ForCausalLM` checkpoint directory.
+def load(path: str, *, mesh=None, rules: ShardingRules | None = None, missing_mtp: str = "init", seed: int = 0,
+         **config_overrides) -> tuple[ModelConfig, dict]:
+  """Loads a `DeepseekV3ForCausalLM` checkpoint directory (plain or block-FP8), reading only this process's shards.
 
   Args:
     path: directory with config.json and model.safetensors (or model.safetensors.index.json + shards).
-    mesh, rules: where to place the params (default: a 1-device mesh, `ShardingRules()`).
+    mesh, rules: where to place the params (default: a 1-device mesh, `ShardingRules()`). Each process reads only
+      the blocks its devices hold (experts split by expert parallelism only where they live).
+    missing_mtp: MTP modules config.json declares but the checkpoint lacks entirely (transformers' save_pretrained
+      writes none): 'init' (default) initialises them fresh from `seed`, 'drop' lowers num_nextn_predict_layers,
+      'error' refuses. Either way a warning names them; a partially present module is always an error.
+    seed: PRNG seed of freshly initialised MTP modules.
     **config_overrides: ModelConfig fields to set on top of config.json (e.g. moe_impl, compute_dtype;
       num_nextn_predict_layers=0 drops the checkpoint's MTP modules).
 
   Returns:
-    (cfg, params). Raises ValueError naming missing / unexpected / mis-shaped tensors.
+    (cfg, params). Raises ValueError naming missing / unexpected / mis-shaped tensors and bad FP8 scales.
   """
-  with open(os.path.join(path, "config.json")) as f:
-    file_cfg = config_from_hf(json.load(f))
-  cfg = dataclasses.replace(file_cfg, **config_overrides)
-  where = _open_tensors(path)
-  # MTP modules the caller chose to drop (num_nextn_predict_layers overridden lower) are skipped, not an error.
-  dropped = range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers,
-                  file_cfg.num_hidden_layers + file_cfg.num_nextn_predict_layers)
-  where = {k: v for k, v in where.items() if not any(k.startswith(f"model.layers.{i}.") for i in dropped)}
-  # MTP layers' embed/head copies are redundant with the trunk's; checkpoints may omit them.
-  optional = {n for n in expected_shapes(cfg)
-              if n.endswith(("embed_tokens.weight", "shared_head.head.weight")) and n.startswith("model.layers.")}
-  _check_names_and_shapes(cfg, where, optional)
-  handles: dict[str, Any] = {}
-
-  def get(name):
-    file = where[name]
-    if file not in handles:
-      handles[file] = safe_open(file, framework="np")
-    return handles[file].get_tensor(name)
-
-  host = jax.tree.map(lambda a, s: np.asarray(a).astype(s.dtype), from_hf(get, cfg), abstract_params(cfg))
-  return cfg, jax.device_put(host, shardings(cfg, mesh, rules))
+  cfg, params, _ = load_with_stats(path, mesh=mesh, rules=rules, missing_mtp=missing_mtp, seed=seed,
+                                   **config_overrides)
+  return cfg, params
 
 
-def save(path: str, cfg: ModelConfig, params: dict, *, max_shard_bytes: int = 5 * 2**30,
-         yarn_identity: bool = True) -> None:
-  """Writes config.json and safetensors (sharded with an index when over `max_shard_bytes`) in hub layout."""
-  os.makedirs(path, exist_ok=True)
-  tensors = to_hf(params, cfg)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name in sorted(tensors):
-    n = tensors[name].nbytes
-    if shards[-1] and size + n > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = tensors[name]
-    size += n
-  meta = {"format": "pt"}
-  if len(shards) == 1:
-    save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=meta)
-    stale = os.path.join(path, INDEX_FILE)
-    if os.path.exists(stale):
-      os.remove(stale)
-  else:
-    weight_map = {}
-    for i, shard in enumerate(shards):
-      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, os.path.join(path, fname), metadata=meta)
-      weight_map.update(dict.fromkeys(shard, fname))
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map},
-                f, indent=2, sort_keys=True)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg, yarn_identity=yarn_identity), f, indent=2, sort_keys=True)

@@ -1,13 +1,18 @@
 """Multi-head latent attention (MLA) as in DeepSeek-V3, with packed-sequence masking.
 
-The projections are split so a KV cache can reuse them: `latent_kv` returns what MLA caches (the normed latent `c`
-and the rotated shared rope key `kr`), `expand_kv` turns cached latents into per-head keys/values, `queries` builds
-the queries, and `attend` is plain masked softmax attention.
+`attention(..., cache=None)` is the one MLA layer training and decoding share. `latent_kv` gives what MLA caches
+(the normed latent `c` and the rotated shared rope key `kr`: C + R numbers per token and layer instead of
+H·(Q + Dv)), `expand_kv` turns latents into per-head keys/values, `queries` builds the queries, `attend` is plain
+masked softmax attention and `attend_latent` the same over cached latents with k_b folded into the query and v_b
+applied after the softmax ("absorbed" MLA: keys and values are never expanded).
 
-Letters: B batch, L query length, S key length, D hidden, H heads, Qn nope head dim, R rope head dim,
+Letters: B batch, L query length, S key length (cache slots), D hidden, H heads, Qn nope head dim, R rope head dim,
 Q = Qn + R, Dv value head dim, C kv_lora_rank.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,11 +73,61 @@ def attend(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, ma
   return jnp.einsum("bhls,bshv->blhv", probs, v_BxSxHxDv)
 
 
+def attend_latent(p: dict, q_BxLxHxQ: jax.Array, c_BxSxC: jax.Array, kr_BxSxR: jax.Array, mask_BxLxS: jax.Array,
+                  cfg: ModelConfig) -> jax.Array:
+  """Absorbed MLA attention over latents → [B, L, H, Dv] (equal to expand_kv + attend)."""
+  dt = q_BxLxHxQ.dtype
+  q_nope, q_rope_BxLxHxR = q_BxLxHxQ[..., :cfg.qk_nope_head_dim], q_BxLxHxQ[..., cfg.qk_nope_head_dim:]
+  q_lat_BxLxHxC = jnp.einsum("blhn,chn->blhc", q_nope, p["k_b"].astype(dt))
+  logits_BxHxLxS = (jnp.einsum("blhc,bsc->bhls", q_lat_BxLxHxC, c_BxSxC, preferred_element_type=jnp.float32)
+                    + jnp.einsum("blhr,bsr->bhls", q_rope_BxLxHxR, kr_BxSxR, preferred_element_type=jnp.float32))
+  logits_BxHxLxS = jnp.where(mask_BxLxS[:, None], logits_BxHxLxS * softmax_scale(cfg), -jnp.inf)
+  probs = jax.nn.softmax(logits_BxHxLxS, axis=-1, where=mask_BxLxS[:, None])
+  probs = jnp.where(mask_BxLxS[:, None], probs, 0.0).astype(dt)
+  o_lat_BxLxHxC = jnp.einsum("bhls,bsc->blhc", probs, c_BxSxC)
+  return jnp.einsum("blhc,chv->blhv", o_lat_BxLxHxC, p["v_b"].astype(dt))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["c", "kr", "start_B"], meta_fields=["fresh"])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """One layer's MLA cache (or a stack's, with a leading layer axis on c and kr) and where new tokens go.
+
+  Attributes:
+    c: normed latents [B, S, C].
+    kr: rotated rope keys [B, S, R].
+    start_B: slot of each row's first new token (rows advance independently: speculative decoding).
+    fresh: the cache is empty and start_B is 0: the new tokens attend among themselves through `expand_kv` +
+      `attend`, exactly the training forward's arithmetic (the mask is then [B, L, L]); otherwise they attend
+      over all S slots in latent space (mask [B, L, S]).
+  """
+  c: jax.Array
+  kr: jax.Array
+  start_B: jax.Array
+  fresh: bool = False
+
+
+def write_rows(buf_BxSx_: jax.Array, new_BxLx_: jax.Array, start_B: jax.Array) -> jax.Array:
+  """Writes new[b] into buf[b] at slot start_B[b] (per-row offsets)."""
+  def one(buf, new, s):
+    return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), s, axis=0)
+  return jax.vmap(one)(buf_BxSx_, new_BxLx_, start_B)
+
+
 def attention(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array, mask_BxLxS: jax.Array,
-              cfg: ModelConfig) -> jax.Array:
-  """Full MLA self-attention over x (no cache) → [B, L, D]."""
+              cfg: ModelConfig, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+  """MLA self-attention → ([B, L, D], cache with the new tokens' latents written at start_B, or None).
+
+  Without a cache the L tokens attend among themselves ([B, L, L] mask); with one, see `KVCache.fresh`.
+  """
   q_BxLxHxQ = queries(p, x_BxLxD, cos, sin, cfg)
   c_BxLxC, kr_BxLxR = latent_kv(p, x_BxLxD, cos, sin, cfg)
-  k_BxLxHxQ, v_BxLxHxDv = expand_kv(p, c_BxLxC, kr_BxLxR)
-  out_BxLxHxDv = attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxS, softmax_scale(cfg))
-  return jnp.einsum("blhv,hvd->bld", out_BxLxHxDv, p["o"].astype(x_BxLxD.dtype))
+  if cache is not None:
+    cache = dataclasses.replace(cache, c=write_rows(cache.c, c_BxLxC, cache.start_B),
+                                kr=write_rows(cache.kr, kr_BxLxR, cache.start_B))
+  if cache is None or cache.fresh:
+    k_BxLxHxQ, v_BxLxHxDv = expand_kv(p, c_BxLxC, kr_BxLxR)
+    out_BxLxHxDv = attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxS, softmax_scale(cfg))
+  else:
+    out_BxLxHxDv = attend_latent(p, q_BxLxHxQ, cache.c, cache.kr, mask_BxLxS, cfg)
+  return jnp.einsum("blhv,hvd->bld", out_BxLxHxDv, p["o"].astype(x_BxLxD.dtype)), cache

@@ -1,12 +1,11 @@
 """Frozen model configuration: the one object library code takes (STYLE.md §5).
 
 Field names follow Hugging Face's `DeepseekV3Config` so that interop is a rename-free copy. Built once from the
-ml-collections ConfigDict in `experiments/` with `ModelConfig.from_dict(cfg.model.to_dict())`.
+ml-collections ConfigDict in `experiments/` with `composer_jax.configs.from_dict(ModelConfig, cfg.model)`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +40,7 @@ class ModelConfig:
   rope_interleave: bool = True            # DeepSeek's rope layout: rotate pairs (x0, x1), (x2, x3), ... (HF default)
   max_position_embeddings: int = 4096
   attention_impl: str = "dense"           # "dense" | "ring" | "allgather": the last two shard the sequence on the
-                                          # mesh's `context` axis (parallel/context.py; needs `jax.set_mesh`)
+                                          # mesh's `context` axis (model/context_parallel.py; needs `jax.set_mesh`)
   rms_norm_eps: float = 1e-6
   # MoE
   n_routed_experts: int = 8
@@ -54,7 +53,8 @@ class ModelConfig:
   first_k_dense_replace: int = 1
   moe_layer_freq: int = 1
   seq_aux_loss_coef: float = 0.0          # sequence-level balance loss weight (0: aux-loss-free only)
-  moe_impl: str = "ragged"                # "dense" | "ragged" | "capacity" | "ep_capacity" | "ep_ragged" (EP: a mesh)
+  moe_impl: str = "auto"                  # a name in model.moe.MOE_IMPLS: "dense" | "ragged" | "capacity" |
+                                          # "ep_capacity" | "ep_ragged" (EP: a mesh), or "auto" (by platform)
   capacity_factor: float = 1.25           # for moe_impl="capacity" / "ep_capacity"
   moe_matmul: str = "bf16"                # ragged expert matmuls: "bf16" (compute dtype) | "mxfp8" | "nvfp4"
   moe_scale: str = "per_token"            # NVFP4 second-level scale: "per_token" | "per_tensor"
@@ -65,25 +65,9 @@ class ModelConfig:
   initializer_range: float = 0.02
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  scan_layers: bool = True                # lax.scan over stacked identical layers (short compiles)
+  scan_layers: bool | None = None         # lax.scan over each stack of identical layers (True), a Python loop
+                                          # (False), or None: by platform (`transformer.scans_layers`)
   remat: bool = False
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-    """Builds from a plain dict (e.g. `cfg.model.to_dict()`); unknown keys are an error naming them."""
-    d = dict(d)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"Unknown ModelConfig field(s) {unknown}; valid fields: {sorted(names)}")
-    if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
-      rs = dict(d["rope_scaling"])
-      rs_names = {f.name for f in dataclasses.fields(RopeScaling)}
-      bad = sorted(set(rs) - rs_names)
-      if bad:
-        raise ValueError(f"Unknown rope_scaling field(s) {bad}; valid fields: {sorted(rs_names)}")
-      d["rope_scaling"] = RopeScaling(**rs)
-    return cls(**d)
 
   @property
   def qk_head_dim(self) -> int:

@@ -1,6 +1,6 @@
 """The one description of the parameters: an `ArrayInfo` per leaf; init, shardings and counts derive from it.
 
-Layout (nested dicts; `Ld` dense layers and `Lm` MoE layers are each stacked on a leading `layers` axis, `N` MTP
+Layout (nested dicts; `Ld` dense layers and `Lm` MoE layers are each stacked on a leading `layers` axis, `Nm` MTP
 modules on a leading `mtp` axis):
   embed [V, D]; final_norm [D]; lm_head [D, V]
   dense_layers / moe_layers / mtp.block: attn_norm [D], mlp_norm [D], attn {...}, mlp {...} (dense) | moe {...}
@@ -17,32 +17,43 @@ Rq q_lora_rank, Rkv kv_lora_rank, F dense ffw, Fe expert ffw, E routed experts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.model.moe import check_moe_impl
 from composer_jax.parallel.mesh import make_mesh
 from composer_jax.parallel.rules import ShardingRules, logical_to_sharding
 
-Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+@dataclasses.dataclass(frozen=True)
+class Normal:
+  """N(0, std²) weights. A dataclass, not a closure, so `init` can draw every normal leaf in one random op."""
+  std: float
+
+  def __call__(self, key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    return (self.std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _normal(std: float) -> Initializer:
-  return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+@dataclasses.dataclass(frozen=True)
+class Constant:
+  """A constant fill (norm scales 1, router biases 0); draws nothing."""
+  value: float
+
+  def __call__(self, key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:
+    del key
+    return jnp.full(shape, self.value, dtype)
 
 
-def _ones(key, shape, dtype):
-  del key
-  return jnp.ones(shape, dtype)
-
-
-def _zeros(key, shape, dtype):
-  del key
-  return jnp.zeros(shape, dtype)
+Initializer = Normal | Constant
+ONES, ZEROS = Constant(1.0), Constant(0.0)
+# Most elements one random draw may produce in `init`: leaves are packed into draws up to this size, so the extra
+# float32 buffer stays bounded (256 MiB) even if a backend does not shard the draw like the leaves it feeds.
+MAX_DRAW = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +92,13 @@ def validate_config(cfg: ModelConfig) -> None:
                      f"{cfg.topk_group} groups")
   if cfg.qk_rope_head_dim % 2:
     raise ValueError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even")
-  if cfg.moe_impl not in ("dense", "ragged", "capacity", "ep_capacity", "ep_ragged"):
-    raise ValueError(f"moe_impl={cfg.moe_impl!r}; valid: 'dense', 'ragged', 'capacity', 'ep_capacity', 'ep_ragged'")
+  check_moe_impl(cfg.moe_impl)
   if cfg.moe_matmul not in ("bf16", "mxfp8", "nvfp4") or cfg.moe_scale not in ("per_token", "per_tensor"):
     raise ValueError(f"moe_matmul={cfg.moe_matmul!r} (valid: 'bf16', 'mxfp8', 'nvfp4'), moe_scale={cfg.moe_scale!r} "
                      "(valid: 'per_token', 'per_tensor')")
-  if cfg.moe_matmul != "bf16" and cfg.moe_impl not in ("ragged", "ep_ragged"):
-    raise ValueError(f"moe_matmul={cfg.moe_matmul!r} needs moe_impl='ragged' or 'ep_ragged' (grouped matmuls), got "
+  if cfg.moe_matmul != "bf16" and cfg.moe_impl not in ("auto", "ragged", "ep_ragged"):
+    raise ValueError(f"moe_matmul={cfg.moe_matmul!r} needs moe_impl='ragged', 'ep_ragged' or 'auto' (grouped "
+                     "matmuls), got "
                      f"{cfg.moe_impl!r}")
   if cfg.num_nextn_predict_layers and cfg.first_k_dense_replace == cfg.num_hidden_layers and cfg.n_routed_experts < 1:
     raise ValueError("MTP modules use a MoE block and need n_routed_experts >= 1")
@@ -98,35 +109,35 @@ def _attn_specs(cfg: ModelConfig, dt) -> dict[str, ArrayInfo]:
   std = cfg.initializer_range
   p = {}
   if cfg.q_lora_rank is None:
-    p["q"] = ArrayInfo((D, H, Q), dt, ("embed", "heads", "head_dim"), _normal(std))
+    p["q"] = ArrayInfo((D, H, Q), dt, ("embed", "heads", "head_dim"), Normal(std))
   else:
-    p["q_a"] = ArrayInfo((D, cfg.q_lora_rank), dt, ("embed", "q_lora"), _normal(std))
-    p["q_a_norm"] = ArrayInfo((cfg.q_lora_rank,), dt, ("norm",), _ones)
-    p["q_b"] = ArrayInfo((cfg.q_lora_rank, H, Q), dt, ("q_lora", "heads", "head_dim"), _normal(std))
-  p["kv_a"] = ArrayInfo((D, cfg.kv_lora_rank), dt, ("embed", "kv_lora"), _normal(std))
-  p["k_rope"] = ArrayInfo((D, cfg.qk_rope_head_dim), dt, ("embed", "qk_rope"), _normal(std))
-  p["kv_a_norm"] = ArrayInfo((cfg.kv_lora_rank,), dt, ("norm",), _ones)
-  p["k_b"] = ArrayInfo((cfg.kv_lora_rank, H, cfg.qk_nope_head_dim), dt, ("kv_lora", "heads", "head_dim"), _normal(std))
-  p["v_b"] = ArrayInfo((cfg.kv_lora_rank, H, cfg.v_head_dim), dt, ("kv_lora", "heads", "head_dim"), _normal(std))
-  p["o"] = ArrayInfo((H, cfg.v_head_dim, D), dt, ("heads", "head_dim", "embed"), _normal(std))
+    p["q_a"] = ArrayInfo((D, cfg.q_lora_rank), dt, ("embed", "q_lora"), Normal(std))
+    p["q_a_norm"] = ArrayInfo((cfg.q_lora_rank,), dt, ("norm",), ONES)
+    p["q_b"] = ArrayInfo((cfg.q_lora_rank, H, Q), dt, ("q_lora", "heads", "head_dim"), Normal(std))
+  p["kv_a"] = ArrayInfo((D, cfg.kv_lora_rank), dt, ("embed", "kv_lora"), Normal(std))
+  p["k_rope"] = ArrayInfo((D, cfg.qk_rope_head_dim), dt, ("embed", "qk_rope"), Normal(std))
+  p["kv_a_norm"] = ArrayInfo((cfg.kv_lora_rank,), dt, ("norm",), ONES)
+  p["k_b"] = ArrayInfo((cfg.kv_lora_rank, H, cfg.qk_nope_head_dim), dt, ("kv_lora", "heads", "head_dim"), Normal(std))
+  p["v_b"] = ArrayInfo((cfg.kv_lora_rank, H, cfg.v_head_dim), dt, ("kv_lora", "heads", "head_dim"), Normal(std))
+  p["o"] = ArrayInfo((H, cfg.v_head_dim, D), dt, ("heads", "head_dim", "embed"), Normal(std))
   return p
 
 
 def _mlp_specs(D: int, F: int, dt, std: float, ffw_axis: str) -> dict[str, ArrayInfo]:
-  return {"gate": ArrayInfo((D, F), dt, ("embed", ffw_axis), _normal(std)),
-          "up": ArrayInfo((D, F), dt, ("embed", ffw_axis), _normal(std)),
-          "down": ArrayInfo((F, D), dt, (ffw_axis, "embed"), _normal(std))}
+  return {"gate": ArrayInfo((D, F), dt, ("embed", ffw_axis), Normal(std)),
+          "up": ArrayInfo((D, F), dt, ("embed", ffw_axis), Normal(std)),
+          "down": ArrayInfo((F, D), dt, (ffw_axis, "embed"), Normal(std))}
 
 
 def _moe_specs(cfg: ModelConfig, dt) -> dict[str, Any]:
   D, E, Fe, std = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.initializer_range
   p = {
       # The router stays float32 (as in HF: `_keep_in_fp32_modules_strict`): selection is sensitive to rounding.
-      "router": ArrayInfo((D, E), jnp.float32, ("embed", "router_experts"), _normal(std)),
-      "bias": ArrayInfo((E,), jnp.float32, ("router_experts",), _zeros),
-      "gate": ArrayInfo((E, D, Fe), dt, ("experts", "expert_embed", "expert_ffw"), _normal(std)),
-      "up": ArrayInfo((E, D, Fe), dt, ("experts", "expert_embed", "expert_ffw"), _normal(std)),
-      "down": ArrayInfo((E, Fe, D), dt, ("experts", "expert_ffw", "expert_embed"), _normal(std)),
+      "router": ArrayInfo((D, E), jnp.float32, ("embed", "router_experts"), Normal(std)),
+      "bias": ArrayInfo((E,), jnp.float32, ("router_experts",), ZEROS),
+      "gate": ArrayInfo((E, D, Fe), dt, ("experts", "expert_embed", "expert_ffw"), Normal(std)),
+      "up": ArrayInfo((E, D, Fe), dt, ("experts", "expert_embed", "expert_ffw"), Normal(std)),
+      "down": ArrayInfo((E, Fe, D), dt, ("experts", "expert_ffw", "expert_embed"), Normal(std)),
   }
   if cfg.n_shared_experts:
     p["shared"] = _mlp_specs(D, cfg.n_shared_experts * Fe, dt, std, "shared_ffw")
@@ -135,9 +146,9 @@ def _moe_specs(cfg: ModelConfig, dt) -> dict[str, Any]:
 
 def _block_specs(cfg: ModelConfig, dt, moe: bool) -> dict[str, Any]:
   D = cfg.hidden_size
-  p = {"attn_norm": ArrayInfo((D,), dt, ("norm",), _ones),
+  p = {"attn_norm": ArrayInfo((D,), dt, ("norm",), ONES),
        "attn": _attn_specs(cfg, dt),
-       "mlp_norm": ArrayInfo((D,), dt, ("norm",), _ones)}
+       "mlp_norm": ArrayInfo((D,), dt, ("norm",), ONES)}
   if moe:
     p["moe"] = _moe_specs(cfg, dt)
   else:
@@ -157,20 +168,20 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
   D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
   n_dense = cfg.first_k_dense_replace
   n_moe = cfg.num_hidden_layers - n_dense
-  p: dict[str, Any] = {"embed": ArrayInfo((V, D), dt, ("vocab", "embed"), _normal(std))}
+  p: dict[str, Any] = {"embed": ArrayInfo((V, D), dt, ("vocab", "embed"), Normal(std))}
   if n_dense:
     p["dense_layers"] = _stack(_block_specs(cfg, dt, moe=False), n_dense, "layers")
   if n_moe:
     p["moe_layers"] = _stack(_block_specs(cfg, dt, moe=True), n_moe, "layers")
-  p["final_norm"] = ArrayInfo((D,), dt, ("norm",), _ones)
+  p["final_norm"] = ArrayInfo((D,), dt, ("norm",), ONES)
   if not cfg.tie_word_embeddings:
-    p["lm_head"] = ArrayInfo((D, V), dt, ("embed", "vocab"), _normal(std))
+    p["lm_head"] = ArrayInfo((D, V), dt, ("embed", "vocab"), Normal(std))
   if cfg.num_nextn_predict_layers:
-    mtp = {"enorm": ArrayInfo((D,), dt, ("norm",), _ones),
-           "hnorm": ArrayInfo((D,), dt, ("norm",), _ones),
-           "eh_proj": ArrayInfo((2 * D, D), dt, ("concat_embed", "embed"), _normal(std)),
+    mtp = {"enorm": ArrayInfo((D,), dt, ("norm",), ONES),
+           "hnorm": ArrayInfo((D,), dt, ("norm",), ONES),
+           "eh_proj": ArrayInfo((2 * D, D), dt, ("concat_embed", "embed"), Normal(std)),
            "block": _block_specs(cfg, dt, moe=True),
-           "norm": ArrayInfo((D,), dt, ("norm",), _ones)}
+           "norm": ArrayInfo((D,), dt, ("norm",), ONES)}
     p["mtp"] = _stack(mtp, cfg.num_nextn_predict_layers, "mtp")
   return p
 
@@ -195,14 +206,47 @@ def init(key: jax.Array, cfg: ModelConfig, mesh=None, rules: ShardingRules | Non
   Returns:
     The params pytree (nested dicts of arrays).
   """
-  specs = param_specs(cfg)
-  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_info)
+  return jax.jit(functools.partial(init_values, cfg=cfg), out_shardings=shardings(cfg, mesh, rules))(key)
 
-  def _init(key):
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef, [a.initializer(k, a.shape, a.dtype) for k, a in zip(keys, leaves)])
 
-  return jax.jit(_init, out_shardings=shardings(cfg, mesh, rules))(key)
+def _draw_groups(leaves: list[ArrayInfo]) -> list[list[int]]:
+  """Indices of the normal leaves, packed in order into groups of at most MAX_DRAW elements (a bigger leaf alone)."""
+  groups: list[list[int]] = []
+  size = MAX_DRAW
+  for i, a in enumerate(leaves):
+    if not isinstance(a.initializer, Normal):
+      continue
+    n = math.prod(a.shape)
+    if size + n > MAX_DRAW:
+      groups.append([])
+      size = 0
+    groups[-1].append(i)
+    size += n
+  return groups
+
+
+def init_values(key: jax.Array, cfg: ModelConfig) -> dict[str, Any]:
+  """The params `init` returns, unjitted and unsharded (call it inside your own jit).
+
+  All normal leaves come from one standard-normal draw (per MAX_DRAW elements), sliced and scaled per leaf: XLA
+  compiles each random op separately, and one threefry per leaf (53 leaves) made the colab config's init compile
+  in 10-36 s; one draw compiles in ~2.7 s.
+  """
+  leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_info)
+  out: list[jax.Array | None] = [None] * len(leaves)
+  groups = _draw_groups(leaves)
+  for k, group in zip(jax.random.split(key, max(len(groups), 1)), groups):
+    z = jax.random.normal(k, (sum(math.prod(leaves[i].shape) for i in group),), jnp.float32)
+    offset = 0
+    for i in group:
+      a = leaves[i]
+      n = math.prod(a.shape)
+      out[i] = (a.initializer.std * z[offset:offset + n].reshape(a.shape)).astype(a.dtype)
+      offset += n
+  for i, a in enumerate(leaves):
+    if out[i] is None:
+      out[i] = a.initializer(None, a.shape, a.dtype)
+  return jax.tree.unflatten(treedef, out)
 
 
 def abstract_params(cfg: ModelConfig):

@@ -22,7 +22,7 @@ def make_mesh(axis_sizes: dict[str, int] | None = None, devices=None) -> Mesh:
     devices: the devices to use (default `jax.devices()`).
 
   Returns:
-    A `Mesh` with `AxisType.Auto` axes, so jitted code may take unsharded inputs (FACTS.md: `jax.make_mesh`'s
+    A `Mesh` with `AxisType.Auto` axes, so jitted code may take unsharded inputs (`jax.make_mesh`'s
     default `Explicit` axes demand pre-sharded inputs).
   """
   devices = list(jax.devices() if devices is None else devices)

@@ -22,9 +22,6 @@ class ShardingRules:
   # activations
   batch: MeshAxes = "data"
   seq: MeshAxes = "context"
-  act_embed: MeshAxes = None
-  act_heads: MeshAxes = "tensor"
-  act_vocab: MeshAxes = "tensor"
   # weights
   embed: MeshAxes = "data"
   vocab: MeshAxes = "tensor"

@@ -14,9 +14,9 @@ One row per segment (context window) of a trajectory, right-padded to L; groups 
   traj_gen_tokens f32 [B]  generated tokens of the whole trajectory (for the length metric; counted on `first`)
 
 Routing convention: `routing[:, i, p]` are the experts the engine used when token p was *input* at position p
-(what `model.forward(routing=...)` replays, and SGLang's `routed_experts` layout). Positions the engine did not
-report (e.g. prompt or tool-output tokens when only decode routing is logged) are −1; the RL step fills them with
-the trainer's own routing.
+(what `model.hidden_states(routing=...)` replays, and SGLang's `routed_experts` layout). Engines that report prefill
+routing fill the prompt and tool-output positions too; positions never recorded are −1, and the RL step fills the
+ones a trained token depends on with the trainer's own routing (`rl.step.replay_routing`).
 """
 from __future__ import annotations
 

@@ -1,67 +1,111 @@
-"""The frozen configuration of one RL run (built once from the ConfigDict in `experiments/configs/rl.py`)."""
+"""The frozen configuration of one RL run, nested as `experiments/configs/rl.py` is (`composer_jax.configs.from_dict`).
+
+  RunConfig
+    model      ModelConfig                    the policy's shape
+    tasks      rollout.tasks.registry.SetSpec the training task source (split "train"); held-out = its "heldout" side
+    tokenizer  TokenizerConfig                the BPE fitted to training tasks (unless `sft.init_checkpoint` has one)
+    harness    rollout.harness.HarnessConfig  the agent loop the policy runs in (prompt, budgets, rewards)
+    sft        SFTConfig                      the warm start
+    train      TrainerConfig                  trainer: steps, groups per step, checkpoints, optimizer
+    rl         rl.step.RLConfig               what one RL step computes: loss (k1 KL, IS), router replay
+    rollout    RolloutConfig                  who generates: sync/async, engine, workers, staleness, publishing
+    eval       EvalConfig                     held-out evaluation and the SFT control
+"""
 from __future__ import annotations
 
 import dataclasses
 
 from composer_jax.model.config import ModelConfig
 from composer_jax.rl.step import RLConfig
+from composer_jax.train.config import OptimConfig
+from composer_jax.train.tokenizer import TokenizerConfig
+from rollout.harness import HarnessConfig
+from rollout.tasks.registry import SetSpec
 
 MODES = ("sync", "async")
-ENGINES = ("jax", "sglang")   # embedded JAX engine in each worker; or a trainer-owned SGLang fleet (`rl/fleet.py`)
+# The engine registry: name -> rollout mode -> the publisher (`rl/publishers.py`) that keeps its weights current.
+ENGINES = {"jax": {"sync": "in_place", "async": "files"},       # the embedded JAX engine (composer_jax.sampling)
+           "sglang": {"sync": "fleet", "async": "fleet"}}       # a trainer-owned SGLang fleet (`rl/fleet.py`)
 STALENESS_POLICIES = ("drop", "keep")
 
 
+def _positive(obj, *names: str) -> None:
+  for name in names:
+    if getattr(obj, name) < 1:
+      raise ValueError(f"{type(obj).__name__}.{name} must be >= 1, got {getattr(obj, name)}")
+
+
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """Everything an RL run (trainer + workers) needs; pickled into the workdir so workers read the same one."""
-  model: ModelConfig
-  workdir: str
-  mode: str = "async"               # 'sync': generate → train in one process, staleness 0; 'async': worker processes
-  engine: str = "jax"
-  sglang_servers: int = 1           # engine='sglang': servers in the fleet (the trainer starts and updates them)
-  sglang_device: str = "cpu"        # 'cuda' on GPU machines
-  sglang_python: str = ""           # interpreter with sglang installed ('' = this one)
+class SFTConfig:
+  """The warm start: SFT on oracle transcripts, from random init or from `init_checkpoint`."""
+  steps: int = 300
+  tasks: int = 1024
+  batch: int = 16
+  seq_len: int = 256                # packed SFT rows; attention is most of a CPU step, so shorter rows are cheaper
+  learning_rate: float = 3e-3
+  demo_accuracy: float = 1.0        # share of SFT demonstrations with the right fix; the rest are near misses
+  init_checkpoint: str = ""         # a finished pretraining/SFT stage: SFT (or with steps=0, RL) starts there
+
+  def __post_init__(self):
+    _positive(self, "batch", "seq_len")
+    if not 0.0 < self.demo_accuracy <= 1.0:
+      raise ValueError(f"sft.demo_accuracy must be in (0, 1], got {self.demo_accuracy}")
+    if self.steps < 0 or (self.steps == 0 and not self.init_checkpoint):
+      raise ValueError(f"sft.steps={self.steps}: RL needs a start — SFT steps >= 1, or 0 with an init_checkpoint")
+
+
+def _rl_optimizer() -> OptimConfig:
+  # Constant learning rate after one warm-up step, no weight decay (RL updates are small moves from the start).
+  return OptimConfig(learning_rate=3e-4, warmup_steps=1, decay_steps=1000, final_lr_fraction=1.0,
+                     weight_decay=0.0, grad_clip=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """The RL trainer: `steps` steps of `groups_per_step` whole groups each, checkpointed every `ckpt_every`."""
   steps: int = 60
   groups_per_step: int = 4          # prompts per RL step
+  ckpt_every: int = 10
+  optim: OptimConfig = dataclasses.field(default_factory=_rl_optimizer)
+
+  def __post_init__(self):
+    _positive(self, "steps", "groups_per_step", "ckpt_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangConfig:
+  """engine='sglang': the fleet the trainer starts and updates (`rl/fleet.py`)."""
+  servers: int = 1
+  device: str = "cpu"               # 'cuda' on GPU machines
+  python: str = ""                  # interpreter with sglang installed ('' = this one)
+
+  def __post_init__(self):
+    _positive(self, "servers")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Who generates the groups and how fresh they must be."""
+  mode: str = "async"               # 'sync': generate → train in one process, staleness 0; 'async': worker processes
+  engine: str = "jax"               # a name in `ENGINES`
+  workers: int = 1
   samples_per_prompt: int = 8       # G
   max_staleness: int = 2
   staleness_policy: str = "drop"
   publish_every: int = 1            # publish weights every N trainer steps
-  ckpt_every: int = 10
-  n_workers: int = 1
-  level: int = 1                    # procedural difficulty
-  pool_size: int = 4096             # training task pool (the workers' streams)
-  seed: int = 0
   backend: str = "sandbox"          # workspaces: 'sandbox' (bubblewrap) or 'local'
-  vocab_size: int = 512
-  context_budget: int = 320
-  max_turn_tokens: int = 48
-  observation_reserve: int = 128
-  max_turns: int = 4
-  temperature: float = 1.0
-  length_weight: float = 0.0        # λ of the length penalty C(x) (x = generated tokens)
-  length_q: float = 0.5             # q of C(x)
-  lint_weight: float = 0.0          # per new ruff finding; each graded episode then runs ruff in its sandbox
-  learning_rate: float = 3e-4
-  rl: RLConfig = RLConfig()
-  sft_steps: int = 300
-  sft_tasks: int = 1024
-  sft_batch: int = 16
-  sft_seq_len: int = 256            # packed SFT rows; attention is most of a CPU step, so shorter rows are cheaper
-  sft_lr: float = 3e-3
-  sft_demo_accuracy: float = 1.0    # share of SFT demonstrations with the right fix; the rest are near misses
-  init_checkpoint: str = ""         # a finished pretraining/SFT stage: SFT (or with sft_steps=0, RL) starts there
-  eval_tasks: int = 500
-  eval_every: int = 0               # held-out greedy eval every N steps in the trainer (0: only by rl_main at the end)
-  progress_bar: bool = True
+  sglang: SGLangConfig = SGLangConfig()
 
   def __post_init__(self):
     if self.mode not in MODES:
-      raise ValueError(f"mode {self.mode!r} not in {MODES}")
+      raise ValueError(f"rollout.mode {self.mode!r} not in {MODES}")
     if self.engine not in ENGINES:
-      raise ValueError(f"engine {self.engine!r} not in {ENGINES}")
+      raise ValueError(f"unknown rollout.engine {self.engine!r}; valid: {sorted(ENGINES)}")
+    if self.mode == "sync" and self.publish_every != 1:
+      raise ValueError(f"mode='sync' rolls out with the newest policy each step: publish_every must be 1, got "
+                       f"{self.publish_every}")
     if self.staleness_policy not in STALENESS_POLICIES:
-      raise ValueError(f"staleness_policy {self.staleness_policy!r} not in {STALENESS_POLICIES}")
+      raise ValueError(f"rollout.staleness_policy {self.staleness_policy!r} not in {STALENESS_POLICIES}")
     if self.mode == "sync" and self.max_staleness != 0:
       raise ValueError(f"mode='sync' trains on the policy that generated: set max_staleness=0 (got "
                        f"{self.max_staleness})")
@@ -69,22 +113,52 @@ class RunConfig:
       raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
-    for name in ("steps", "groups_per_step", "publish_every", "ckpt_every", "n_workers", "pool_size", "sft_batch",
-                 "sft_seq_len", "eval_tasks", "sglang_servers"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"RunConfig.{name} must be >= 1, got {getattr(self, name)}")
+    _positive(self, "workers", "publish_every")
     if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":
       raise ValueError(f"publish_every={self.publish_every} > max_staleness + 1 = {self.max_staleness + 1}: "
                        "every group would be dropped as stale before new weights arrive")
-    if self.context_budget <= self.max_turn_tokens + self.observation_reserve:
-      raise ValueError(f"context_budget={self.context_budget} must exceed max_turn_tokens + observation_reserve")
-    if self.sft_steps < 0 or (self.sft_steps == 0 and not self.init_checkpoint):
-      raise ValueError(f"sft_steps={self.sft_steps}: RL needs a start — SFT steps >= 1, or 0 with an init_checkpoint")
-    if not 0.0 < self.sft_demo_accuracy <= 1.0:
-      raise ValueError(f"sft_demo_accuracy must be in (0, 1], got {self.sft_demo_accuracy}")
-    if self.vocab_size > self.model.vocab_size:
-      raise ValueError(f"tokenizer vocab_size={self.vocab_size} exceeds the model's {self.model.vocab_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation after RL: `tasks` tasks at each temperature; `control`: also an equal-time SFT control;
+  `summaries_from_start`: also the RL policy with the SFT start writing its self-summaries."""
+  tasks: int = 500
+  temperatures: tuple[float, ...] = (0.0, 1.0)
+  control: bool = True
+  summaries_from_start: bool = False
+
+  def __post_init__(self):
+    _positive(self, "tasks")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything an RL run (trainer + workers) needs; pickled into the workdir so workers read the same one."""
+  model: ModelConfig
+  workdir: str
+  seed: int = 0
+  progress_bar: bool = True
+  tasks: SetSpec = SetSpec(kind="procedural", n=4096, seed=1, split="train")
+  tokenizer: TokenizerConfig = TokenizerConfig(vocab_size=512)
+  harness: HarnessConfig = HarnessConfig()
+  sft: SFTConfig = SFTConfig()
+  train: TrainerConfig = TrainerConfig()
+  rl: RLConfig = RLConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  eval: EvalConfig = EvalConfig()
+
+  def __post_init__(self):
+    if self.tasks.split != "train":
+      raise ValueError(f"tasks.split must be 'train' (RL trains on it; held-out tasks are its 'heldout' side), got "
+                       f"{self.tasks.split!r}")
+    if self.sft.demo_accuracy < 1.0 and self.tasks.kind != "procedural":
+      raise ValueError(f"sft.demo_accuracy < 1 makes near-miss demonstrations of procedural tasks; the "
+                       f"{self.tasks.kind!r} source has none (set it to 1.0)")
+    if self.tokenizer.vocab_size > self.model.vocab_size:
+      raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
+                       f"{self.model.vocab_size}")
 
   @property
   def batch_rows(self) -> int:
-    return self.groups_per_step * self.samples_per_prompt
+    return self.train.groups_per_step * self.rollout.samples_per_prompt

@@ -1,21 +1,42 @@
-"""Success rate of a policy on held-out tasks, with a Wilson 95% confidence interval."""
+"""Success rate of a policy on held-out tasks, through the one evaluation runner, with a Wilson 95% interval."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 from rollout import harness
 from rollout.engines.protocol import Engine, SamplingParams
+from rollout.evaluation import runner
 from rollout.evaluation.metrics import wilson
 
 
 def success_rate(engine: Engine, tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig,
-                 temperature: float, chunk: int = 64) -> dict[str, float]:
-  """Solve rate over `tasks` (one episode each) at `temperature` (0 = greedy), with its 95% CI."""
+                 temperature: float, out_dir: str, policy: str = "policy", chunk: int = 64) -> dict:
+  """Solve rate over `tasks` (one episode each) at `temperature` (0 = greedy), with its 95% CI and the mean
+  generated tokens per solved task; for tasks with a procedural `level`, the same figures per level (`levels`).
+
+  Episodes run through `rollout.evaluation.runner.run_policy` (batched chunks, per-task results in `out_dir`, so an
+  interrupted evaluation resumes there and a finished one is read back, not re-run).
+  """
   cfg = dataclasses.replace(hcfg, sampling=SamplingParams(temperature=temperature))
-  solved = 0
-  for i in range(0, len(tasks), chunk):
-    trajs = harness.run_episodes(engine, tokenizer, list(tasks[i:i + chunk]), envs, cfg)
-    solved += sum(int(t.metrics.get("solved", 0.0) > 0) for t in trajs)
-  lo, hi = wilson(solved, len(tasks))
-  return {"success": solved / len(tasks), "ci_low": lo, "ci_high": hi, "n": len(tasks)}
+  records = runner.run_policy(policy, engine, tokenizer, tasks, envs, cfg, out_dir,
+                              runner.RunConfig(samples=1, chunk_tasks=chunk), log=lambda s: None)
+  out = _figures([r["samples"][0] for r in records])
+  levels = [t.metadata.get("level") for t in tasks]
+  if any(lv is not None for lv in levels):  # a procedural mix: the same figures per level
+    out["levels"] = {str(lv): _figures([r["samples"][0] for r, l2 in zip(records, levels, strict=True) if l2 == lv])
+                     for lv in sorted({lv for lv in levels if lv is not None})}
+  return out
+
+
+def _figures(samples: Sequence[dict]) -> dict:
+  """Solve rate with its Wilson 95% CI, and the mean generated tokens per solved task (None if none solved)."""
+  won = [s for s in samples if s["solved"] > 0]
+  lo, hi = wilson(len(won), len(samples))
+  return {"success": len(won) / len(samples), "ci_low": lo, "ci_high": hi, "n": len(samples),
+          "tokens_per_solved": sum(s["output_tokens"] for s in won) / len(won) if won else None}
+
+
+def out_dir(workdir: str, policy: str, temperature: float) -> str:
+  return os.path.join(workdir, "eval", policy, f"T{temperature:g}")

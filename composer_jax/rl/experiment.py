@@ -1,8 +1,9 @@
 """The full experiment behind `experiments/rl_main.py`: warm start → RL → held-out evaluation (+ SFT control).
 
-Three policies are evaluated on the same held-out tasks, greedy and at T=1, with Wilson 95% CIs: the SFT start,
-the RL policy, and a control that spends RL's wall-clock on more SFT from the same start (so a gain is RL's, not
-more supervised training).
+Three policies are evaluated on the same held-out tasks, greedy and at T=1 (`eval.temperatures`), with Wilson 95%
+CIs: the SFT start, the RL policy, and a control that spends RL's wall-clock on more SFT from the same start (so a
+gain is RL's, not more supervised training); with `eval.summaries_from_start`, also the RL policy acting with the
+SFT start's self-summaries (does RL's summary training help, at the same context budget?).
 """
 from __future__ import annotations
 
@@ -12,65 +13,71 @@ import os
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import evaluate, loop, setup, warmstart
+from composer_jax.rl import evaluate, loop, publishers, setup, warmstart
 from composer_jax.rl.config import RunConfig
-from composer_jax.rl.worker import engine_config
 from composer_jax.sampling.engine import JaxEngine
-from composer_jax.train import stages
+from rollout import chat_format
+from rollout.engines import split
 
 
-def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs) -> dict:
-  """Greedy and T=1 success on `tasks`."""
-  eng = JaxEngine(params, cfg.model, dataclasses.replace(engine_config(cfg), min_batch_bucket=64, max_batch=64))
-  h = setup.harness_config(cfg)
-  return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, h, temperature=t) for t in (0.0, 1.0)}
+def _engine(cfg: RunConfig, params) -> JaxEngine:
+  return JaxEngine(params, cfg.model, dataclasses.replace(publishers.engine_config(cfg), min_batch_bucket=64,
+                                                          max_batch=64))
+
+
+def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str, summarizer_params=None) -> dict:
+  """Success of policy `name` on `tasks` at each of `eval.temperatures` (0 = greedy); results in workdir/eval.
+  With `summarizer_params`, those params write the self-summaries (`rollout.engines.split.SummariesFrom`)."""
+  eng = _engine(cfg, params)
+  if summarizer_params is not None:
+    eng = split.SummariesFrom(eng, _engine(cfg, summarizer_params), chat_format.special_id(tok, chat_format.SUMMARY))
+  return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, cfg.harness, t,
+                                           evaluate.out_dir(cfg.workdir, name, t), policy=name)
+          for t in cfg.eval.temperatures}
 
 
 def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> dict:
   """More SFT from the same start for about `seconds` of wall-clock (steps from the warm start's measured rate)."""
-  sft_dir = os.path.join(cfg.workdir, "sft")
-  rate_path = os.path.join(sft_dir, "sft_seconds_per_step.json")
-  with open(rate_path) as f:
+  with open(os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")) as f:
     s_per_step = json.load(f)["seconds_per_step"]
   steps = max(1, int(seconds / s_per_step))
-  train, dev = setup.sft_transcripts(cfg, tok, setup.train_pool(cfg))
   log_fn(f"SFT control: {steps} more steps (~{seconds:.0f} s at {s_per_step:.2f} s/step)")
-  params, _ = warmstart.run_sft(cfg.model, tok, train, dev, os.path.join(cfg.workdir, "sft_control"), steps=steps,
-                                seq_len=cfg.sft_seq_len, batch_size=cfg.sft_batch, learning_rate=cfg.sft_lr / 3,
-                                seed=cfg.seed + 1, init_params=start_params, log_fn=log_fn)
+  params, _ = warmstart.sft(cfg, tok, start_params, os.path.join(cfg.workdir, "sft_control"), steps=steps,
+                            learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
   return params
 
 
-def run_experiment(cfg: RunConfig, *, control: bool = True, log_fn: Callable[[str], None] = print) -> dict:
-  """Runs (or resumes) the RL job and evaluates SFT start, RL and (optionally) the SFT control; returns numbers."""
+def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
+  """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers."""
   t0 = time.perf_counter()
-  start = loop.warm_start(cfg, log_fn)
+  start = warmstart.warm_start(cfg, log_fn)
   t_sft = time.perf_counter() - t0
   sft_rate = os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")
-  if not os.path.exists(sft_rate) and cfg.sft_steps:
+  if not os.path.exists(sft_rate) and cfg.sft.steps:
     with open(sft_rate, "w") as f:
-      json.dump({"seconds_per_step": t_sft / max(cfg.sft_steps, 1)}, f)
+      json.dump({"seconds_per_step": t_sft / max(cfg.sft.steps, 1)}, f)
   t1 = time.perf_counter()
   out = loop.train_rl(cfg, log_fn)
   rl_seconds = time.perf_counter() - t1
   tok = setup.load_tokenizer(cfg)
   tasks = setup.heldout_tasks(cfg)
+  if not tasks:
+    raise ValueError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on (raise "
+                     "tasks.heldout_percent or use a bigger set)")
   envs = setup.make_envs(cfg)
   try:
-    result = {"sft": evaluate_policy(cfg, start, tok, tasks, envs),
-              "rl": evaluate_policy(cfg, out["params"], tok, tasks, envs)}
-    if control and cfg.sft_steps:
+    result = {"sft": evaluate_policy(cfg, start, tok, tasks, envs, "sft"),
+              "rl": evaluate_policy(cfg, out["params"], tok, tasks, envs, "rl")}
+    if cfg.eval.control and cfg.sft.steps:
       ctrl = sft_control(cfg, tok, start, rl_seconds, log_fn)
-      result["sft_control"] = evaluate_policy(cfg, ctrl, tok, tasks, envs)
+      result["sft_control"] = evaluate_policy(cfg, ctrl, tok, tasks, envs, "sft_control")
+    if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
+      result["rl_start_summaries"] = evaluate_policy(cfg, out["params"], tok, tasks, envs, "rl_start_summaries",
+                                                     summarizer_params=start)
   finally:
     envs.factory.close()
-  result.update(rl_seconds=rl_seconds, rl_steps=cfg.steps, eval_tasks=len(tasks),
+  result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, eval_tasks=len(tasks),
                 last={k: v for k, v in out["last"].items() if isinstance(v, float)})
   with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
     json.dump(result, f, indent=2)
   return result
-
-
-def load_start(cfg: RunConfig):
-  """The SFT start of a finished run (for notebooks)."""
-  return stages.load_params(os.path.join(cfg.workdir, "sft"), cfg.model)

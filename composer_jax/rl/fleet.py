@@ -1,4 +1,4 @@
-"""The SGLang rollout fleet of an RL run (`RunConfig.engine='sglang'`): the trainer owns the servers, workers attach.
+"""The SGLang rollout fleet of an RL run (`rollout.engine='sglang'`): the trainer owns the servers, workers attach.
 
 Weight sync: at every publish the trainer writes the policy as a Hugging Face checkpoint (`interop.hf.save`, in
 `workdir/hf/v<version>`) and the fleet loads it with `/update_weights_from_disk`, one server at a time so the others
@@ -31,10 +31,11 @@ KEEP_CHECKPOINTS = 2   # the served one and the one before (a server still loadi
 
 def server_config(cfg: RunConfig, model_path: str, version: int) -> ServerConfig:
   """One server of the run's fleet: float32 on CPU, routing logged for router replay, KV cache for a few groups."""
-  return ServerConfig(model_path=model_path, device=cfg.sglang_device, weight_version=version, random_seed=cfg.seed,
-                      max_total_tokens=max(4096, 2 * cfg.samples_per_prompt * cfg.context_budget),
-                      max_running_requests=max(8, 2 * cfg.samples_per_prompt),
-                      python=cfg.sglang_python or sys.executable)
+  r = cfg.rollout
+  return ServerConfig(model_path=model_path, device=r.sglang.device, weight_version=version, random_seed=cfg.seed,
+                      max_total_tokens=max(4096, 2 * r.samples_per_prompt * cfg.harness.context_budget),
+                      max_running_requests=max(8, 2 * r.samples_per_prompt),
+                      python=r.sglang.python or sys.executable)
 
 
 def _hf_dir(cfg: RunConfig) -> str:
@@ -90,22 +91,23 @@ def _write_state(workdir: str, state: dict) -> None:
 
 
 class FleetPublisher:
-  """Starts the fleet on the starting policy and pushes each published policy to it."""
+  """The `fleet` publisher: starts the fleet on the starting policy and pushes each published policy to it."""
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
-    python = cfg.sglang_python or sys.executable
+    python = cfg.rollout.sglang.python or sys.executable
     if python == sys.executable and importlib.util.find_spec("sglang") is None:
       raise RuntimeError("engine='sglang' needs SGLang in this interpreter (CPU: `bash "
                          "rollout/engines/install_sglang_cpu.sh .venv/bin/python`, or `make test` installs it), or "
-                         "sglang_python= pointing at one that has it")
+                         "rollout.sglang.python= pointing at one that has it")
     self.cfg = cfg
     _stop_orphans(cfg.workdir)
     shutil.rmtree(_hf_dir(cfg), ignore_errors=True)   # a killed trainer's exports: its servers are gone
     path = export(cfg, params, version)
     t0 = time.perf_counter()
-    self.fleet = SGLangFleet(FleetConfig(server_config(cfg, path, version), n_servers=cfg.sglang_servers),
+    self.fleet = SGLangFleet(FleetConfig(server_config(cfg, path, version), n_servers=cfg.rollout.sglang.servers),
                              log_dir=os.path.join(cfg.workdir, "sglang_logs"))
-    log_fn(f"SGLang fleet: {cfg.sglang_servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
+    self.engine = self.fleet   # what an in-process (sync) rollout source generates with
+    log_fn(f"SGLang fleet: {cfg.rollout.sglang.servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
            f"{[s.url for s in self.fleet.servers]}")
     self._write(version, path)
 
@@ -115,6 +117,8 @@ class FleetPublisher:
 
   def publish(self, params, version: int) -> float:
     """Exports `params` and loads them on every server as `version`; returns the seconds the servers took."""
+    if self.fleet.policy_version == version:
+      return 0.0
     path = export(self.cfg, params, version)
     seconds = self.fleet.update_weights(path, version)
     self._write(version, path)
@@ -123,6 +127,18 @@ class FleetPublisher:
 
   def close(self) -> None:
     self.fleet.close()
+
+  @staticmethod
+  def follow(cfg: RunConfig):
+    """A worker's client of the fleet; it follows the version the trainer last pushed (for its throttle)."""
+    from composer_jax.rl.publishers import Follower
+    engine = attach(cfg)
+
+    def version() -> int:
+      v = served_version(cfg.workdir)
+      return engine.policy_version if v is None else v
+
+    return Follower(engine, version)
 
 
 def served_version(workdir: str) -> int | None:

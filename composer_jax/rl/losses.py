@@ -1,6 +1,6 @@
 """Policy-gradient RL losses: group advantages, truncated importance weights, k1 KL to a reference policy.
 
-Letters: B rows (one row = one context segment of a trajectory), L length, V vocab.
+Letters: B rows (one row = one context segment of a trajectory), L length, D hidden, V vocab.
 
 Per generated token t of a row i (mask m_t = 1 only on model-generated tokens):
 
@@ -36,6 +36,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from composer_jax.model import head
+
 NORMALIZATIONS = ("tokens", "sequence", "constant")
 IMPORTANCE = ("truncate", "none")
 
@@ -60,17 +62,16 @@ class LossConfig:
       raise ValueError(f"need is_cap > 0 and kl_coef >= 0, got {self.is_cap=} {self.kl_coef=}")
 
 
-def token_logprobs(logits_BxLxV: jax.Array, tokens_BxL: jax.Array) -> jax.Array:
-  """log p(token_t | tokens_<t) aligned to token positions, [B, L]; position 0 (no context) is 0."""
-  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV[:, :-1].astype(jnp.float32), axis=-1)
-  lp = jnp.take_along_axis(logp_BxLxV, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
-  return jnp.pad(lp, ((0, 0), (1, 0)))
+def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, tokens_BxL: jax.Array, *, with_entropy: bool = False):
+  """log p(token_t | tokens_<t) aligned to token positions, [B, L]; position 0 (no context) is 0.
 
-
-def token_entropy(logits_BxLxV: jax.Array) -> jax.Array:
-  """Entropy of the distribution each token was drawn from, aligned like `token_logprobs`, [B, L]."""
-  logp = jax.nn.log_softmax(logits_BxLxV[:, :-1].astype(jnp.float32), axis=-1)
-  return jnp.pad(-jnp.sum(jnp.exp(logp) * logp, axis=-1), ((0, 0), (1, 0)))
+  Through the chunked head (`model.head.token_logprobs`, no [B, L, V] logits): `h_BxLxD` is the hidden after the
+  final norm (`model.hidden_states`), `w_DxV` the head (`model.lm_head`). With `with_entropy` also the entropy of
+  the distribution each token was drawn from, aligned the same way: (logp_BxL, entropy_BxL).
+  """
+  out = head.token_logprobs(h_BxLxD[:, :-1], w_DxV, tokens_BxL[:, 1:], with_entropy=with_entropy)
+  align = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (1, 0)))
+  return tuple(map(align, out)) if with_entropy else align(out)
 
 
 def group_advantages(reward_B: jax.Array, group_B: jax.Array, first_B: jax.Array, valid_B: jax.Array, *,

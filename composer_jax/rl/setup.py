@@ -1,62 +1,72 @@
-"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, harness."""
+"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, workspaces.
+
+Tasks come from the one task-source registry (`rollout.tasks.registry`): the training pool is `cfg.tasks` (its
+'train' side), held-out tasks are the same source's 'heldout' side. A pool of a finite source (mined, swe, file) is
+loaded once and frozen into the workdir (`tasks_<split>.json`), so worker processes and restarts train on exactly
+the tasks the trainer saw, and nothing is mined twice.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
-import random
 
-from composer_jax.rl import warmstart
+from composer_jax import configs
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import tokenizer as tokenizer_lib
-from rollout import harness
-from rollout.engines.protocol import SamplingParams
-from rollout.rewards import RewardConfig
-from rollout.tasks import procedural
+from rollout.tasks import registry
 from rollout.tasks.environment import EnvironmentCache
-from rollout.tools import ToolConfig
+from rollout.tasks.task import Task
 from rollout.workspace import make_factory
 
 
-def harness_config(cfg: RunConfig) -> harness.HarnessConfig:
-  return harness.HarnessConfig(
-      system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=cfg.context_budget,
-      max_turn_tokens=cfg.max_turn_tokens, observation_reserve=cfg.observation_reserve, max_turns=cfg.max_turns,
-      max_segments=1, summary_max_tokens=cfg.max_turn_tokens,
-      sampling=SamplingParams(temperature=cfg.temperature), tools=ToolConfig(max_output_chars=300), seed=cfg.seed,
-      rewards=RewardConfig(length_weight=cfg.length_weight, length_q=cfg.length_q,
-                           lint_weight=cfg.lint_weight))
+def heldout_spec(cfg: RunConfig, n: int | None = None) -> registry.SetSpec:
+  """The held-out side of the run's task source (procedural: another seed too; at most `n` or `eval.tasks`)."""
+  return dataclasses.replace(cfg.tasks, split="heldout", seed=cfg.tasks.seed + 1, n=n or cfg.eval.tasks)
 
 
-def train_pool(cfg: RunConfig) -> list:
-  return procedural.generate(cfg.pool_size, seed=cfg.seed + 1, split="train", level=cfg.level)
+def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
+  if spec.kind == "procedural":   # generated, cheap and deterministic
+    return registry.load_tasks(spec, None, log)
+  path = os.path.join(cfg.workdir, f"tasks_{spec.split}_{spec.n}.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      frozen = json.load(f)
+    now = json.loads(json.dumps(configs.to_dict(spec)))   # as JSON stores it (tuples become lists)
+    if frozen["spec"] != now:
+      diff = {k: (v, now.get(k)) for k, v in frozen["spec"].items() if now.get(k) != v}
+      raise ValueError(f"{path} froze the tasks of another task source {diff} (frozen, now): use a new workdir")
+    return [Task.from_dict(d) for d in frozen["tasks"]]
+  envs = make_envs(cfg)
+  try:
+    tasks = registry.load_tasks(spec, envs, log)
+  finally:
+    envs.factory.close()
+  os.makedirs(cfg.workdir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"spec": configs.to_dict(spec), "tasks": [t.to_dict() for t in tasks]}, f)
+  os.replace(path + ".tmp", path)
+  return tasks
 
 
-def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list:
-  return procedural.generate(n or cfg.eval_tasks, seed=cfg.seed + 2, split="heldout", level=cfg.level)
+def train_pool(cfg: RunConfig) -> list[Task]:
+  pool = _load(cfg, cfg.tasks)
+  if not pool:
+    raise ValueError(f"the {cfg.tasks.kind!r} task source has no training tasks ({cfg.tasks})")
+  return pool
+
+
+def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list[Task]:
+  return _load(cfg, heldout_spec(cfg, n))
 
 
 def make_envs(cfg: RunConfig) -> EnvironmentCache:
-  return EnvironmentCache(make_factory(cfg.backend))
+  return EnvironmentCache(make_factory(cfg.rollout.backend))
 
 
-def sft_tasks(cfg: RunConfig, pool: list) -> list:
-  """The SFT tasks: the end of the pool (the workers' streams start at its beginning), a `1 - sft_demo_accuracy`
-  share of them (chosen by seed) with near-miss demonstrations (`procedural.near_miss`)."""
-  rng = random.Random(f"near-miss/{cfg.seed}")
-  return [procedural.near_miss(t, rng) if rng.random() >= cfg.sft_demo_accuracy else t
-          for t in pool[-cfg.sft_tasks:]]
-
-
-def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
-  """Demonstration transcripts for SFT (`sft_tasks`) and 32 held-out dev transcripts (right fixes)."""
-  envs = make_envs(cfg)
-  try:
-    h = harness_config(cfg)
-    return (warmstart.oracle_transcripts(tok, sft_tasks(cfg, pool), envs, h),
-            warmstart.oracle_transcripts(tok, heldout_tasks(cfg, 32), envs, h))
-  finally:
-    envs.factory.close()
+def queue_url(cfg: RunConfig) -> str:
+  return f"file://{os.path.join(os.path.abspath(cfg.workdir), 'queue')}"
 
 
 def tokenizer_dir(cfg: RunConfig) -> str:
@@ -81,7 +91,3 @@ def load_run_config(workdir: str) -> RunConfig:
 
 def load_tokenizer(cfg: RunConfig):
   return tokenizer_lib.load_tokenizer(tokenizer_dir(cfg))
-
-
-def with_temperature(h: harness.HarnessConfig, t: float) -> harness.HarnessConfig:
-  return dataclasses.replace(h, sampling=SamplingParams(temperature=t))

@@ -9,7 +9,11 @@ Forward passes per step (router replay on, the default):
   2. unreplayed  π_θ with its own routing, no gradient                               → fills the positions the
      engine did not report, and gives the train-vs-inference gap *without* replay
   3. policy      π_θ with the replayed routing, differentiated                      → loss, gap *with* replay
-Pass 2 costs one forward (no backward) and runs only with replay on; without replay pass 3 *is* unreplayed.
+Pass 2 runs only with replay on, and only when it is needed (a `lax.cond`, so one compiled program): when some
+position that a trained token depends on has no recorded routing, or on the steps where its metric is due
+(`RLConfig.unreplayed_every`). Engines that report prompt routing too (the JAX engine, SGLang) leave nothing to
+fill, so most steps run two forwards and one backward; on the others `logprob_gap_no_replay` is NaN (not measured).
+Without replay pass 3 *is* unreplayed.
 
 Routing mismatch: at every MoE layer of pass 3, the trainer's own top-k (from its router scores and bias, given
 the replayed upstream) is compared as a set with the replayed experts, on positions the engine reported:
@@ -30,6 +34,8 @@ from jax.sharding import PartitionSpec as P
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.moe import select_experts
+from composer_jax.parallel import layout
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import losses
 from composer_jax.train import losses as lm_losses
 from composer_jax.train import step as train_step_lib
@@ -44,10 +50,14 @@ class RLConfig:
   ref_router_replay: bool = True    # the reference forward replays them too (same routing on both sides of k1)
   mtp_weight: float = 0.0           # > 0: keep training MTP heads by self-distillation on the rollout tokens
   bias_update_rate: float = 0.0     # aux-loss-free router-bias update from the (replayed) expert load
+  # Run the unreplayed forward (pass 2) for its `logprob_gap_no_replay` metric on every N-th step even when the
+  # engine recorded all the routing (0: only when some is missing). It costs one forward of the policy.
+  unreplayed_every: int = 10
 
   def __post_init__(self):
-    if self.mtp_weight < 0 or self.bias_update_rate < 0:
-      raise ValueError(f"need mtp_weight, bias_update_rate >= 0, got {self.mtp_weight=} {self.bias_update_rate=}")
+    if self.mtp_weight < 0 or self.bias_update_rate < 0 or self.unreplayed_every < 0:
+      raise ValueError(f"need mtp_weight, bias_update_rate, unreplayed_every >= 0, got {self.mtp_weight=} "
+                       f"{self.bias_update_rate=} {self.unreplayed_every=}")
 
 
 def own_routing(params: dict, router_scores_LmxBxLxE: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -71,17 +81,59 @@ def routing_mismatch(own_LmxBxLxK: jax.Array, replayed_LmxBxLxK: jax.Array, reco
   return per_layer.astype(jnp.float32), per_token.astype(jnp.float32)
 
 
-def _forward(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
-  return model.forward(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"],
-                       positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
+def _hidden(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
+  return model.hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"],
+                             positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
+
+
+def _frozen_logprobs(params, batch, cfg: ModelConfig, routing):
+  """Token logprobs of frozen `params` (no gradient) and the forward's aux."""
+  params = jax.lax.stop_gradient(params)
+  h, aux = _hidden(params, batch, cfg, routing)
+  return losses.token_logprobs(h, model.lm_head(params, cfg), batch["tokens"]), aux
 
 
 def _masked_mean(x, m):
   return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLConfig):
-  """The RL loss of `params` on `batch` and its metrics (see the module docstring for the passes)."""
+def routing_needed(batch: dict) -> jax.Array:
+  """[B, L] positions whose routing a trained token depends on: real tokens before each row's last generated one.
+
+  Causal attention: the logprob of the token at p is computed at p − 1 from positions ≤ p − 1, so routing after
+  the last generated token (an engine's never-fed final token, trailing tool output) changes no loss term.
+  """
+  L = batch["tokens"].shape[1]
+  idx_L = jnp.arange(L)
+  last_B = jnp.max(jnp.where(batch["gen_mask"] > 0, idx_L[None], -1), axis=1)
+  return (idx_L[None] < last_B[:, None]) & (batch["segment_ids"] > 0)
+
+
+def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed) -> tuple[jax.Array, jax.Array]:
+  """(routing to replay [Lm, B, L, K], `logprob_gap_no_replay` or NaN) — pass 2 of the module docstring.
+
+  The recorded experts are replayed where present; the rest take the policy's own choice from an unreplayed
+  forward, which runs only if a needed position is unrecorded or `measure_unreplayed` (a traced bool) is set.
+  Without it, unrecorded positions (none of them needed) take expert 0, a valid index that no loss term sees.
+  """
+  recorded = batch["routing"]
+  missing = jnp.any((recorded < 0) & routing_needed(batch)[None, ..., None])
+
+  def unreplayed(_):
+    logp, aux = _frozen_logprobs(params, batch, cfg, None)
+    gap = _masked_mean(jnp.abs(logp - batch["inf_logprobs"]), batch["gen_mask"])
+    return jnp.where(recorded >= 0, recorded, aux["experts"]), gap
+
+  def recorded_only(_):
+    return jnp.where(recorded >= 0, recorded, 0), jnp.full((), jnp.nan, jnp.float32)
+  return jax.lax.cond(missing | measure_unreplayed, unreplayed, recorded_only, None)
+
+
+def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLConfig, measure_unreplayed=True):
+  """The RL loss of `params` on `batch` and its metrics (see the module docstring for the passes).
+
+  `measure_unreplayed` (bool, may be traced): run pass 2 for its metric even when no routing is missing.
+  """
   cfg_no_mtp = dataclasses.replace(model_cfg, num_nextn_predict_layers=0)
   fwd_cfg = model_cfg if rl_cfg.mtp_weight > 0 else cfg_no_mtp
   tokens, mask = batch["tokens"], batch["gen_mask"]
@@ -92,16 +144,12 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
 
   replay = None
   if has_moe and rl_cfg.router_replay:
-    logits_own, aux_own = _forward(jax.lax.stop_gradient(params), batch, cfg_no_mtp, None)
-    lp_own = losses.token_logprobs(logits_own, tokens)
-    metrics["logprob_gap_no_replay"] = _masked_mean(jnp.abs(lp_own - batch["inf_logprobs"]), mask)
-    replay = jnp.where(recorded >= 0, recorded, aux_own["experts"])
+    replay, metrics["logprob_gap_no_replay"] = replay_routing(params, batch, cfg_no_mtp, measure_unreplayed)
 
-  logits, aux = _forward(params, batch, fwd_cfg, replay, detach_mtp=True)
-  logp = losses.token_logprobs(logits, tokens)
-  ref_routing = replay if rl_cfg.ref_router_replay else None
-  ref_logits, _ = _forward(jax.lax.stop_gradient(ref_params), batch, cfg_no_mtp, ref_routing)
-  ref_logp = losses.token_logprobs(ref_logits, tokens)
+  h, aux = _hidden(params, batch, fwd_cfg, replay, detach_mtp=True)
+  w = model.lm_head(params, model_cfg)
+  logp, entropy = losses.token_logprobs(h, w, tokens, with_entropy=True)
+  ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None)
 
   adv_B = losses.group_advantages(batch["reward"], batch["group"], batch["first"], batch["valid"],
                                   scale_by_std=rl_cfg.loss.adv_std, eps=rl_cfg.loss.adv_eps)
@@ -110,8 +158,8 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   metrics.update(loss_metrics)
   metrics["pg_loss"] = loss
   if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:
-    mtp, agree = lm_losses.mtp_losses(logits, aux["mtp_logits"], tokens, batch["segment_ids"],
-                                      valid_BxL.astype(jnp.float32), "self_distill")
+    mtp, agree = lm_losses.mtp_losses(h, aux["mtp_hidden"], w, model.lm_head(params, model_cfg, detach=True), tokens,
+                                      batch["segment_ids"], valid_BxL.astype(jnp.float32), "self_distill")
     loss = loss + rl_cfg.mtp_weight * jnp.mean(mtp)
     metrics.update(mtp_loss=jnp.mean(mtp), mtp_agreement=jnp.mean(agree))
 
@@ -124,7 +172,7 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
 
   first = batch["first"] * batch["valid"]
   n_traj = jnp.maximum(jnp.sum(first), 1.0)
-  metrics.update(loss=loss, entropy=_masked_mean(jax.lax.stop_gradient(losses.token_entropy(logits)), mask),
+  metrics.update(loss=loss, entropy=_masked_mean(jax.lax.stop_gradient(entropy), mask),
                  reward=jnp.sum(batch["reward"] * first) / n_traj, pass_rate=jnp.sum(batch["passed"] * first) / n_traj,
                  length=jnp.sum(batch["traj_gen_tokens"] * first) / n_traj, trajectories=jnp.sum(first),
                  advantage_abs_mean=jnp.sum(jnp.abs(adv_B) * first) / n_traj,
@@ -136,17 +184,18 @@ def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: Mode
             optimizer: optax.GradientTransformation) -> tuple[TrainState, dict]:
   """One optimizer step on one batch of whole groups; `ref_params` is frozen (no gradient, not updated)."""
   grad_fn = jax.value_and_grad(rl_loss_fn, has_aux=True)
-  (_, (metrics, aux)), grads = grad_fn(state.params, batch, ref_params, model_cfg=model_cfg, rl_cfg=rl_cfg)
+  every = rl_cfg.unreplayed_every
+  measure = (state.step % every == 0) if every else False
+  (_, (metrics, aux)), grads = grad_fn(state.params, batch, ref_params, model_cfg=model_cfg, rl_cfg=rl_cfg,
+                                       measure_unreplayed=measure)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  params = train_step_lib.update_router_bias(params, aux["expert_load"], rl_cfg.bias_update_rate)
-  norm = lambda t: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), t))
-  metrics.update(grad_norm=norm(grads), update_norm=norm(updates), param_norm=norm(params))
-  load = aux["expert_load"]
-  if load.shape[0]:   # per-layer max/mean tokens per expert, as the LM step logs it
-    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)
-    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng), metrics
+  loads = {"moe_layers": aux["expert_load"]}
+  if rl_cfg.mtp_weight > 0:   # the MTP blocks ran (on their own routing) only when they are trained
+    loads["mtp"] = aux["mtp_expert_load"]
+  params = train_step_lib.update_router_bias(params, loads, rl_cfg.bias_update_rate)
+  metrics.update(train_step_lib.update_metrics(grads, updates, params, aux["expert_load"]))
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shardings, batch_sharding,
@@ -161,15 +210,15 @@ def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shar
                  out_shardings=(state_shardings, None), donate_argnums=0)
 
 
-def batch_shardings(mesh, batch_axis: str | tuple[str, ...] | None = "data") -> dict:
-  """NamedShardings for `make_batch`'s fields, rows split over `batch_axis` (routing's row axis is axis 1)."""
-  ax = batch_axis if batch_axis is None or isinstance(batch_axis, str) else tuple(batch_axis)
-  if isinstance(ax, str) and ax not in mesh.axis_names:
-    ax = None
-  rows = ("tokens", "segment_ids", "positions", "gen_mask", "inf_logprobs", "reward", "passed", "group", "first",
-          "valid", "is_cap", "staleness", "traj_gen_tokens")
-  out = {k: NamedSharding(mesh, P(ax)) for k in rows}
-  out["routing"] = NamedSharding(mesh, P(None, ax))
+def batch_shardings(mesh, rules: ShardingRules | None = None) -> dict:
+  """NamedShardings for `make_batch`'s fields, laid out as the LM trainer's batch (`parallel.layout.batch_spec`):
+  rows over the `batch` mesh axes, length over the `seq` ones; routing [Lm, B, L, K] likewise on its B and L axes."""
+  rows_spec, seq_spec = layout.batch_spec(mesh, rules if rules is not None else ShardingRules())
+  per_token = ("tokens", "segment_ids", "positions", "gen_mask", "inf_logprobs")
+  per_row = ("reward", "passed", "group", "first", "valid", "is_cap", "staleness", "traj_gen_tokens")
+  out = {k: NamedSharding(mesh, P(rows_spec, seq_spec)) for k in per_token}
+  out |= {k: NamedSharding(mesh, P(rows_spec)) for k in per_row}
+  out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
   return out
 
 

@@ -1,16 +1,26 @@
-"""The RL starting point: a small tokenizer fitted to procedural training tasks, and SFT on oracle trajectories.
+"""The RL starting point: a small tokenizer fitted to training tasks, and SFT on oracle trajectories.
+
+`warm_start(cfg)` is the whole step: tokenizer in `workdir/tokenizer` (fitted, or the `sft.init_checkpoint`'s), then
+SFT from random init or from that checkpoint (`sft.steps=0`: the checkpoint as it is). The start is also RL's frozen
+KL reference.
 
 Oracle transcripts are produced by running the scripted oracle through the real harness (same prompts, tool
 results and chat format the policy will see), written as JSONL, and trained on with the LM trainer's SFT data path
-(loss on assistant tokens only). Held-out tasks never enter the tokenizer or the SFT data.
+(loss on assistant tokens only). A task's oracle is its scripted one (procedural tasks) or, where it has none
+(mined, SWE-style), "apply the gold patch" through the agent's own tools. Held-out tasks never enter the tokenizer
+or the SFT data.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
 from collections.abc import Callable, Sequence
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.rl import setup
+from composer_jax.rl.config import RunConfig
 from composer_jax.train import data as data_lib
 from composer_jax.train import loop as train_loop
 from composer_jax.train import stages
@@ -18,29 +28,45 @@ from composer_jax.train import tokenizer as tokenizer_lib
 from composer_jax.train.config import OptimConfig, TrainConfig
 from rollout import chat_format, harness
 from rollout.engines import scripted
+from rollout.evaluation import policies
+from rollout.tasks import procedural, registry
 
 
-def fit_tokenizer(tasks: Sequence, system_prompt: str, vocab_size: int):
-  """A BPE fitted to training-split project files, prompts and oracle transcripts."""
+def fit_tokenizer(tasks: Sequence, system_prompt: str, vocab_size: int | tokenizer_lib.TokenizerConfig):
+  """A BPE fitted to training-split project files, prompts and oracle transcripts (the one tokenizer fitting)."""
+  tasks = policies.with_oracle(tasks)
   texts = [f for t in tasks for f in t.environment.files.values()] + [system_prompt, harness.SUMMARY_PROMPT]
   texts += [t.prompt for t in tasks]
   texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in tasks]
-  return tokenizer_lib.train_tokenizer(texts, tokenizer_lib.TokenizerConfig(vocab_size=vocab_size))
+  cfg = vocab_size if isinstance(vocab_size, tokenizer_lib.TokenizerConfig) else tokenizer_lib.TokenizerConfig(
+      vocab_size=vocab_size)
+  return tokenizer_lib.train_tokenizer(texts, cfg)
+
+
+def fit_tokenizer_to_source(spec, envs, system_prompt: str, cfg: tokenizer_lib.TokenizerConfig, n: int, seed: int):
+  """`fit_tokenizer` on `n` tasks of the *train* side of `spec`'s source (never held-out tasks; procedural tasks
+  from generator seed `seed`), for baselines and demos that have no trained model's tokenizer."""
+  fit = dataclasses.replace(spec, split="train", n=n, seed=seed)
+  return fit_tokenizer(registry.load_tasks(fit, envs, log=lambda s: None), system_prompt, cfg)
 
 
 def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig) -> list[list[dict]]:
-  """The oracle's full transcripts through the harness.
+  """The oracle's transcripts through the harness (a task's own oracle, else its gold patch applied), one per
+  segment: a self-summarising chain gives one transcript per context (`harness.segment_transcripts`).
 
   Raises if the oracle fails a task (a broken grader); tasks marked `near_miss` carry a deliberately wrong
   demonstration and are not checked.
   """
-  trajs = harness.run_episodes(scripted.ScriptedEngine(tokenizer, scripted.oracle_policy(tasks)), tokenizer,
+  # Demonstrations are summary chains even for the drop-oldest ablation: the scripted oracle keeps its place through
+  # its summaries (dropped turns would lose it), and the ablation changes what RL and evaluation do, not the start.
+  hcfg = dataclasses.replace(hcfg, overflow="summarize")
+  trajs = harness.run_episodes(scripted.ScriptedEngine(tokenizer, policies.oracle_policy(tasks)), tokenizer,
                                list(tasks), envs, hcfg)
   bad = [t.task_id for t, task in zip(trajs, tasks, strict=True)
          if not t.metrics.get("solved") and not task.metadata.get("near_miss")]
   if bad:
     raise RuntimeError(f"the oracle failed {len(bad)} tasks (e.g. {bad[:3]}): check the sandbox/grader")
-  return [t.messages for t in trajs]
+  return [seg for t in trajs for seg in harness.segment_transcripts(t.messages)]
 
 
 def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:
@@ -69,3 +95,68 @@ def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequenc
                                   init_params=init_params, log_fn=log_fn)
   stages.export_params(workdir, params)
   return params, last
+
+
+def sft_tasks(cfg: RunConfig, pool: list) -> list:
+  """The SFT tasks: the end of the pool (the workers' streams start at its beginning), a `1 - sft.demo_accuracy`
+  share of them (chosen by seed) with near-miss demonstrations (`procedural.near_miss`)."""
+  rng = random.Random(f"near-miss/{cfg.seed}")
+  return [procedural.near_miss(t, rng) if rng.random() >= cfg.sft.demo_accuracy else t
+          for t in pool[-cfg.sft.tasks:]]
+
+
+def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
+  """Demonstration transcripts for SFT (`sft_tasks`) and up to 32 held-out dev transcripts (right fixes).
+
+  A small finite set may have no held-out side; then the dev loss is measured on two training demonstrations
+  (it only monitors SFT, and says so in the log).
+  """
+  envs = setup.make_envs(cfg)
+  try:
+    train = oracle_transcripts(tok, sft_tasks(cfg, pool), envs, cfg.harness)
+    dev_tasks = setup.heldout_tasks(cfg, 32)
+    if not dev_tasks:
+      print(f"(no held-out {cfg.tasks.kind} tasks: SFT dev loss on 2 training demonstrations)")
+      return train, train[:2]
+    return train, oracle_transcripts(tok, dev_tasks, envs, cfg.harness)
+  finally:
+    envs.factory.close()
+
+
+def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
+        log_fn: Callable[[str], None] = print):
+  """SFT of the run's model on its demonstrations (the warm start, and the equal-time SFT control)."""
+  train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg))
+  log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
+  return run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len,
+                 batch_size=cfg.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
+                 log_fn=log_fn)
+
+
+def _tokenizer(cfg: RunConfig):
+  """The run's tokenizer: already in the workdir, else the init checkpoint's, else fitted to training tasks."""
+  tok_dir = setup.tokenizer_dir(cfg)
+  if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+    return tokenizer_lib.load_tokenizer(tok_dir)
+  if cfg.sft.init_checkpoint:
+    tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.sft.init_checkpoint, "tokenizer"))
+  else:
+    pool = setup.train_pool(cfg)
+    tok = fit_tokenizer(pool[:max(cfg.sft.tasks, 256)], cfg.harness.system_prompt, cfg.tokenizer)
+  tokenizer_lib.save_tokenizer(tok, tok_dir)
+  return tok
+
+
+def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
+  """The starting params (resumable: a finished SFT in `workdir/sft` is loaded, not redone); see the docstring."""
+  tok = _tokenizer(cfg)
+  sft_dir = os.path.join(cfg.workdir, "sft")
+  if cfg.sft.steps and os.path.isdir(os.path.join(sft_dir, "params")):
+    return stages.load_params(sft_dir, cfg.model)
+  init_params = stages.load_params(cfg.sft.init_checkpoint, cfg.model) if cfg.sft.init_checkpoint else None
+  if not cfg.sft.steps:
+    return init_params
+  params, last = sft(cfg, tok, init_params, sft_dir, steps=cfg.sft.steps, learning_rate=cfg.sft.learning_rate,
+                     seed=cfg.seed, log_fn=log_fn)
+  log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
+  return params

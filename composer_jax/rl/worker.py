@@ -1,11 +1,10 @@
 """The rollout worker process: `python -m composer_jax.rl.worker <workdir> <worker_index>`.
 
-It reads the run's pickled `RunConfig`, waits for the first published weights, builds a `JaxEngine` on them and
-runs `rollout.workers.run_worker`, reloading weights whenever the trainer publishes a newer version. With
-`engine='sglang'` it attaches to the trainer's SGLang fleet instead (`rl/fleet.py`): the trainer pushes weights to
-the servers, and the worker only follows the served version (for its per-version throttle). It asks the
-kernel to SIGKILL it when its parent (the trainer) dies, so a killed trainer never leaves a second producer with
-the same id running beside the restarted one's workers.
+It reads the run's pickled `RunConfig`, gets its engine from the run's publisher registry (`publishers.follow`: a
+`JaxEngine` on the published weight files, reloading newer ones, or a client of the trainer's SGLang fleet) and runs
+`rollout.workers.run_worker`, throttled to what the trainer can use before it goes stale. It asks the kernel to
+SIGKILL it when its parent (the trainer) dies, so a killed trainer never leaves a second producer with the same id
+running beside the restarted one's workers.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 
 def _die_with_parent() -> None:
@@ -25,87 +25,52 @@ def _die_with_parent() -> None:
     pass   # not Linux/glibc: the trainer's supervisor still stops workers on a clean exit
 
 
-def engine_config(cfg):
-  from composer_jax.sampling.engine import EngineConfig
-  # Fixed buckets: one group per call, prompts padded to the context budget, turns to max_turn_tokens.
-  return EngineConfig(min_batch_bucket=cfg.samples_per_prompt, min_prompt_bucket=cfg.context_budget // 2,
-                      min_len_bucket=cfg.max_turn_tokens, seed=cfg.seed)
+def throttle(follower, per_version: int, stopping: Callable[[], bool]) -> Callable[[], None]:
+  """The worker's `refresh`: load newer weights, then allow at most `per_version` groups per policy version.
+
+  Without it a fast worker floods the queue with groups that are then dropped as stale; it waits (polling) until the
+  trainer publishes a newer version, or until the worker is told to stop.
+  """
+  made = {"version": follower.version(), "groups": 0}
+
+  def refresh() -> None:
+    while True:
+      follower.load_newer()
+      if made["version"] != follower.version():
+        made.update(version=follower.version(), groups=0)
+      if made["groups"] < per_version or stopping():
+        made["groups"] += 1
+        return
+      time.sleep(0.05)
+
+  return refresh
 
 
 def main(workdir: str, worker_index: int) -> None:
   ppid = os.getppid()
   _die_with_parent()
-  import jax
-
-  from composer_jax import model
-  from composer_jax.rl import publish, setup
-  from composer_jax.sampling.engine import JaxEngine
+  from composer_jax.compile_cache import enable_compilation_cache
+  enable_compilation_cache()   # the trainer's cache directory (exported to this process)
+  from composer_jax.rl import publishers, setup
   from rollout import workers
   from rollout.queue import QueueProducer
 
   cfg = setup.load_run_config(workdir)
-  tok = setup.load_tokenizer(cfg)
-  pool = setup.train_pool(cfg)
-  envs = setup.make_envs(cfg)
-  wdir = os.path.join(workdir, "weights")
-  if cfg.engine == "sglang":
-    # The trainer's fleet: it pushes new weights to the servers; each sample reports the version that made it.
-    from composer_jax.rl import fleet as fleet_lib
-    engine = fleet_lib.attach(cfg)
-
-    def current_version() -> int:
-      v = fleet_lib.served_version(workdir)
-      return engine.policy_version if v is None else v
-
-    def load_newer() -> None:
-      pass
-  else:
-    while publish.latest(wdir) is None:
-      time.sleep(0.2)
-    like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
-    version, path = publish.latest(wdir)
-    # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
-    dev = jax.devices()[0]
-    engine = JaxEngine(jax.device_put(publish.load(path, like), dev), cfg.model, engine_config(cfg),
-                       policy_version=version)
-
-    def current_version() -> int:
-      return engine.policy_version
-
-    def load_newer() -> None:
-      while (got := publish.latest(wdir)) is not None and got[0] > engine.policy_version:
-        try:
-          engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
-        except FileNotFoundError:
-          continue   # pruned between the pointer read and the load: a newer one is there
-
-  # Throttle: at most this many groups per policy version, i.e. what the trainer can use before they go stale.
-  # Without it a fast worker floods the queue with groups that are then dropped as stale.
-  per_version = max(1, math.ceil(cfg.groups_per_step * (cfg.max_staleness + 1) / cfg.n_workers))
-  made = {"version": current_version(), "groups": 0}
-  stop_file = os.path.join(workdir, "workers", "STOP")
-
-  def refresh() -> None:
-    while True:
-      load_newer()
-      if made["version"] != current_version():
-        made.update(version=current_version(), groups=0)
-      if made["groups"] < per_version or os.getppid() != ppid or os.path.exists(stop_file):
-        made["groups"] += 1
-        return
-      time.sleep(0.05)
-
-  wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=cfg.n_workers,
-                              samples_per_prompt=cfg.samples_per_prompt)
-  producer = QueueProducer(f"file://{os.path.join(os.path.abspath(workdir), 'queue')}", wcfg.producer_id)
   sdir = os.path.join(workdir, "workers")
+  stopping = lambda: os.getppid() != ppid or os.path.exists(os.path.join(sdir, "STOP"))
+  follower = publishers.follow(cfg)
+  r = cfg.rollout
+  per_version = max(1, math.ceil(cfg.train.groups_per_step * (r.max_staleness + 1) / r.workers))
+  wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=r.workers, samples_per_prompt=r.samples_per_prompt)
   os.makedirs(sdir, exist_ok=True)
   with open(os.path.join(sdir, f"{wcfg.producer_id}.pid"), "w") as f:
     f.write(str(os.getpid()))
+  envs = setup.make_envs(cfg)
   try:
-    workers.run_worker(engine, tok, pool, envs, setup.harness_config(cfg), producer, wcfg,
-                       os.path.join(sdir, f"{wcfg.producer_id}.json"), refresh=refresh,
-                       should_stop=lambda: os.getppid() != ppid or os.path.exists(os.path.join(sdir, "STOP")),
+    workers.run_worker(follower.engine, setup.load_tokenizer(cfg), setup.train_pool(cfg), envs, cfg.harness,
+                       QueueProducer(setup.queue_url(cfg), wcfg.producer_id), wcfg,
+                       os.path.join(sdir, f"{wcfg.producer_id}.json"),
+                       refresh=throttle(follower, per_version, stopping), should_stop=stopping,
                        log_fn=lambda s: print(s, flush=True))
   finally:
     envs.factory.close()

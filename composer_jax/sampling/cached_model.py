@@ -1,35 +1,38 @@
-"""The model run incrementally over an MLA KV cache that stores only the latent `c` and the shared rope key `kr`.
+"""The model run incrementally over an MLA KV cache: slot bookkeeping around the model's own layers.
 
-Per token and layer the cache holds C + R numbers (colab: 64 + 16) instead of H * (Q + Dv) for expanded keys and
-values (colab: 4 * (48 + 32) = 320): DeepSeek-V3's MLA memory saving. Decode attends in latent space ("absorbed"
-MLA: k_b folded into the query, v_b applied after the softmax), so keys/values are never expanded; prefill from an
-empty cache uses the model's own expanded path (`attention.attend`), exactly as the trainer's forward.
+The layers are the model's (`transformer.run_stack` / `mtp_block` with `cache=`, `attention.KVCache`); this file
+only lays out the cache, maps slots to positions and masks, and applies the final norms and the LM head. Per token
+and layer the cache holds C + R numbers (colab: 64 + 16) instead of H·(Q + Dv) for expanded keys and values
+(colab: 4·(48 + 32) = 320): DeepSeek-V3's MLA memory saving. Decode attends in latent space; prefill from an empty
+cache (`fresh`) uses the expanded path, exactly as the trainer's forward.
 
 Slots: row b's prompt is left-padded, `pad_B[b]` padding slots first; slot s holds RoPE position s - pad_B[b]. A
 query at slot q sees keys at slots pad_B[b] <= s <= q, so stale entries past a row's pointer (rejected drafts) are
 never read before being overwritten. Every row has its own write pointer `start_B` (speculative decoding accepts a
 different number of tokens per row).
 
-Letters: B batch, L new tokens, S cache slots, D hidden, V vocab, H heads, Qn nope head dim, R rope head dim,
-C kv_lora_rank, Dv value head dim, K experts per token, Lm MoE layers, N layers of a stack.
+Letters: B batch, L new tokens, S cache slots, D hidden, V vocab, C kv_lora_rank, R rope head dim, K experts per
+token, Lm MoE layers, Ls layers of a stack.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from composer_jax.model.attention import attend, expand_kv, latent_kv, queries
+from composer_jax.model.attention import KVCache, write_rows
 from composer_jax.model.config import ModelConfig
-from composer_jax.model.layers import mlp, rms_norm
-from composer_jax.model.moe import moe_block
-from composer_jax.model.rope import rope_cos_sin, softmax_scale
-from composer_jax.sampling.all_experts import moe_all_experts
+from composer_jax.model.head import lm_head, logits
+from composer_jax.model.layers import rms_norm
+from composer_jax.model.rope import rope_cos_sin
+from composer_jax.model.transformer import mtp_block, run_stack, take_layer
 
 STACKS = ("dense_layers", "moe_layers")
+__all__ = ["STACKS", "cache_mask", "forward_cached", "init_cache", "mtp_cached", "mtp_logits", "mtp_module",
+           "slot_info", "split_layers", "write_rows"]
 
 
 def init_cache(params: dict, cfg: ModelConfig, batch: int, slots: int) -> dict:
-  """Zeroed cache: for each layer stack (and `mtp`), c [N, B, S, C] and kr [N, B, S, R] in the compute dtype."""
+  """Zeroed cache: for each layer stack (and `mtp`), c [Ls, B, S, C] and kr [Ls, B, S, R] in the compute dtype."""
   dt = jnp.dtype(cfg.compute_dtype)
   cache = {}
   for name in (*STACKS, "mtp"):
@@ -38,13 +41,6 @@ def init_cache(params: dict, cfg: ModelConfig, batch: int, slots: int) -> dict:
       cache[name] = {"c": jnp.zeros((n, batch, slots, cfg.kv_lora_rank), dt),
                      "kr": jnp.zeros((n, batch, slots, cfg.qk_rope_head_dim), dt)}
   return cache
-
-
-def write_rows(buf_BxSx_: jax.Array, new_BxLx_: jax.Array, start_B: jax.Array) -> jax.Array:
-  """Writes new[b] into buf[b] at slot start_B[b] (per-row offsets)."""
-  def one(buf, new, s):
-    return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), s, axis=0)
-  return jax.vmap(one)(buf_BxSx_, new_BxLx_, start_B)
 
 
 def slot_info(start_B: jax.Array, pad_B: jax.Array, L: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -60,58 +56,8 @@ def cache_mask(slots_BxL: jax.Array, pad_B: jax.Array, S: int) -> jax.Array:
   return (s_S[None, None, :] <= slots_BxL[:, :, None]) & (s_S[None, None, :] >= pad_B[:, None, None])
 
 
-def attend_latent(p: dict, q_BxLxHxQ: jax.Array, c_BxSxC: jax.Array, kr_BxSxR: jax.Array, mask_BxLxS: jax.Array,
-                  cfg: ModelConfig) -> jax.Array:
-  """Absorbed MLA attention over cached latents → [B, L, H, Dv] (equal to expand_kv + attend)."""
-  dt = q_BxLxHxQ.dtype
-  q_nope, q_rope_BxLxHxR = q_BxLxHxQ[..., :cfg.qk_nope_head_dim], q_BxLxHxQ[..., cfg.qk_nope_head_dim:]
-  q_lat_BxLxHxC = jnp.einsum("blhn,chn->blhc", q_nope, p["k_b"].astype(dt))
-  logits_BxHxLxS = (jnp.einsum("blhc,bsc->bhls", q_lat_BxLxHxC, c_BxSxC, preferred_element_type=jnp.float32)
-                    + jnp.einsum("blhr,bsr->bhls", q_rope_BxLxHxR, kr_BxSxR, preferred_element_type=jnp.float32))
-  logits_BxHxLxS = jnp.where(mask_BxLxS[:, None], logits_BxHxLxS * softmax_scale(cfg), -jnp.inf)
-  probs = jax.nn.softmax(logits_BxHxLxS, axis=-1, where=mask_BxLxS[:, None])
-  probs = jnp.where(mask_BxLxS[:, None], probs, 0.0).astype(dt)
-  o_lat_BxLxHxC = jnp.einsum("bhls,bsc->blhc", probs, c_BxSxC)
-  return jnp.einsum("blhc,chv->blhv", o_lat_BxLxHxC, p["v_b"].astype(dt))
-
-
-def cached_attention(p: dict, x_BxLxD: jax.Array, rope, layer_cache: dict, start_B: jax.Array, pad_B: jax.Array,
-                     cfg: ModelConfig, fresh: bool) -> tuple[jax.Array, dict]:
-  """MLA over the cache plus L new tokens (written at start_B); `fresh`: the cache is empty and start_B == 0."""
-  cos, sin = rope
-  B, L, _ = x_BxLxD.shape
-  q_BxLxHxQ = queries(p, x_BxLxD, cos, sin, cfg)
-  c_BxLxC, kr_BxLxR = latent_kv(p, x_BxLxD, cos, sin, cfg)
-  new_cache = {"c": write_rows(layer_cache["c"], c_BxLxC, start_B),
-               "kr": write_rows(layer_cache["kr"], kr_BxLxR, start_B)}
-  slots_BxL, _, _ = slot_info(start_B, pad_B, L)
-  if fresh:
-    k_BxLxHxQ, v_BxLxHxDv = expand_kv(p, c_BxLxC, kr_BxLxR)
-    out = attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, cache_mask(slots_BxL, pad_B, L), softmax_scale(cfg))
-  else:
-    S = layer_cache["c"].shape[1]
-    out = attend_latent(p, q_BxLxHxQ, new_cache["c"], new_cache["kr"], cache_mask(slots_BxL, pad_B, S), cfg)
-  return jnp.einsum("blhv,hvd->bld", out, p["o"].astype(x_BxLxD.dtype)), new_cache
-
-
-def cached_block(p: dict, x_BxLxD: jax.Array, rope, layer_cache: dict, start_B, pad_B, valid_BxL, cfg: ModelConfig,
-                 fresh: bool):
-  """One decoder layer over the cache → (x, new layer cache, experts [B, L, K] or None)."""
-  a, new_cache = cached_attention(p["attn"], rms_norm(x_BxLxD, p["attn_norm"], cfg.rms_norm_eps), rope, layer_cache,
-                                  start_B, pad_B, cfg, fresh)
-  h = x_BxLxD + a
-  y = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-  if "moe" in p:
-    if not fresh and "gate_up" in p["moe"]:  # decode step with the all-experts layout (all_experts.py)
-      out, experts = moe_all_experts(p["moe"], y, cfg)
-      return h + out, new_cache, experts
-    out, aux = moe_block(p["moe"], y, valid_BxL, cfg)
-    return h + out, new_cache, aux["experts"]
-  return h + mlp(p["mlp"], y), new_cache, None
-
-
 def split_layers(tree: dict) -> dict:
-  """Params or cache with each layer stack (and `mtp`) as a tuple of per-layer trees instead of [N, ...] arrays.
+  """Params or cache with each layer stack (and `mtp`) as a tuple of per-layer trees instead of [Ls, ...] arrays.
 
   Decode steps run the layers of a split stack as an unrolled loop: inside a `lax.scan` every layer's weights were
   dynamic-sliced out of the stack on each step, a copy that cost more than the layers' matmuls on CPU at batch 1.
@@ -121,29 +67,27 @@ def split_layers(tree: dict) -> dict:
   for name in (*STACKS, "mtp"):
     if name in tree and not isinstance(tree[name], tuple):
       n = jax.tree.leaves(tree[name])[0].shape[0]
-      out[name] = tuple(jax.tree.map(lambda a, i=i: a[i], tree[name]) for i in range(n))
+      out[name] = tuple(take_layer(tree[name], i) for i in range(n))
   return out
 
 
-def _run_stack(stack, stack_cache, x, rope, start_B, pad_B, valid, cfg, fresh):
-  if isinstance(stack, tuple):  # split_layers: unrolled
-    new_cache, experts = [], []
-    for p, c in zip(stack, stack_cache):
-      x, c, ex = cached_block(p, x, rope, c, start_B, pad_B, valid, cfg, fresh)
-      new_cache.append(c)
-      experts.append(ex)
-    return x, tuple(new_cache), None if experts[0] is None else jnp.stack(experts)
-
-  def body(x, xs):
-    p, c = xs
-    x, c, experts = cached_block(p, x, rope, c, start_B, pad_B, valid, cfg, fresh)
-    return x, (c, experts)
-  x, (new_cache, experts) = jax.lax.scan(body, x, (stack, stack_cache))
-  return x, new_cache, experts
+def _kv(stack_cache, start_B, fresh: bool) -> KVCache:
+  """A stack's cache (stacked {c, kr} or a split tuple of them) as the model's KVCache."""
+  if isinstance(stack_cache, tuple):
+    return KVCache(tuple(c["c"] for c in stack_cache), tuple(c["kr"] for c in stack_cache), start_B, fresh)
+  return KVCache(stack_cache["c"], stack_cache["kr"], start_B, fresh)
 
 
-def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:
-  return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+def _unkv(cache: KVCache):
+  if isinstance(cache.c, tuple):
+    return tuple({"c": c, "kr": kr} for c, kr in zip(cache.c, cache.kr))
+  return {"c": cache.c, "kr": cache.kr}
+
+
+def _attention_inputs(start_B, pad_B, L: int, S: int, cfg: ModelConfig, fresh: bool):
+  """(rope, mask, valid) of L new tokens at slots start_B..: a fresh prefill attends among its L tokens only."""
+  slots_BxL, positions_BxL, valid_BxL = slot_info(start_B, pad_B, L)
+  return rope_cos_sin(positions_BxL, cfg), cache_mask(slots_BxL, pad_B, L if fresh else S), valid_BxL
 
 
 def forward_cached(params: dict, tokens_BxL: jax.Array, cache: dict, start_B: jax.Array, pad_B: jax.Array,
@@ -156,18 +100,18 @@ def forward_cached(params: dict, tokens_BxL: jax.Array, cache: dict, start_B: ja
   """
   B, L = tokens_BxL.shape
   dt = jnp.dtype(cfg.compute_dtype)
-  _, positions_BxL, valid_BxL = slot_info(start_B, pad_B, L)
-  rope = rope_cos_sin(positions_BxL, cfg)
+  S = jax.tree.leaves(cache)[0].shape[-2]
+  rope, mask, valid_BxL = _attention_inputs(start_B, pad_B, L, S, cfg, fresh)
   x = params["embed"][tokens_BxL].astype(dt)
   new_cache = dict(cache)
   experts = jnp.zeros((0, B, L, cfg.num_experts_per_tok), jnp.int32)
   for name in STACKS:
     if name in params:
-      x, new_cache[name], ex = _run_stack(params[name], cache[name], x, rope, start_B, pad_B, valid_BxL, cfg, fresh)
-      if ex is not None:
-        experts = ex
-  logits = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) @ lm_head(params, cfg).astype(dt)
-  return logits.astype(jnp.float32), x, experts, new_cache
+      x, aux, kv = run_stack(params[name], x, rope, mask, valid_BxL, cfg, cache=_kv(cache[name], start_B, fresh))
+      new_cache[name] = _unkv(kv)
+      if "experts" in aux:
+        experts = aux["experts"]
+  return logits(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_head(params, cfg)), x, experts, new_cache
 
 
 def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, cache: dict, start_B, pad_B,
@@ -175,13 +119,13 @@ def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, 
   """NextN module j at slots start_B..: combines hidden h_t with the token at t+1+j → (its hidden [B, L, D] before
   the module's final norm, new cache)."""
   dt = jnp.dtype(cfg.compute_dtype)
-  _, positions_BxL, valid_BxL = slot_info(start_B, pad_B, h_BxLxD.shape[1])
-  p = params["mtp"][j] if isinstance(params["mtp"], tuple) else jax.tree.map(lambda a: a[j], params["mtp"])
-  c = cache["mtp"][j] if isinstance(cache["mtp"], tuple) else jax.tree.map(lambda a: a[j], cache["mtp"])
-  e = params["embed"][tokens_BxL].astype(dt)
-  h = jnp.concatenate([rms_norm(e, p["enorm"], cfg.rms_norm_eps), rms_norm(h_BxLxD, p["hnorm"], cfg.rms_norm_eps)],
-                      axis=-1) @ p["eh_proj"].astype(dt)
-  h, c, _ = cached_block(p["block"], h, rope_cos_sin(positions_BxL, cfg), c, start_B, pad_B, valid_BxL, cfg, fresh)
+  S = jax.tree.leaves(cache["mtp"])[0].shape[-2]
+  rope, mask, valid_BxL = _attention_inputs(start_B, pad_B, h_BxLxD.shape[1], S, cfg, fresh)
+  c = take_layer(cache["mtp"], j)
+  e_BxLxD = params["embed"][tokens_BxL].astype(dt)
+  h, _, kv = mtp_block(take_layer(params["mtp"], j), h_BxLxD, e_BxLxD, rope, mask, valid_BxL, cfg,
+                       KVCache(c["c"], c["kr"], start_B, fresh))
+  c = {"c": kv.c, "kr": kv.kr}
   if isinstance(cache["mtp"], tuple):
     return h, dict(cache, mtp=cache["mtp"][:j] + (c,) + cache["mtp"][j + 1:])
   return h, dict(cache, mtp=jax.tree.map(lambda a, u: a.at[j].set(u), cache["mtp"], c))
@@ -189,9 +133,7 @@ def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, 
 
 def mtp_logits(params: dict, j: int, h_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
   """Logits [B, L, V] f32 of NextN module j from its hidden."""
-  dt = jnp.dtype(cfg.compute_dtype)
-  p_norm = params["mtp"][j]["norm"] if isinstance(params["mtp"], tuple) else params["mtp"]["norm"][j]
-  return (rms_norm(h_BxLxD, p_norm, cfg.rms_norm_eps) @ lm_head(params, cfg).astype(dt)).astype(jnp.float32)
+  return logits(rms_norm(h_BxLxD, take_layer(params["mtp"], j)["norm"], cfg.rms_norm_eps), lm_head(params, cfg))
 
 
 def mtp_cached(params: dict, h_BxLxD: jax.Array, next_tokens_BxL: jax.Array, cache: dict, start_B, pad_B,
@@ -203,8 +145,8 @@ def mtp_cached(params: dict, h_BxLxD: jax.Array, next_tokens_BxL: jax.Array, cac
   Returns:
     (logits [n, B, L, V] f32, new cache); entry j at slot t predicts the token at t+2+j.
   """
-  h, logits = h_BxLxD, []
+  h, out = h_BxLxD, []
   for j in range(next_tokens_BxL.shape[0]):
     h, cache = mtp_module(params, j, h, next_tokens_BxL[j], cache, start_B, pad_B, cfg, fresh)
-    logits.append(mtp_logits(params, j, h, cfg))
-  return jnp.stack(logits), cache
+    out.append(mtp_logits(params, j, h, cfg))
+  return jnp.stack(out), cache

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.sampling.all_experts import with_all_experts
 from composer_jax.sampling.decode import Batch, Output, generate
 from composer_jax.sampling.speculative import generate_speculative
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
@@ -35,9 +34,9 @@ class EngineConfig:
   Attributes:
     speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
     draft_tokens: drafts per speculative step (module 0 chained on its own output after the first).
-    decode_experts: how decode steps run the routed experts: 'all' (every expert as two plain matmuls,
-      `all_experts.py`; fastest on CPU, where the grouped matmul is a masked dense dot anyway), 'model' (the
-      model's moe_impl, e.g. grouped matmuls on GPU), 'auto' ('all' on CPU, else 'model').
+    decode_experts: how generation runs the routed experts: 'all' (every expert as two plain GEMMs, moe_impl
+      'dense'; fastest on CPU, where the grouped matmul is a masked dense dot anyway), 'model' (the model's
+      moe_impl, e.g. grouped matmuls on GPU), 'auto' ('all' on CPU, else 'model').
     max_batch: most rows per compiled call (larger requests are split).
     min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
       batch so every call reuses one compiled program.
@@ -62,7 +61,7 @@ class EngineConfig:
 def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int, all_experts: bool) -> Output:
   """draft_tokens = 0: plain decoding."""
   if all_experts:
-    params = with_all_experts(params)
+    cfg = dataclasses.replace(cfg, moe_impl="dense")
   if draft_tokens:
     return generate_speculative(params, batch, cfg, max_len, draft_tokens)
   return generate(params, batch, cfg, max_len)
@@ -153,15 +152,19 @@ class JaxEngine:
     out = jax.device_get(_run(self.params, batch, self.cfg, T, ecfg.draft_tokens if ecfg.speculative else 0,
                               self._all_experts))
     self.last_stats = {k: int(v) for k, v in out.stats.items()}
+    rows_B = np.asarray(batch.row_prompt_B)
     results = []
     for b, r in enumerate(requests):
       n = int(out.length_B[b])
       toks = np.asarray(out.tokens_BxT[b, :n], np.int32)
       stopped = n > 0 and int(toks[-1]) in r.params.stop_token_ids
+      # Prompts are left-padded: the request's own P tokens are the last P slots of its unique prompt's row.
+      prompt_PxLmxK = out.prompt_experts_LmxUxPxK[:, rows_B[b], -len(r.prompt_ids):].transpose(1, 0, 2)
       results.append(GenerateResult(output_ids=toks, logprobs=np.asarray(out.logprobs_BxT[b, :n], np.float32),
                                     routed_experts=np.asarray(out.experts_BxTxLmxK[b, :n], np.int32),
                                     policy_version=self.policy_version,
-                                    finish_reason="stop" if stopped else "length"))
+                                    finish_reason="stop" if stopped else "length",
+                                    prompt_routed_experts=np.asarray(prompt_PxLmxK, np.int32)))
     return results
 
 

@@ -29,10 +29,6 @@ from composer_jax.sampling.decode import Batch, Output, _first_token, _out_buffe
 DRAFT, ACCEPT, FINAL = 1, 2, 3  # key streams (stream 0 draws plain tokens; FINAL the residual-or-bonus token)
 
 
-def _take(a_BxV: jax.Array, tok_B: jax.Array) -> jax.Array:
-  return jnp.take_along_axis(a_BxV, tok_B[:, None], 1)[:, 0]
-
-
 def accept_or_resample(key_acc_B, key_res_B, p_lp_BxV: jax.Array, q_lp_BxV: jax.Array, d_B: jax.Array):
   """One-draft rejection step → (accepted bool [B], token [B]: d if accepted, else a draw from norm. max(0, p - q))."""
   acc_Bx1, n_B, y_B = verify(key_acc_B[:, None], key_res_B, p_lp_BxV[:, None], q_lp_BxV[:, None], d_B[:, None],
@@ -80,23 +76,61 @@ def _shift_window(old_BxWx_: jax.Array, new_BxWx_: jax.Array, n_B: jax.Array) ->
   return jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, W, axis=0))(both, n_B + 1)
 
 
-def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int = 1) -> Output:
-  """Like `decode.generate`, drafting `draft_tokens` tokens per step with MTP module 0 (needs MTP modules)."""
+def _check(params: dict, cfg: ModelConfig, k: int, P: int) -> None:
   if cfg.num_nextn_predict_layers < 1 or "mtp" not in params:
     raise ValueError("speculative decoding needs MTP modules (cfg.num_nextn_predict_layers >= 1)")
-  k, W = draft_tokens, draft_tokens + 1
   if k < 1:
     raise ValueError(f"draft_tokens must be >= 1, got {k}")
-  U, P = batch.prompts_UxP.shape
-  if P < W:
-    raise ValueError(f"speculative decoding with {k} drafts needs a padded prompt width >= {W}, got {P}")
+  if P < k + 1:
+    raise ValueError(f"speculative decoding with {k} drafts needs a padded prompt width >= {k + 1}, got {P}")
+
+
+def _draft(params, cache, h_BxWxD, tok_BxW, s_B, pad_B, cfg: ModelConfig, k: int, draw):
+  """Step 1: module 0 over the window, then chained on its own output → (drafts [B, k], their draft
+  distributions (a list of k [B, V] log-probs; empty when `draw` is None, i.e. greedy), cache)."""
+  W = k + 1
+  g, cache = cm.mtp_module(params, 0, h_BxWxD, tok_BxW, cache, s_B - W, pad_B, cfg)
+  drafts, q_lps = [], []
+  for j in range(k):
+    if j > 0:
+      g, cache = cm.mtp_module(params, 0, g[:, -1:], drafts[-1][:, None], cache, s_B - 1 + j, pad_B, cfg)
+    logits_BxV = cm.mtp_logits(params, 0, g[:, -1], cfg)
+    if draw is None:
+      drafts.append(jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32))
+    else:
+      d_B, q_lp_BxV = draw(logits_BxV, j)
+      drafts.append(d_B)
+      q_lps.append(q_lp_BxV)
+  return jnp.stack(drafts, 1), q_lps, cache
+
+
+def _write_window(buf_BxTx_, new_BxWx_, at_B, active_B):
+  """Writes each active row's W new entries at at_B (inactive rows keep theirs)."""
+  W = new_BxWx_.shape[1]
+  old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, W, axis=0))(buf_BxTx_, at_B)
+  keep = jnp.where(active_B.reshape((-1,) + (1,) * (new_BxWx_.ndim - 1)), new_BxWx_, old)
+  return cm.write_rows(buf_BxTx_, keep, at_B)
+
+
+def _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, stop_BxS):
+  """Tokens fed this step are x_s and the n accepted drafts; the first stop among them ends the row after it."""
+  for j in range(fed_BxW.shape[1]):
+    stop_B = active_B & (j <= n_B) & is_stop(fed_BxW[:, j], stop_BxS) & (idx_B + j < end_B)
+    end_B = jnp.where(stop_B, idx_B + j + 1, end_B)
+  return end_B
+
+
+def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int = 1) -> Output:
+  """Like `decode.generate`, drafting `draft_tokens` tokens per step with MTP module 0 (needs MTP modules)."""
+  k, W = draft_tokens, draft_tokens + 1
+  _, P = batch.prompts_UxP.shape
+  _check(params, cfg, k, P)
   B, T = batch.row_prompt_B.shape[0], max_len
   extra = W + 1  # a step writes W tokens past a row's pointer, which is < T while the row is active
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
   cache, logits_BxV, h_BxPxD, prompt_experts = prefill(params, batch, cfg, P + T + extra, mtp=True)
   pad_B = batch.pad_U[batch.row_prompt_B]
   params, cache = cm.split_layers(params), cm.split_layers(cache)
-  rows_prompt_BxP = batch.prompts_UxP[batch.row_prompt_B]
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
   toks, lps, routes = _out_buffers(B, T, cfg, extra)
   toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
@@ -116,20 +150,13 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
     s_B, h_BxWxD, tok_BxW, cache, toks, lps, routes, drafted, accepted, steps, end_B = state
     active_B = s_B - P < end_B
     idx_B = s_B - P  # output index of the pending token x_s
-    # 1. Drafts.
-    g, cache = cm.mtp_module(params, 0, h_BxWxD, tok_BxW, cache, s_B - W, pad_B, cfg)
-    drafts, q_lps = [], []
-    for j in range(k):
-      if j > 0:
-        g, cache = cm.mtp_module(params, 0, g[:, -1:], drafts[-1][:, None], cache, s_B - 1 + j, pad_B, cfg)
-      logits_BxV = cm.mtp_logits(params, 0, g[:, -1], cfg)
-      if greedy:
-        drafts.append(jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32))
-      else:
-        q_lps.append(dist(logits_BxV[:, None])[:, 0])
-        drafts.append(sampler.draw_inverse_cdf(sampler.step_keys(keys_B, idx_B + 1 + j, DRAFT), q_lps[-1]))
-    d_Bxk = jnp.stack(drafts, 1)
-    # 2. Verify.
+
+    def draw(logits_BxV, j):
+      q_lp_BxV = dist(logits_BxV[:, None])[:, 0]
+      return sampler.draw_inverse_cdf(sampler.step_keys(keys_B, idx_B + 1 + j, DRAFT), q_lp_BxV), q_lp_BxV
+
+    d_Bxk, q_lps, cache = _draft(params, cache, h_BxWxD, tok_BxW, s_B, pad_B, cfg, k, None if greedy else draw)
+    # 2. Verify: the trunk on [x_s, d_0 .. d_{k-1}].
     fed_BxW = jnp.concatenate([tok_BxW[:, -1:], d_Bxk], axis=1)
     logits_BxWxV, hv_BxWxD, experts, cache = cm.forward_cached(params, fed_BxW, cache, s_B, pad_B, cfg)
     # 3. Accept / resample.
@@ -139,31 +166,21 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
       keys_acc = jax.vmap(lambda i: sampler.step_keys(keys_B, idx_B + 1 + i, ACCEPT), out_axes=1)(jnp.arange(k))
       _, n_B, y_B = verify(keys_acc, sampler.step_keys(keys_B, idx_B + 1, FINAL), dist(logits_BxWxV),
                            jnp.stack(q_lps, 1), d_Bxk)
-    j_W = jnp.arange(W)[None, :]
-    out_BxW = jnp.where(j_W < n_B[:, None], jnp.concatenate([d_Bxk, y_B[:, None]], 1), y_B[:, None])
+    out_BxW = jnp.where(jnp.arange(W)[None, :] < n_B[:, None], jnp.concatenate([d_Bxk, y_B[:, None]], 1),
+                        y_B[:, None])
     policy_BxWxV = sampler.policy_logprobs(logits_BxWxV.reshape(B * W, -1), repeat(batch.temperature_B, W))
     lp_BxW = jnp.take_along_axis(policy_BxWxV.reshape(B, W, -1), out_BxW[..., None], 2)[..., 0]
+    toks = _write_window(toks, out_BxW, idx_B + 1, active_B)
+    lps = _write_window(lps, lp_BxW, idx_B + 1, active_B)
+    routes = _write_window(routes, jnp.transpose(experts, (1, 2, 0, 3)), idx_B, active_B)
+    end_B = _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, batch.stop_BxS)
     keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-
-    def write(buf, new_BxW, at_B):
-      old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, W, axis=0))(buf, at_B)
-      return cm.write_rows(buf, keep(new_BxW, old), at_B)
-
-    toks = write(toks, out_BxW, idx_B + 1)
-    lps = write(lps, lp_BxW, idx_B + 1)
-    routes = write(routes, jnp.transpose(experts, (1, 2, 0, 3)), idx_B)
-    # Tokens fed this step: x_s and the n accepted drafts; the first stop among them ends the row after it.
-    for j in range(W):
-      stop_B = active_B & (j <= n_B) & is_stop(fed_BxW[:, j], batch.stop_BxS) & (idx_B + j < end_B)
-      end_B = jnp.where(stop_B, idx_B + j + 1, end_B)
-    s_new = s_B + 1 + n_B
-    n_act = active_B.sum()
-    return (keep(s_new, s_B), keep(_shift_window(h_BxWxD, hv_BxWxD, n_B), h_BxWxD),
+    return (keep(s_B + 1 + n_B, s_B), keep(_shift_window(h_BxWxD, hv_BxWxD, n_B), h_BxWxD),
             keep(_shift_window(tok_BxW, out_BxW, n_B), tok_BxW), cache, toks, lps, routes,
-            drafted + k * n_act, accepted + jnp.where(active_B, n_B, 0).sum(), steps + 1, end_B)
+            drafted + k * active_B.sum(), accepted + jnp.where(active_B, n_B, 0).sum(), steps + 1, end_B)
 
   z = jnp.zeros((), jnp.int32)
-  tok_BxW = jnp.concatenate([rows_prompt_BxP[:, P - k:], tok_B[:, None]], 1)
+  tok_BxW = jnp.concatenate([batch.prompts_UxP[batch.row_prompt_B][:, P - k:], tok_B[:, None]], 1)
   state = (jnp.full((B,), P, jnp.int32), h_BxPxD[:, P - W:], tok_BxW, cache, toks, lps, routes, z, z, z,
            batch.max_tokens_B.astype(jnp.int32))
   state = greedy_or_sampled(batch, cond, body, state)

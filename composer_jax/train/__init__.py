@@ -1,1 +1,1 @@
-"""Continued pretraining / SFT: data, tokenizer and (on the lead's branch) the training step and loop."""
+"""Language-model training: corpus, tokenizer, data, the step and loop, checkpoints, stages."""

@@ -1,4 +1,4 @@
-"""orbax checkpoints of the whole training state and the data iterator, saved together.
+"""orbax checkpoints of the whole training state and the data iterator (or, for RL, the queue cursor), saved together.
 
 Resume order (STYLE.md §9): build the abstract state and its shardings → `restore` onto them (params, optimizer
 state, step, RNG) → restore the grain iterator in place → continue from `step`. A checkpoint is written to a
@@ -14,7 +14,11 @@ import orbax.checkpoint as ocp
 
 
 class Checkpointer:
-  """Async orbax CheckpointManager for (train state, data iterator) pairs in `workdir/checkpoints`."""
+  """orbax CheckpointManager for (train state, data iterator or JSON `meta`) in `workdir/checkpoints`.
+
+  The LM stages save the grain iterator beside the state; the RL trainer saves its queue consumer's cursor as
+  `meta` (a JSON dict), so a restore re-delivers exactly the groups after the saved step.
+  """
 
   def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -22,15 +26,18 @@ class Checkpointer:
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                              cleanup_tmp_directories=True),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()})
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+                       "queue": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
 
-  def save(self, step: int, state, data_iter=None, *, force: bool = False) -> None:
+  def save(self, step: int, state, data_iter=None, *, meta: dict | None = None, force: bool = False) -> None:
     items = {"state": ocp.args.StandardSave(state)}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    if meta is not None:
+      items["queue"] = ocp.args.JsonSave(meta)
     self._mgr.save(step, args=ocp.args.Composite(**items), force=force)
 
   def restore(self, abstract_state, data_iter=None, step: int | None = None):
@@ -43,6 +50,11 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     restored = self._mgr.restore(step, args=ocp.args.Composite(**items))
     return restored["state"]
+
+  def restore_meta(self, step: int | None = None) -> dict:
+    """The JSON `meta` saved with `step` (default: the latest)."""
+    step = self._mgr.latest_step() if step is None else step
+    return self._mgr.restore(step, args=ocp.args.Composite(queue=ocp.args.JsonRestore()))["queue"]
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 MTP_LOSSES = ("self_distill", "cross_entropy", "none")
 
@@ -43,11 +42,3 @@ class TrainConfig:
       if getattr(self, name) <= 0:
         raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
 
-
-def from_dict(cls, d: dict[str, Any]):
-  """`cls(**d)` with an error that names unknown keys (a typo in a config file fails loudly)."""
-  names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(d) - names)
-  if unknown:
-    raise ValueError(f"Unknown {cls.__name__} field(s) {unknown}; valid fields: {sorted(names)}")
-  return cls(**d)

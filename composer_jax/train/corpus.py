@@ -10,12 +10,15 @@ Caps (`max_files`, `max_total_bytes`) take files in the order of a hash of their
 spread-out, reproducible sample (not the alphabetically first files), chosen before any file is read, so a capped
 corpus loads in well under a second. Everything the filters dropped is counted in `Corpus.stats`; an empty result is
 an error naming the paths, the filters and those counts.
+
+`export_corpus` writes a split as JSONL, the format the evaluation's contamination guard reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import subprocess
 import sysconfig
@@ -127,23 +130,9 @@ def _hash_fraction(hex_digest: str) -> float:
   return int(hex_digest[:16], 16) / 2.0**64
 
 
-def load_corpus(cfg: CorpusConfig = CorpusConfig()) -> Corpus:
-  """Lists, filters, reads, deduplicates and splits the corpus.
-
-  Args:
-    cfg: paths and filters.
-
-  Returns:
-    The corpus; `stats` counts files seen and dropped per reason, and the bytes in each split.
-
-  Raises:
-    FileNotFoundError / PermissionError: a path is missing or unreadable.
-    ValueError: no file passed the filters (the message names paths, filters and the counts).
-  """
-  paths = tuple(cfg.paths) or default_paths()
-  stats = dict.fromkeys(["files_seen", "wrong_language", "too_small", "too_large", "symlink", "unreadable",
-                         "not_utf8", "binary", "duplicate", "over_file_cap", "over_byte_cap"], 0)
-  candidates = []  # (order key, path, language, size)
+def _candidates(paths: tuple[str, ...], cfg: CorpusConfig, stats: dict[str, int]) -> list[tuple[str, str, str, int]]:
+  """(order key, path, language, size) of the files that pass the name and size filters, in cap order."""
+  out = []
   for root in paths:
     for rel in _list_root(root, cfg.exclude_dirs):
       path = os.path.join(root, rel) if rel else root
@@ -166,9 +155,12 @@ def load_corpus(cfg: CorpusConfig = CorpusConfig()) -> Corpus:
         stats["too_large"] += 1
       else:
         key = hashlib.sha256((rel or os.path.basename(root)).encode("utf-8", "surrogateescape")).hexdigest()
-        candidates.append((key, path, language, size))
-  candidates.sort()
+        out.append((key, path, language, size))
+  return sorted(out)
 
+
+def _read_unique(candidates, cfg: CorpusConfig, stats: dict[str, int]) -> list[Document]:
+  """Reads candidates within the caps, dropping binary, non-UTF-8 and duplicate files."""
   docs, seen, total = [], set(), 0
   for _, path, language, size in candidates:
     if cfg.max_files is not None and len(docs) >= cfg.max_files:
@@ -198,12 +190,11 @@ def load_corpus(cfg: CorpusConfig = CorpusConfig()) -> Corpus:
     seen.add(digest)
     docs.append(Document(path, language, text, digest))
     total += len(data)
+  return docs
 
-  if not docs:
-    raise ValueError(
-      f"corpus is empty: no file under {list(paths)} passed the filters (languages={cfg.languages}, "
-      f"min_file_bytes={cfg.min_file_bytes}, max_file_bytes={cfg.max_file_bytes}, max_files={cfg.max_files}, "
-      f"max_total_bytes={cfg.max_total_bytes}, exclude_dirs={cfg.exclude_dirs}); counts: {stats}")
+
+def _split(docs: list[Document], cfg: CorpusConfig, paths: tuple[str, ...]) -> tuple[tuple[Document, ...], ...]:
+  """(train, held-out), each sorted by path; held-out = the documents with the smallest content hashes."""
   by_hash = sorted(docs, key=lambda d: d.sha256)
   n_heldout = sum(_hash_fraction(d.sha256) < cfg.heldout_fraction for d in by_hash)  # A prefix of by_hash.
   if cfg.heldout_fraction > 0:
@@ -212,9 +203,53 @@ def load_corpus(cfg: CorpusConfig = CorpusConfig()) -> Corpus:
     raise ValueError(f"only {len(docs)} unique files under {list(paths)}: too few for {n_heldout} held-out files "
                      f"and at least one training file (heldout_fraction={cfg.heldout_fraction}, "
                      f"min_heldout_files={cfg.min_heldout_files})")
-  heldout = tuple(sorted(by_hash[:n_heldout], key=lambda d: d.path))
-  train = tuple(sorted(by_hash[n_heldout:], key=lambda d: d.path))
+  return (tuple(sorted(by_hash[n_heldout:], key=lambda d: d.path)),
+          tuple(sorted(by_hash[:n_heldout], key=lambda d: d.path)))
+
+
+def load_corpus(cfg: CorpusConfig = CorpusConfig()) -> Corpus:
+  """Lists, filters, reads, deduplicates and splits the corpus.
+
+  Args:
+    cfg: paths and filters.
+
+  Returns:
+    The corpus; `stats` counts files seen and dropped per reason, and the bytes in each split.
+
+  Raises:
+    FileNotFoundError / PermissionError: a path is missing or unreadable.
+    ValueError: no file passed the filters (the message names paths, filters and the counts).
+  """
+  paths = tuple(cfg.paths) or default_paths()
+  stats = dict.fromkeys(["files_seen", "wrong_language", "too_small", "too_large", "symlink", "unreadable",
+                         "not_utf8", "binary", "duplicate", "over_file_cap", "over_byte_cap"], 0)
+  docs = _read_unique(_candidates(paths, cfg, stats), cfg, stats)
+  if not docs:
+    raise ValueError(
+      f"corpus is empty: no file under {list(paths)} passed the filters (languages={cfg.languages}, "
+      f"min_file_bytes={cfg.min_file_bytes}, max_file_bytes={cfg.max_file_bytes}, max_files={cfg.max_files}, "
+      f"max_total_bytes={cfg.max_total_bytes}, exclude_dirs={cfg.exclude_dirs}); counts: {stats}")
+  train, heldout = _split(docs, cfg, paths)
   stats.update(train_files=len(train), heldout_files=len(heldout),
                train_bytes=sum(len(d.text.encode()) for d in train),
                heldout_bytes=sum(len(d.text.encode()) for d in heldout))
   return Corpus(train, heldout, stats)
+
+
+def export_corpus(corpus: Corpus, path: str, splits: tuple[str, ...] = ("train",)) -> int:
+  """Writes the documents of `splits` as JSONL ({"text", "path", "sha256"} per line) and returns how many.
+
+  Point the evaluation's contamination guard at exactly what a model was trained on:
+  `export_corpus(load_corpus(cfg), "runs/x/train_corpus.jsonl")`, then `eval.py:...,corpus=runs/x/train_corpus.jsonl`.
+  """
+  bad = [s for s in splits if s not in ("train", "heldout")]
+  if bad:
+    raise ValueError(f"unknown corpus splits {bad}; valid: ('train', 'heldout')")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  n = 0
+  with open(path, "w", encoding="utf-8") as f:
+    for split in splits:
+      for d in getattr(corpus, split):
+        f.write(json.dumps({"text": d.text, "path": d.path, "sha256": d.sha256}) + "\n")
+        n += 1
+  return n

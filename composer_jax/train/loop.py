@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
@@ -36,26 +35,6 @@ from composer_jax.train.config import OptimConfig, TrainConfig
 
 class NonFiniteLossError(RuntimeError):
   pass
-
-
-def state_shardings(optimizer, abstract_params, params_shardings, seed: int):
-  """Shardings of a TrainState (nothing is allocated).
-
-  Params keep `params_shardings`; every optimizer leaf shaped like a param at the same path (AdamW's mu and nu)
-  takes that param's sharding; scalars and the rest (step, counts, RNG) are replicated. (Read off a compiled
-  initialiser instead, the moments came out replicated on multi-device meshes: the compiler gives `zeros_like`
-  no sharding of its input.)
-  """
-  abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, seed))
-  leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
-  by_path = {jax.tree_util.keystr(k): (a.shape, s) for (k, a), s in zip(leaves, jax.tree.leaves(params_shardings))}
-  replicated = NamedSharding(jax.tree.leaves(params_shardings)[0].mesh, PartitionSpec())
-
-  def pick(path, leaf):
-    key = jax.tree_util.keystr(path)
-    hits = [(len(k), s) for k, (shape, s) in by_path.items() if key.endswith(k) and shape == leaf.shape]
-    return max(hits, key=lambda h: h[0])[1] if hits else replicated
-  return dataclasses.replace(jax.tree_util.tree_map_with_path(pick, abstract_state), params=params_shardings)
 
 
 def _place(x, sharding):
@@ -128,14 +107,25 @@ def train(*, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimCon
                   rules=rules if rules is not None else ShardingRules(), log_fn=log_fn)
 
 
-def _train(*, model_cfg, train_cfg, optim_cfg, workdir, train_iter, eval_batches, init_params, mesh, rules, log_fn):
+@dataclasses.dataclass
+class _Run:
+  """What one training run works with once set up: the state, the compiled steps and where batches go."""
+  state: step_lib.TrainState
+  train_step: Callable
+  eval_step: Callable
+  put: Callable[[dict], dict]
+  checkpointer: ckpt_lib.Checkpointer
+
+
+def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, mesh, rules, log_fn) -> _Run:
+  """Shardings, the state (restored from `workdir` with the data iterator, or initialised) and the jitted steps."""
   specs = jax.tree_util.tree_flatten_with_path(model.param_specs(model_cfg),
                                                is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
   layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)
-  shardings = state_shardings(optimizer, abstract_params, params_shardings, train_cfg.seed)
+  shardings = step_lib.state_shardings(optimizer, abstract_params, params_shardings)
   batch_sharding = layout.batch_sharding(mesh, rules)
   _, shard_count = layout.process_batch_shard(batch_sharding)
 
@@ -144,13 +134,9 @@ def _train(*, model_cfg, train_cfg, optim_cfg, workdir, train_iter, eval_batches
     layout.check_batch_shape(rows * shard_count, length, batch_sharding)
     return layout.global_batch(batch, batch_sharding, shard_count)
 
-  primary = distributed.is_primary()
-  if not primary:
-    log_fn = _discard
-
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=train_cfg.ckpt_keep)
   if checkpointer.latest_step() is not None:
-    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer, train_cfg.seed))
+    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer))
     state = checkpointer.restore(ckpt_lib.abstract_like(abstract_state, shardings), train_iter)
     log_fn(f"Resumed from {checkpointer.directory} at step {int(state.step)}")
   else:
@@ -158,72 +144,94 @@ def _train(*, model_cfg, train_cfg, optim_cfg, workdir, train_iter, eval_batches
       init_params = model.init(jax.random.key(train_cfg.seed), model_cfg, mesh, rules)
     else:
       init_params = jax.tree.map(_place, init_params, params_shardings)
-    init = jax.jit(lambda p: step_lib.init_state(p, optimizer, train_cfg.seed), out_shardings=shardings)
+    init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=shardings)
     state = init(init_params)
-  train_step = step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding)
-  eval_step = step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding)
-  start = int(state.step)
-  first_batch = None
-  if jax.process_count() > 1 and start < train_cfg.steps:
-    # Processes compile at different speeds, and a gloo (CPU) collective gives a late peer only 30 s: compile both
-    # steps ahead of time, then start together.
-    first_batch = put(next(train_iter))
-    train_step = train_step.lower(state, first_batch).compile()
-    eval_step = eval_step.lower(state.params, put(next(iter(eval_batches())))).compile()
-    distributed.barrier("train_steps_compiled")
+  return _Run(state, step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding),
+              step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding), put, checkpointer)
 
-  writer = metrics_lib.MetricWriter(workdir) if primary else None
-  bar = None
-  if train_cfg.progress_bar and primary:
-    from tqdm import tqdm
-    bar = tqdm(total=train_cfg.steps, initial=start, desc="train", dynamic_ncols=True)
-  last: dict = {}
-  pending = None                                    # (step, metrics on device) of the previous step
-  t_log, tokens_since_log = time.perf_counter(), 0.0
 
-  def finish_step(step_no: int, dev_metrics) -> None:
-    nonlocal last, t_log, tokens_since_log
+class _Finisher:
+  """Host-side end of a step: finiteness check, logging (+ held-out eval), checkpoint — once its metrics are back."""
+
+  def __init__(self, run: _Run, train_cfg: TrainConfig, optim_cfg: OptimConfig, workdir: str, train_iter,
+               eval_batches, start: int, primary: bool):
+    self.run, self.cfg, self.train_iter, self.eval_batches = run, train_cfg, train_iter, eval_batches
+    self.schedule = optim.learning_rate_schedule(optim_cfg)
+    self.writer = metrics_lib.MetricWriter(workdir) if primary else None
+    self.bar = None
+    if train_cfg.progress_bar and primary:
+      from tqdm import tqdm
+      self.bar = tqdm(total=train_cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+    self.last: dict = {}
+    self.t_log, self.tokens_since_log = time.perf_counter(), 0.0
+
+  def __call__(self, step_no: int, dev_metrics) -> None:
+    cfg, ckpt = self.cfg, self.run.checkpointer
     m = jax.device_get(dev_metrics)
     if not np.isfinite(m["loss"]):
       raise NonFiniteLossError(
           f"Non-finite loss {m['loss']} at step {step_no}; stopping. The last good checkpoint is step "
-          f"{checkpointer.latest_step()} in {checkpointer.directory}.")
-    tokens_since_log += float(m["target_tokens"])
-    if step_no % train_cfg.log_every == 0 or step_no == train_cfg.steps:
-      now = time.perf_counter()
-      m = {k: float(v) for k, v in m.items()}
-      m["tokens_per_s"] = tokens_since_log / max(now - t_log, 1e-9)
-      m["learning_rate"] = float(optim.learning_rate_schedule(optim_cfg)(step_no))
-      t_log, tokens_since_log = now, 0.0
-      if step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
-        m.update(evaluate(eval_step, state.params, itertools.islice(eval_batches(), train_cfg.eval_batches), put))
-      if writer is not None:
-        writer.write(step_no, m)
-      last = {"step": step_no, **m}
-      if bar is not None:
-        bar.set_postfix(loss=f"{m['loss']:.3f}", ppl=f"{last.get('eval_perplexity', float('nan')):.1f}")
-    if step_no % train_cfg.ckpt_every == 0 or step_no == train_cfg.steps:
-      checkpointer.save(step_no, state, train_iter)
+          f"{ckpt.latest_step()} in {ckpt.directory}.")
+    self.tokens_since_log += float(m["target_tokens"])
+    if step_no % cfg.log_every == 0 or step_no == cfg.steps:
+      self._log(step_no, m)
+    if step_no % cfg.ckpt_every == 0 or step_no == cfg.steps:
+      ckpt.save(step_no, self.run.state, self.train_iter)
 
+  def _log(self, step_no: int, m) -> None:
+    now = time.perf_counter()
+    m = {k: float(v) for k, v in m.items()}
+    m["tokens_per_s"] = self.tokens_since_log / max(now - self.t_log, 1e-9)
+    m["learning_rate"] = float(self.schedule(step_no))
+    self.t_log, self.tokens_since_log = now, 0.0
+    if step_no % self.cfg.eval_every == 0 or step_no == self.cfg.steps:
+      batches = itertools.islice(self.eval_batches(), self.cfg.eval_batches)
+      m.update(evaluate(self.run.eval_step, self.run.state.params, batches, self.run.put))
+    if self.writer is not None:
+      self.writer.write(step_no, m)
+    self.last = {"step": step_no, **m}
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{m['loss']:.3f}", ppl=f"{self.last.get('eval_perplexity', float('nan')):.1f}")
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _train(*, model_cfg, train_cfg, optim_cfg, workdir, train_iter, eval_batches, init_params, mesh, rules, log_fn):
+  primary = distributed.is_primary()
+  if not primary:
+    log_fn = _discard
+  run = _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, mesh, rules, log_fn)
+  start = int(run.state.step)
+  first_batch = None
+  if jax.process_count() > 1 and start < train_cfg.steps:
+    # Processes compile at different speeds, and a gloo (CPU) collective gives a late peer only 30 s: compile both
+    # steps ahead of time, then start together.
+    first_batch = run.put(next(train_iter))
+    run.train_step = run.train_step.lower(run.state, first_batch).compile()
+    run.eval_step = run.eval_step.lower(run.state.params, run.put(next(iter(eval_batches())))).compile()
+    distributed.barrier("train_steps_compiled")
+  finish = _Finisher(run, train_cfg, optim_cfg, workdir, train_iter, eval_batches, start, primary)
+  pending = None                                    # (step, metrics on device) of the previous step
   try:
     for step_no in range(start + 1, train_cfg.steps + 1):
-      batch, first_batch = (first_batch if first_batch is not None else put(next(train_iter))), None
-      state, metrics = train_step(state, batch)
+      batch, first_batch = (first_batch if first_batch is not None else run.put(next(train_iter))), None
+      run.state, metrics = run.train_step(run.state, batch)
       if pending is not None:
-        finish_step(*pending)
+        finish(*pending)
       pending = (step_no, metrics)
       # Checkpoint and eval steps need the state of exactly that step: finish them before dispatching more.
       if step_no % train_cfg.ckpt_every == 0 or step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
-        finish_step(*pending)
+        finish(*pending)
         pending = None
-      if bar is not None:
-        bar.update(1)
+      if finish.bar is not None:
+        finish.bar.update(1)
     if pending is not None:
-      finish_step(*pending)
+      finish(*pending)
   finally:
-    checkpointer.close()
-    if writer is not None:
-      writer.close()
-    if bar is not None:
-      bar.close()
-  return state.params, last
+    run.checkpointer.close()
+    finish.close()
+  return run.state.params, finish.last

@@ -54,6 +54,13 @@ def moving_average(values, window: int) -> list[float]:
   return out
 
 
+def measured_points(rows: list[dict], key: str) -> list[tuple[int, float]]:
+  """(step, value) of `key` where it was measured: NaN marks a metric not measured at a step (the RL step's
+  `logprob_gap_no_replay` between its scheduled steps), and a line through NaNs would draw nothing."""
+  return [(r["step"], r[key]) for r in rows
+          if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+
 def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str = "", smooth: int = 0) -> None:
   """Plots each key of the JSONL file against step (one panel per key) into a PNG; with `smooth` > 1 the raw
   values are drawn faintly under their trailing `smooth`-step mean (noisy per-step RL metrics)."""
@@ -63,7 +70,7 @@ def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str =
   rows = read_metrics(path)
   fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
   for ax, key in zip(axes[0], keys):
-    pts = [(r["step"], r[key]) for r in rows if key in r]
+    pts = measured_points(rows, key)
     if pts and smooth > 1 and len(pts) > smooth:
       steps, vals = zip(*pts)
       ax.plot(steps, vals, alpha=0.3, label="per step")

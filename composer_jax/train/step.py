@@ -1,7 +1,11 @@
 """The pure language-model training step (pretraining, long-context and SFT stages share it).
 
 `train_step(state, batch) -> (state, metrics)` is built by `make_train_step`, jitted with explicit shardings and
-the state donated. Shapes: B batch, L length, V vocab, E experts, M MoE layers.
+the state donated. In a notebook, `jax.jit(functools.partial(train_step, ...))` on `init_state(model.init(...), opt)`
+compiles once too: `init_state` places every leaf where the jitted step hands it back. The loss runs the chunked
+LM head (`model.head`): no [B, L, V] logits, in the forward or the backward.
+
+Shapes: B batch, L length, D hidden, V vocab, E experts, Lm MoE layers.
 """
 from __future__ import annotations
 
@@ -14,38 +18,105 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from composer_jax import model
+from composer_jax.model import head
 from composer_jax.model.config import ModelConfig
 from composer_jax.train import losses, optim
 from composer_jax.train.config import TrainConfig
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "rng"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
 @dataclasses.dataclass
 class TrainState:
   step: jax.Array
   params: dict
   opt_state: optax.OptState
-  rng: jax.Array
 
 
-def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                    rng=jax.random.key_data(jax.random.key(seed)))
+def canonical_sharding(sharding: NamedSharding) -> NamedSharding:
+  """The same layout spelled as XLA hands it back: size-1 mesh axes and trailing replicated dims left out.
+
+  `P('data', 'tensor')` on a mesh whose `tensor` axis has size 1 is `P('data')` to XLA, and a jitted function returns
+  its outputs spelled that way; jit keys its cache on the spelling, so an input spelled otherwise compiles again.
+  """
+  mesh = sharding.mesh
+
+  def entry(e):
+    kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if mesh.shape[a] > 1)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+  spec = [entry(e) for e in sharding.spec]
+  while spec and spec[-1] is None:
+    spec.pop()
+  return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
+def state_shardings(optimizer: optax.GradientTransformation, abstract_params, params_shardings) -> TrainState:
+  """Shardings of a TrainState (nothing is allocated): params as given, every optimizer leaf that mirrors a param
+  (Adam's moments: its tree path ends with that param's path and the shapes agree) as that param, the rest (step,
+  counts) replicated.
+
+  Read off the paths rather than a compiled initialiser: XLA is free to replicate `zeros_like(p)` (it did, for
+  the moments of FSDP-sharded params).
+  """
+  by_path = {jax.tree_util.keystr(p): (s, x.shape) for (p, s), x in zip(
+      jax.tree_util.tree_flatten_with_path(params_shardings)[0], jax.tree.leaves(abstract_params))}
+  replicated = NamedSharding(next(iter(by_path.values()))[0].mesh, PartitionSpec())
+
+  def mirror(path, x):
+    for i in range(len(path)):                       # longest suffix first
+      s, shape = by_path.get(jax.tree_util.keystr(path[i:]), (None, None))
+      if s is not None and shape == x.shape:
+        return s
+    return replicated
+  abstract = jax.eval_shape(lambda p: init_state(p, optimizer), abstract_params)
+  return TrainState(step=replicated, params=params_shardings,
+                    opt_state=jax.tree_util.tree_map_with_path(mirror, abstract.opt_state))
+
+
+def _concrete_shardings(params):
+  """The shardings of concrete params on a mesh, or None (traced, host arrays, or single-device arrays)."""
+  leaves = jax.tree.leaves(params)
+  if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and isinstance(x.sharding, NamedSharding)
+         for x in leaves) and leaves:
+    return jax.tree.map(lambda x: x.sharding, params)
+  return None
+
+
+def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  """The step-0 state of `params`.
+
+  On concrete params on a mesh (`model.init`'s), every leaf comes out where a jitted step returns it: the
+  `state_shardings` layouts, spelled as XLA spells them (`canonical_sharding`), so `jax.jit(train_step)` without
+  explicit shardings compiles once instead of again on its second call. (On a multi-device mesh, jit the step with
+  the state's shardings — `make_train_step` — since without them XLA may choose other layouts for its outputs.)
+  Traced (under `jit` / `eval_shape`) or on host arrays it is the plain state.
+  """
+  params_shardings = _concrete_shardings(params)
+  if params_shardings is None:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+  shardings = jax.tree.map(canonical_sharding, state_shardings(optimizer, params, params_shardings))
+  # Built by one jitted program (traced, this function is the plain state): the moments are created in place, and
+  # the params are copied, so donating the state later never frees buffers the caller's `params` still hold.
+  return jax.jit(lambda p: init_state(p, optimizer), out_shardings=shardings)(params)
 
 
 def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
-  """Total loss and its parts. The MTP modules see a detached trunk in self-distillation mode."""
+  """Total loss and its parts. The MTP modules see a detached trunk (and head) in self-distillation mode, and do
+  not run at all with mtp_loss="none"."""
   tokens, seg, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
-  logits, aux = model.forward(params, tokens, model_cfg, segment_ids=seg, positions=batch["positions"],
-                              mtp_detach_trunk=train_cfg.mtp_loss == "self_distill")
+  detach = train_cfg.mtp_loss == "self_distill"
+  fwd_cfg = model_cfg if train_cfg.mtp_loss != "none" else dataclasses.replace(model_cfg, num_nextn_predict_layers=0)
+  h, aux = model.hidden_states(params, tokens, fwd_cfg, segment_ids=seg, positions=batch["positions"],
+                               mtp_detach_trunk=detach)
+  w = model.lm_head(params, model_cfg)
   targets, tmask = losses.shifted_targets(tokens, seg, mask, 1)
-  ce, n_tokens = losses.cross_entropy(logits, targets, tmask)
+  ce, n_tokens = head.cross_entropy(h, w, targets, tmask)
   total = ce + aux["balance_loss"]
   metrics = {"ce": ce, "balance_loss": aux["balance_loss"], "target_tokens": n_tokens}
-  n_mtp = aux["mtp_logits"].shape[0]
+  n_mtp = aux["mtp_hidden"].shape[0]
   if n_mtp and train_cfg.mtp_loss != "none":
-    mtp, agree = losses.mtp_losses(logits, aux["mtp_logits"], tokens, seg, mask, train_cfg.mtp_loss)
+    mtp, agree = losses.mtp_losses(h, aux["mtp_hidden"], w, model.lm_head(params, model_cfg, detach=detach), tokens,
+                                   seg, mask, train_cfg.mtp_loss)
     total = total + train_cfg.mtp_weight * jnp.mean(mtp)
     for k in range(n_mtp):
       metrics[f"mtp{k + 1}_loss"] = mtp[k]
@@ -58,9 +129,9 @@ def update_router_bias(params, loads: dict, rate: float):
   """DeepSeek-V3 aux-loss-free balancing: b_i += γ·sign(mean load − load_i), outside the gradient.
 
   Args:
-    params: the model params; every router correction bias (`.../moe/bias`, [M, E]) under a top-level key of
+    params: the model params; every router correction bias (`.../moe/bias`, [Lm, E]) under a top-level key of
       `loads` is updated.
-    loads: top-level param key → tokens per expert [M, E] for that stack (`moe_layers` ← aux["expert_load"],
+    loads: top-level param key → tokens per expert [Lm, E] for that stack (`moe_layers` ← aux["expert_load"],
       `mtp` ← aux["mtp_expert_load"]). Experts never chosen are pushed up, overloaded ones down.
     rate: γ (0 disables the update).
   """
@@ -82,30 +153,35 @@ def _global_norm(tree):
   return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
 
 
+def update_metrics(grads, updates, params, expert_load_LmxE: jax.Array) -> dict:
+  """What every trainer logs about an update: grad / update / param norms and the per-layer max/mean expert load."""
+  metrics = {"grad_norm": _global_norm(grads), "update_norm": _global_norm(updates), "param_norm": _global_norm(params)}
+  if expert_load_LmxE.shape[0]:
+    ratio = jnp.max(expert_load_LmxE, -1) / jnp.maximum(jnp.mean(expert_load_LmxE, -1), 1e-9)
+    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
+  return metrics
+
+
 def train_step(state: TrainState, batch, *, model_cfg, train_cfg, optimizer):
   """One optimizer step; returns the new state and scalar metrics."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (_, (metrics, aux)), grads = grad_fn(state.params, batch, model_cfg, train_cfg)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  load = aux["expert_load"]
-  params = update_router_bias(params, {"moe_layers": load, "mtp": aux["mtp_expert_load"]},
-                              train_cfg.bias_update_rate)
-  if load.shape[0]:
-    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)   # per-layer max/mean expert load
-    metrics.update(expert_load_max_over_mean=jnp.mean(ratio), expert_load_max_over_mean_worst=jnp.max(ratio))
-  metrics.update(grad_norm=_global_norm(grads), param_norm=_global_norm(params),
-                 update_norm=_global_norm(updates), dropped_fraction=aux["dropped_fraction"])
-  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
-  return new_state, metrics
+  loads = {"moe_layers": aux["expert_load"]}
+  if aux["mtp_expert_load"].shape[0]:   # the MTP modules ran (not with mtp_loss='none')
+    loads["mtp"] = aux["mtp_expert_load"]
+  params = update_router_bias(params, loads, train_cfg.bias_update_rate)
+  metrics.update(update_metrics(grads, updates, params, aux["expert_load"]), dropped_fraction=aux["dropped_fraction"])
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def eval_step(params, batch, *, model_cfg):
   """Summed next-token NLL and target count on a held-out batch (perplexity = exp(sum / count))."""
-  logits, _ = model.forward(params, batch["tokens"], model_cfg, segment_ids=batch["segment_ids"],
-                            positions=batch["positions"])
+  h, _ = model.hidden_states(params, batch["tokens"], model_cfg, segment_ids=batch["segment_ids"],
+                             positions=batch["positions"])
   targets, tmask = losses.shifted_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], 1)
-  ce, n = losses.cross_entropy(logits, targets, tmask)
+  ce, n = head.cross_entropy(h, model.lm_head(params, model_cfg), targets, tmask)
   return {"nll_sum": ce * n, "count": n}
 
 

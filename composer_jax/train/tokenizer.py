@@ -14,6 +14,13 @@ because this tokenizer serves a chat/agent model; a document in pretraining ends
 
 `load_tokenizer` returns a tokenizer with `encode_special_tokens = True`: plain `encode` of any text (a source file,
 tool output) never yields a special id; special ids are placed by id only (see `chat_format.encode_messages`).
+
+A run that starts from a checkpoint directory uses that checkpoint's tokenizer instead of training one
+(`from_checkpoint`): its tokenizer.json (DeepSeek-V3's layout, any `tokenizers` model) is kept as it is, the
+`chat_format.SPECIAL_TOKENS` it lacks are appended as special tokens (new ids after its last one), and
+tokenizer_config.json gets this module's chat template and bos/eos/pad, so SFT, RL, the engines and an SGLang server
+all speak `chat_format`. `tokenizer_additions.json` records what was added and replaced. Packing pads with id 0,
+which in an adopted tokenizer is its first token rather than <|pad|>: padding is masked, so the id does not matter.
 """
 
 from __future__ import annotations
@@ -104,10 +111,11 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig = TokenizerConfig
   return tok
 
 
-def tokenizer_config(cfg: TokenizerConfig = TokenizerConfig()) -> dict:
-  """The tokenizer_config.json contents transformers needs (special tokens, chat template)."""
+def tokenizer_config(cfg: TokenizerConfig = TokenizerConfig(), tok: tokenizers.Tokenizer | None = None) -> dict:
+  """The tokenizer_config.json contents transformers needs (special tokens and their ids in `tok`, chat template)."""
+  ids = [tok.token_to_id(t) for t in cf.SPECIAL_TOKENS] if tok is not None else range(len(cf.SPECIAL_TOKENS))
   added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                    "special": True} for i, t in enumerate(cf.SPECIAL_TOKENS)}
+                    "special": True} for i, t in zip(ids, cf.SPECIAL_TOKENS)}
   return {
     "tokenizer_class": "PreTrainedTokenizerFast",
     "bos_token": cf.BEGIN_OF_TEXT,
@@ -129,7 +137,7 @@ def save_tokenizer(tok: tokenizers.Tokenizer, directory: str, cfg: TokenizerConf
   os.makedirs(directory, exist_ok=True)
   tok.save(os.path.join(directory, "tokenizer.json"))
   with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump(tokenizer_config(cfg), f, indent=2, ensure_ascii=False)
+    json.dump(tokenizer_config(cfg, tok), f, indent=2, ensure_ascii=False)
 
 
 def load_tokenizer(directory: str) -> tokenizers.Tokenizer:
@@ -145,6 +153,55 @@ def load_tokenizer(directory: str) -> tokenizers.Tokenizer:
   return tok
 
 
+def id_space(tok: tokenizers.Tokenizer) -> int:
+  """Rows an embedding needs for `tok`: its largest id + 1 (a checkpoint's tokenizer may leave ids unused)."""
+  return max(max(tok.get_vocab(with_added_tokens=True).values()) + 1, tok.get_vocab_size())
+
+
 def padded_vocab_size(tok: tokenizers.Tokenizer, multiple: int = 128) -> int:
   """The model's embedding size: the vocabulary rounded up to `multiple` (for efficient matmuls / sharding)."""
-  return -(-tok.get_vocab_size() // multiple) * multiple
+  return -(-id_space(tok) // multiple) * multiple
+
+
+ADDITIONS_FILE = "tokenizer_additions.json"
+
+
+def _read_checkpoint_tokenizer(directory: str) -> tuple[tokenizers.Tokenizer, str]:
+  path = os.path.join(directory, "tokenizer.json")
+  if os.path.isfile(path):
+    return tokenizers.Tokenizer.from_file(path), "tokenizer.json"
+  if os.path.isfile(os.path.join(directory, "tiktoken.model")):
+    from composer_jax.interop import tiktoken_tokenizer
+    return tiktoken_tokenizer.from_directory(directory), "tiktoken.model"
+  raise FileNotFoundError(f"no tokenizer.json (nor a Kimi-style tiktoken.model) in {directory!r}")
+
+
+def from_checkpoint(src: str, dst: str, cfg: TokenizerConfig = TokenizerConfig()) -> tuple[tokenizers.Tokenizer, dict]:
+  """Adopts the tokenizer of checkpoint directory `src` into `dst`, adding the chat-format special tokens it lacks.
+
+  Args:
+    src: checkpoint directory with tokenizer.json (or a Kimi K2 tiktoken.model + tokenizer_config.json).
+    dst: where the adopted tokenizer is written (tokenizer.json, tokenizer_config.json, tokenizer_additions.json).
+    cfg: only `model_max_length` is used (written to tokenizer_config.json).
+
+  Returns:
+    (tokenizer with `encode_special_tokens = True`, the record also written to `dst/tokenizer_additions.json`:
+    source, format, id space before and after, {token: id} added, and the source's replaced config fields).
+  """
+  tok, fmt = _read_checkpoint_tokenizer(src)
+  before = id_space(tok)
+  missing = [t for t in cf.SPECIAL_TOKENS if tok.token_to_id(t) is None]
+  tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in missing])
+  tok.encode_special_tokens = True
+  src_config = {}
+  if os.path.isfile(os.path.join(src, "tokenizer_config.json")):
+    with open(os.path.join(src, "tokenizer_config.json")) as f:
+      src_config = json.load(f)
+  record = {"source": os.path.abspath(src), "format": fmt, "id_space_before": before, "id_space_after": id_space(tok),
+            "added": {t: tok.token_to_id(t) for t in missing},
+            "replaced": {k: src_config[k] for k in ("bos_token", "eos_token", "pad_token", "chat_template")
+                         if k in src_config}}
+  save_tokenizer(tok, dst, cfg)
+  with open(os.path.join(dst, ADDITIONS_FILE), "w") as f:
+    json.dump(record, f, indent=2, ensure_ascii=False)
+  return tok, record

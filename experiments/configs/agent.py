@@ -12,6 +12,7 @@ exercise self-summarization), `policies=oracle+noop+model+random` (`random`: uni
 import ml_collections
 
 from experiments.configs import common
+from experiments.configs import model as model_configs
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -19,18 +20,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          seed=0, backend="sandbox")
   c = ml_collections.ConfigDict()
   c.seed = arg.seed
-  c.policies = arg.policies
-  c.model = "tiny"            # shape of the randomly initialised `model` policy (configs/model.py variant)
+  c.policies = tuple(arg.policies.split("+"))
+  c.model = model_configs.get_config("tiny")   # shape of the randomly initialised `model` policy
   c.backend = arg.backend  # 'sandbox' (bubblewrap namespaces via `sandboxes`) or 'local' (no isolation)
-  c.tasks = ml_collections.ConfigDict(dict(level=arg.level, n=arg.n_tasks or (16 if arg.colab else 64),
-                                           split=arg.split, seed=arg.seed))
-  c.tokenizer = ml_collections.ConfigDict(dict(dir="", vocab_size=1024, train_tasks=200))
+  c.tasks = ml_collections.ConfigDict(dict(kind="procedural", levels=(arg.level,),
+                                           n=arg.n_tasks or (16 if arg.colab else 64), split=arg.split, seed=arg.seed))
+  c.tokenizer = ml_collections.ConfigDict(dict(dir="", train_tasks=200, fit=dict(vocab_size=1024)))
+  # Mirrors rollout.harness.HarnessConfig (system_prompt names one of harness.SYSTEM_PROMPTS).
   c.harness = ml_collections.ConfigDict(dict(
-    context_budget=arg.budget or (1024 if arg.colab else 4096), max_turn_tokens=256 if arg.colab else 512,
-    observation_reserve=256 if arg.colab else 512, max_turns=16, max_segments=3, summary_max_tokens=128,
-    short_system_prompt=arg.colab, temperature=1.0, max_output_chars=600 if arg.colab else 2000))
-  c.rewards = ml_collections.ConfigDict(dict(length_weight=0.0, length_k=0.01, length_q=0.5, length_unit="tokens",
-                                             todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02,
-                                             no_message_weight=0.05, lint_weight=0.02))
-  c.n_transcripts = 1
+    system_prompt="short" if arg.colab else "full", context_budget=arg.budget or (1024 if arg.colab else 4096),
+    max_turn_tokens=256 if arg.colab else 512, observation_reserve=256 if arg.colab else 512, max_turns=16,
+    max_segments=3, summary_max_tokens=128, seed=c.get_ref("seed"), sampling=dict(temperature=1.0),
+    tools=dict(max_output_chars=600 if arg.colab else 2000),
+    rewards=dict(length_weight=0.0, length_k=0.01, length_q=0.5, length_unit="tokens", todo_weight=0.05,
+                 malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05, lint_weight=0.02)))
+  c.transcripts = 1
   return c

@@ -34,5 +34,9 @@ def parse_arg(arg: str | None, *, lazy: bool = False, **spec) -> ml_collections.
         raise ValueError(f"Config arg {name!r} expects a boolean, got {value!r}")
       res[name] = value in ("True", "true", "1")
     else:
-      res[name] = type(default)(value)
+      try:
+        res[name] = type(default)(value)
+      except ValueError:
+        raise ValueError(f"Config arg {name!r} expects {type(default).__name__} (like {default!r}), got {value!r}"
+                         ) from None
   return res

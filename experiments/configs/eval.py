@@ -8,10 +8,17 @@ r"""CursorBench-style evaluation: policies x task sets, k samples, gold validati
 checkpoint=runs/rl_colab,model=colab
   python experiments/eval_main.py --config=experiments/configs/eval.py:mined,repos=/src/a,build_set=sets/a_v1.json
 
-Variants name the set: `procedural` (held-out procedural tasks, `level=`, `n_tasks=`), `mined` (mine local git
-repositories now, `repos=` colon-separated), `swe` (SWE-bench-style JSONL against local clones), `file` (a frozen set
-written by the set builder). `build_set=PATH` mines `repos` with the filters (`min_files`, `min_lines`,
-`max_prompt_chars`) and writes a frozen, versioned set file instead of evaluating.
+Variants name the task source (`rollout/tasks/registry.py`): `procedural` (held-out procedural tasks, `levels=1` or
+a mix `levels=1+2+3`, `n_tasks=`), `mined` (mine local git repositories now, `repos=` colon-separated), `swe`
+(SWE-bench-style JSONL against local clones), `file` (a frozen set written by the set builder). `build_set=PATH` mines
+`repos` with the filters (`min_files`, `min_lines`, `max_prompt_chars`) and writes a frozen, versioned set file
+instead of evaluating.
+
+Budgets: for repository sets (mined, swe, file) `auto_budget` raises `max_turn_tokens` and
+`context_budget` to what the set's gold patches need in the policy's tokenizer (`rollout/evaluation/budget.py`: a
+real patch is 1,100-2,200 tokens with the colab BPE at ~1.3 characters per token; a big-vocabulary tokenizer needs
+2-3x fewer); tasks whose oracle still does not fit are flagged. `harness.grade_workers` sets how many episodes are
+graded at once.
 
 `harness=rl_colab` runs the agent loop with the settings RL checkpoints of `rl.py:colab` were trained in (short
 system prompt, 320-token budget, 4 turns, one segment).
@@ -23,22 +30,28 @@ several joined by ':' appear side by side on the plot; `model=` their model-conf
 Expected (procedural, 8 level-1 held-out tasks, k=2, oracle+noop+random, sandboxes): ~20-40 s on 2 busy cores;
 oracle pass@1 = 1.0, no-op 0.0, random 0.0; out/procedural/{summary.txt,pareto.png}, out/set_stats.txt.
 """
+import dataclasses
+
 import ml_collections
 
 from experiments.configs import common
 from experiments.configs import rl as rl_configs
+from rollout.tasks import miner
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, variant="procedural", n_tasks=8, level=1, seed=0, samples=2, chunk_tasks=8,
+  arg = common.parse_arg(arg, variant="procedural", n_tasks=8, levels="1", seed=0, samples=2, chunk_tasks=8,
                          policies="oracle+noop+random", repos="", jsonl="", repos_dir="", set_file="", corpus="",
                          keep_contaminated=False, checkpoint="", model="colab", sglang_url="", backend="sandbox",
                          out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
                          max_prompt_chars=1000, temperature=1.0, harness="default")
   c = ml_collections.ConfigDict()
-  c.set = ml_collections.ConfigDict(dict(kind=arg.variant, n=arg.n_tasks, level=arg.level, seed=arg.seed,
-                                         split="heldout", repos=arg.repos, jsonl=arg.jsonl, repos_dir=arg.repos_dir,
-                                         path=arg.set_file))
+  # c.set mirrors rollout.tasks.registry.SetSpec (the one task-source registry RL and SFT use too).
+  c.set = ml_collections.ConfigDict(dict(
+    kind=arg.variant, n=arg.n_tasks if arg.variant == "procedural" else 0, seed=arg.seed,
+    split="heldout" if arg.variant == "procedural" else "all", levels=tuple(int(x) for x in arg.levels.split("+")),
+    repos=tuple(r for r in arg.repos.split(":") if r), jsonl=arg.jsonl, repos_dir=arg.repos_dir, path=arg.set_file,
+    heldout_percent=20, miner=dataclasses.asdict(miner.MinerConfig())))
   c.policies = arg.policies
   c.samples = arg.samples
   c.chunk_tasks = arg.chunk_tasks
@@ -49,20 +62,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.backend = arg.backend  # 'sandbox' (bubblewrap) or 'local'
   c.out = arg.out
   c.seed = arg.seed
+  c.gold_runs = 2  # gold validation runs each side this often (>= 2: a flaky task is invalid)
   c.builder = ml_collections.ConfigDict(dict(path=arg.build_set, version=arg.set_version, min_files=arg.min_files,
                                              min_lines=arg.min_lines, max_prompt_chars=arg.max_prompt_chars))
-  c.miner = ml_collections.ConfigDict(dict(test_command="", timeout_s=120.0, max_commits=200))
   c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=1024, train_tasks=200))  # baselines without a checkpoint
+  # Mirrors rollout.harness.HarnessConfig (system_prompt names one of harness.SYSTEM_PROMPTS).
   c.harness = ml_collections.ConfigDict(dict(context_budget=4096, max_turn_tokens=1024, observation_reserve=512,
                                              max_turns=16, max_segments=3, summary_max_tokens=256,
-                                             temperature=arg.temperature, max_output_chars=2000,
-                                             system_prompt="full"))
+                                             sampling=dict(temperature=arg.temperature),
+                                             tools=dict(max_output_chars=2000), system_prompt="full",
+                                             grade_workers=4, seed=c.get_ref("seed")))
+  c.auto_budget = arg.variant != "procedural"
   if arg.harness == "rl_colab":   # the loop an rl.py:colab checkpoint was trained in (a policy is judged in its own)
-    r = rl_configs.get_config("colab")
-    # max_segments, max_output_chars and the short prompt are what composer_jax.rl.setup.harness_config fixes.
+    r = rl_configs.get_config("colab").harness
     c.harness.update(context_budget=r.context_budget, max_turn_tokens=r.max_turn_tokens,
-                     observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=1,
-                     summary_max_tokens=r.max_turn_tokens, max_output_chars=300, system_prompt="short")
+                     observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=r.max_segments,
+                     summary_max_tokens=r.summary_max_tokens, system_prompt=r.system_prompt)
+    c.harness.tools.max_output_chars = r.tools.max_output_chars
+    c.auto_budget = False
   elif arg.harness != "default":
     raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, rl_colab")
   return c

@@ -8,6 +8,10 @@ Variants:
   colab:   ~3M parameters; trains on one CPU core in minutes.
   small:   ~60M parameters; a real small MoE for a workstation or one GPU.
   kimi_k2: the published Kimi K2 shape (1.04T total / 32B active). Build it abstractly only (`jax.eval_shape`).
+
+To add a size: a branch below that `c.update(...)`s the shape fields (names follow Hugging Face's
+`DeepseekV3Config`; `composer_jax/model/config.py` lists them all) and its name in the error's list; check it with
+`composer_jax.model.count_params(configs.from_dict(ModelConfig, get_config("mine")))` (no allocation).
 """
 import ml_collections
 
@@ -24,13 +28,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.norm_topk_prob = True
   c.moe_layer_freq = 1
   c.seq_aux_loss_coef = 0.0
-  c.moe_impl = "ragged"
+  c.moe_impl = "auto"                  # model.moe.MOE_IMPLS: dense two-GEMM on CPU, ragged_dot elsewhere
   c.capacity_factor = 1.25
   c.tie_word_embeddings = False
   c.initializer_range = 0.02
   c.param_dtype = "float32"
   c.compute_dtype = "float32"
-  c.scan_layers = True
+  # None: by platform (unrolled on CPU, where it is faster; scanned elsewhere); a typed reference so that
+  # --config.model.scan_layers=True|False still parses.
+  c.scan_layers = ml_collections.FieldReference(None, field_type=bool)
   c.remat = False
   if arg.variant == "tiny":
     c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -12,6 +12,11 @@ Then the chained stages, each starting from the previous stage's exported params
       --workdir=runs/sft_colab --config.init.checkpoint=runs/long_context_colab \
       --config.sft.train_path=train.jsonl --config.sft.eval_path=eval.jsonl
 
+From a Hugging Face checkpoint (transformers' save_pretrained, DeepSeek-V3 / Kimi K2 layout, block-FP8 or not): its
+params (read sliced onto the mesh) and its tokenizer (chat tokens added; see composer_jax/interop/README.md):
+  python experiments/pretrain_main.py --config=experiments/configs/pretrain.py:tiny --workdir=runs/from_hf \
+      --config.init.hf=/path/to/checkpoint
+
 Multi-process (here: 2 processes on one CPU machine, 4 fake devices each; on a cluster one process per host, the
 same flags or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or --distributed_auto under SLURM):
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python experiments/pretrain_main.py \
@@ -35,16 +40,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = model.get_config(arg.variant)
   colab = arg.variant in ("colab", "tiny")
 
+  no_cap = ml_collections.config_dict.placeholder(int)   # None, but typed: `--config.corpus.max_files=100` works
   c.corpus = ml_collections.ConfigDict(dict(
       paths=(),                                  # () = the running Python's standard library
       languages=("python",),
       min_file_bytes=64, max_file_bytes=256 * 1024,
-      max_files=-1, max_total_bytes=4_000_000 if colab else -1,   # -1 = no cap
+      max_files=no_cap, max_total_bytes=4_000_000 if colab else no_cap,
       heldout_fraction=0.05, min_heldout_files=4))
-  c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=c.model.vocab_size, min_frequency=2, max_token_length=24))
   base_len = 256 if colab else 1024
   c.data = ml_collections.ConfigDict(dict(seq_len=base_len, batch_size=8 if colab else 32, seed=0,
                                           num_packing_bins=16, split_long_examples=True))
+  # model_max_length follows data.seq_len (a reference: a --config.data.seq_len override moves it too).
+  c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=c.model.vocab_size, min_frequency=2, max_token_length=24,
+                                               model_max_length=c.data.get_ref("seq_len")))
   c.train = ml_collections.ConfigDict(dict(
       steps=300 if colab else 20_000, seed=0, log_every=10, eval_every=50 if colab else 1000, eval_batches=8,
       ckpt_every=50 if colab else 1000, ckpt_keep=3, mtp_loss="self_distill", mtp_weight=0.3,

@@ -1,99 +1,204 @@
-r"""RL on procedural repair tasks: SFT warm start on oracle trajectories, then (a)synchronous RL with workers.
+r"""RL on a task source (procedural repair tasks by default): SFT warm start on oracle trajectories, then
+(a)synchronous RL with workers.
 
   python experiments/rl_main.py                                              # = rl.py:colab, runs/rl_colab
   python experiments/rl_main.py --config=experiments/configs/rl.py:colab,mode=sync --workdir=runs/rl_sync
   python experiments/rl_main.py --config=experiments/configs/rl.py:test --workdir=/tmp/rl_test   # seconds-scale
 
-Does: SFT warm start on oracle transcripts, RL for `steps`, then held-out evaluation of the SFT start, the RL
-policy and an equal-wall-clock SFT control on `eval_tasks` held-out tasks, greedy and at T=1 (Wilson 95% CIs); the
-last line is JSON. Measured (idle 2-core CPU, README): 24.5 min in all — SFT 8 min, 100 RL steps 6 min (3.5 s/step),
-control 6 min, evaluations 3 min; at T=1 the SFT start solves 45%, RL 72%, the SFT control 60% of 500 held-out tasks
-(a rerun: RL 65%, control 60% — async RL varies from run to run).
-Variants: `colab` (default), `colab_pretrained` (SFT from the colab pretraining run, `make pretrain`, and its
-tokenizer), `test` (tiny model, few tasks, local workspaces; for tests). Overrides:
-`mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`, `engine=jax|sglang`
-(rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make test`'s), `seed=`.
-Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt).
+Does: SFT warm start on oracle transcripts, RL for `train.steps`, then held-out evaluation of the SFT start, the RL
+policy and an equal-wall-clock SFT control on `eval.tasks` held-out tasks, greedy and at T=1 (Wilson 95% CIs); the
+last line is JSON. Measured (idle 2-core CPU, experiments/results/README.md): 24.5 min in all — SFT 8 min, 100 RL
+steps 6 min (3.5 s/step), control 6 min, evaluations 3 min; at T=1 the SFT start solves 45%, RL 72%, the SFT control
+60% of 500 held-out tasks (a rerun: RL 65%, control 60% — async RL varies from run to run).
+
+The sections mirror `composer_jax.rl.config.RunConfig` (one converter, `composer_jax.configs.from_dict`; a typo
+is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.HarnessConfig`: prompt, budgets,
+sampling, tools, rewards), sft, train (steps, groups per step, checkpoints, optim), rl (`rl.step.RLConfig`: loss,
+router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
+Variants: `colab` (default), `colab_level1` (the level-1 recipe the measurements above were taken with; today the
+same as colab, kept by name so its end-to-end time stays measurable), `colab_pretrained` (SFT from the colab
+pretraining run, `make pretrain`, and its tokenizer), `recipe` (the report's RL recipe at Colab scale: levels 1-3,
+self-summary chains, length penalty and behavioural terms on; see `_recipe` for how its budget and weights were
+chosen; not yet the default: its 30-minute fit is unmeasured), `test` (tiny model, few tasks, local workspaces).
+Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
+`engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
+test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
+`levels=1+2+3`, `tasks=mined,repos=/src/a:/src/b`, `tasks=swe,jsonl=x.jsonl,repos_dir=/src`,
+`tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
+`--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
+Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt);
+`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, summaries vs dropped oldest turns,
+λ = 0 vs λ > 0 at q = 0, 0.5, 1).
 """
 import ml_collections
 
 from experiments.configs import common
 from experiments.configs import model as model_configs
+from rollout import rewards
+
+VARIANTS = ("colab", "colab_level1", "colab_pretrained", "recipe", "test")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
-                         backend="", seed=0, engine="jax", servers=1)
+                         backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="", repos="",
+                         jsonl="", repos_dir="", set_file="")
+  recipe = arg.variant == "recipe"
+  arg.levels = arg.levels or ("1+2+3" if recipe else "1")
+  if arg.variant not in VARIANTS:
+    raise ValueError(f"unknown rl variant {arg.variant!r}; valid: {', '.join(VARIANTS)}")
   test = arg.variant == "test"
-  if arg.variant not in ("colab", "colab_pretrained", "test"):
-    raise ValueError(f"unknown rl variant {arg.variant!r}; valid: colab, colab_pretrained, test")
+  pretrained = arg.variant == "colab_pretrained"
   c = ml_collections.ConfigDict()
   if test:
     c.model = model_configs.get_config("tiny")
     c.model.update(num_nextn_predict_layers=0, max_position_embeddings=1024)
-  elif arg.variant == "colab_pretrained":
+  elif pretrained:
     c.model = model_configs.get_config("colab")   # the shape `make pretrain` trains (runs/pretrain_colab)
   else:
     c.model = model_configs.get_config("rl_colab")
-  c.mode = arg.mode
-  c.engine = arg.engine            # 'sglang': the trainer starts `sglang_servers` SGLang servers, workers attach
-  c.sglang_servers = arg.servers
-  c.sglang_device = "cpu"
-  c.sglang_python = ""
-  c.steps = arg.steps or (4 if test else 100)
-  c.groups_per_step = 2 if test else 4
-  c.samples_per_prompt = arg.samples or (2 if test else 8)
-  c.max_staleness = 0 if arg.mode == "sync" else (arg.staleness if arg.staleness >= 0 else 2)
-  c.staleness_policy = "drop"
-  c.publish_every = 1
-  c.ckpt_every = 2 if test else 20
-  c.n_workers = arg.workers
-  c.level = 1
-  c.pool_size = 256 if test else 4096
   c.seed = arg.seed
-  c.backend = arg.backend or ("local" if test else "sandbox")
-  c.vocab_size = 4096 if arg.variant == "colab_pretrained" else 512
+  c.progress_bar = not test
+  # The training task source (rollout/tasks/registry.py SetSpec; its 'heldout' side is the held-out set).
+  procedural = arg.tasks == "procedural"
+  c.tasks = ml_collections.ConfigDict(dict(
+      kind=arg.tasks, n=(256 if test else 4096) if procedural else 0, seed=c.get_ref("seed") + 1, split="train",
+      levels=tuple(int(x) for x in arg.levels.split("+")), repos=tuple(r for r in arg.repos.split(":") if r),
+      jsonl=arg.jsonl, repos_dir=arg.repos_dir, path=arg.set_file, heldout_percent=20))
+  c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=4096 if pretrained else 512))
   # The harness asks for a summary once context > budget - max_turn - reserve (here 208 tokens); with
   # max_segments=1 that ends the episode. A level-1 read → edit → finish episode is ~170 tokens. RL rows are
-  # context_budget long, so a tight budget makes RL steps cheaper.
-  c.context_budget = 320
-  c.max_turn_tokens = 48
-  if arg.variant == "colab_pretrained":   # the code tokenizer spends more tokens on the JSON of a tool call
-    c.context_budget, c.max_turn_tokens = 384, 64
-  c.observation_reserve = 64
-  c.max_turns = 4
-  c.temperature = 1.0
-  c.length_weight = 0.0
-  c.length_q = 0.5
-  # The lint term runs ruff in every episode's sandbox (measured: doubles the per-episode sandbox cost, 240 → 510 ms
-  # at load 10) and a one-line procedural fix rarely changes lint findings; `lint_weight=0.02` turns it on.
-  c.lint_weight = 0.0
-  c.learning_rate = 3e-4     # 1e-3 collapsed (pass rate 0.06, KL 0.4 by step 12)
-  c.rl = ml_collections.ConfigDict(dict(router_replay=True, ref_router_replay=True, mtp_weight=0.0,
-                                        bias_update_rate=0.0, kl_coef=1e-3, is_cap=2.0, importance="truncate",
-                                        normalize="tokens", adv_std=False))
+  # context_budget long, so a tight budget makes RL steps cheaper. The code tokenizer of colab_pretrained spends
+  # more tokens on the JSON of a tool call.
+  budget, turn = (384, 64) if pretrained else (320, 48)
+  c.harness = ml_collections.ConfigDict(dict(
+      system_prompt="short", context_budget=budget, max_turn_tokens=turn, observation_reserve=64, max_turns=4,
+      max_segments=1, summary_max_tokens=turn, seed=c.get_ref("seed"),
+      sampling=dict(temperature=1.0), tools=dict(max_output_chars=300),
+      # length_weight: λ of the length penalty C(x) (x = generated tokens). The lint term runs ruff in every
+      # episode's sandbox (measured: doubles the per-episode sandbox cost, 240 → 510 ms at load 10) and a one-line
+      # procedural fix rarely changes lint findings; `lint_weight=0.02` turns it on.
+      rewards=dict(length_weight=0.0, length_q=0.5, lint_weight=0.0)))
   # 300 steps left a start that could not copy (0% held-out; RL had nothing to learn from) while the same SFT run
   # longer reached 89%; 900 steps on half-wrong demonstrations give a start that solves 82% greedy / 45% at T=1
   # (500 held-out tasks): groups contain successes, and an SFT control can only imitate the errors.
-  c.sft_steps = 4 if test else 900
-  c.sft_tasks = 16 if test else 1024
-  c.sft_batch = 4 if test else 16
-  c.sft_seq_len = 256         # packed rows; a level-1 transcript is ~170 tokens, longer ones are split
-  c.sft_lr = 3e-3
-  c.sft_demo_accuracy = 1.0 if test else 0.5
-  # colab_pretrained: SFT (then RL) starts from the colab pretraining run and uses its tokenizer.
-  c.init_checkpoint = "runs/pretrain_colab" if arg.variant == "colab_pretrained" else ""
-  c.eval_tasks = 8 if test else 500
-  c.eval_every = 0
-  c.progress_bar = not test
-  c.control = not test        # rl_main: also train the equal-wall-clock SFT control and evaluate it
+  c.sft = ml_collections.ConfigDict(dict(
+      steps=4 if test else 900, tasks=16 if test else 1024, batch=4 if test else 16,
+      seq_len=256,                # packed rows; a level-1 transcript is ~170 tokens, longer ones are split
+      learning_rate=3e-3, demo_accuracy=1.0 if test or not procedural else 0.5,   # near misses: procedural only
+      # colab_pretrained: SFT (then RL) starts from the colab pretraining run and uses its tokenizer.
+      init_checkpoint="runs/pretrain_colab" if pretrained else ""))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=arg.steps or (4 if test else 100), groups_per_step=2 if test else 4, ckpt_every=2 if test else 20,
+      # 1e-3 collapsed (pass rate 0.06, KL 0.4 by step 12). Constant after one warm-up step, no weight decay.
+      optim=dict(learning_rate=3e-4, warmup_steps=1, decay_steps=1000, final_lr_fraction=1.0, weight_decay=0.0,
+                 grad_clip=1.0)))
+  c.rl = ml_collections.ConfigDict(dict(
+      router_replay=True, ref_router_replay=True, mtp_weight=0.0, bias_update_rate=0.0,
+      loss=dict(kl_coef=1e-3, is_cap=2.0, importance="truncate", normalize="tokens",
+                norm_constant=ml_collections.config_dict.placeholder(float), adv_std=False, adv_eps=1e-6)))
+  c.rollout = ml_collections.ConfigDict(dict(
+      mode=arg.mode, engine=arg.engine,   # 'sglang': the trainer starts `sglang.servers` SGLang servers, workers attach
+      workers=arg.workers, samples_per_prompt=arg.samples or (2 if test else 8),
+      max_staleness=0 if arg.mode == "sync" else (arg.staleness if arg.staleness >= 0 else 2),
+      staleness_policy="drop", publish_every=1, backend=arg.backend or ("local" if test else "sandbox"),
+      sglang=dict(servers=arg.servers, device="cpu", python="")))
+  # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
+  c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test,
+                                          summaries_from_start=False))
+  if recipe:
+    _recipe(c)
   return c
 
 
-def get_sweep():
-  """Ablations, each runnable as one command (`--config.<key>=<value>` for each pair)."""
+# The recipe's length penalty: k of C(x), and what an oracle-length level-3 episode (x = 321 generated tokens, the
+# measured median of the scripted oracle's chains) pays at every q (`_length_weight`).
+RECIPE_LENGTH_K, RECIPE_LEVEL3_TOKENS, RECIPE_LEVEL3_COST = 0.01, 321, 0.1
+
+
+# The no-summary arm: the oldest turns are dropped instead. Segments are not the context budget (max_turns bounds
+# the episode); a segment of kept recent turns fills again sooner than one from a summary, so it may take more.
+DROP_OLDEST = {"overflow": "drop_oldest", "max_segments": 8}
+
+
+def _length_weight(q: float) -> float:
+  """λ for shape q: the weight at which an oracle-length level-3 episode pays RECIPE_LEVEL3_COST, so the q rows of
+  the sweep differ in C's shape (how much more a long episode pays than a short one), not in its overall scale."""
+  return RECIPE_LEVEL3_COST / rewards.length_penalty(RECIPE_LEVEL3_TOKENS, RECIPE_LENGTH_K, q)
+
+
+def _recipe(c: ml_collections.ConfigDict) -> None:
+  r"""`rl.py:recipe`: the report's RL recipe at Colab scale (procedural levels 1-3, self-summary chains, C(x) and
+  behavioural terms on). Not yet the default: its 30-minute fit and its calibration are still to be measured.
+
+  Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
+  modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
+
+  Context budget, measured with the scripted oracle (the run's kind of tokenizer: a 512-token BPE fitted to
+  levels 1-3 training tasks; 60 held-out tasks per level): a whole episode in one context takes 155-177 tokens at
+  level 1, 211-247 at level 2 and 485-566 at level 3; the longest oracle turn is 63 tokens (an edit + todo
+  update), the longest tool result 59, the oracle's summaries at most 50 (300 tasks per level). So:
+    context_budget=448 < 485: no level-3 episode can finish in one segment, it must summarise and continue;
+    max_turn_tokens=64 >= 63; summary_max_tokens=56 >= 50;
+    observation_reserve=128 >= 59 (a tool result) + 9 (the summary request) + 56 (the summary): the result that
+      triggers a summary stays whole in the context it is written from, and the summary is never cut;
+    summary_prompt="Summarize.": the harness's long default prompt is 105 tokens under this 512-token BPE;
+    the summary is asked for once the context passes 448 - 64 - 128 = 256 tokens: levels 1-2 (<= 247) finish in
+      one segment, level-3 oracle chains take 2 (28/60) or 3 (32/60) segments, all solved;
+    max_segments=4, max_turns=10: one spare segment and two spare turns over the level-3 oracle's 3 and 8.
+  The SFT demonstrations are these chains, one transcript per segment (harness.segment_transcripts), with the
+  oracle's summaries that carry what the next segment needs (procedural `oracle_summaries`: fixed functions, the
+  file a grep found, the planned edit); sft.seq_len=512 holds a whole segment.
+
+  Reward weights, so success stays the dominant term (rollout/rewards.py): every penalty is <= 0, and
+  penalty_cap=0.5 floors their sum at -0.5, so every solved episode scores >= 0.5 > 0 >= every unsolved one,
+  whatever it spends. Below the cap:
+    length: q=0.5 (concave), k=0.01, λ = 0.1 / C(321) = 4.7e-4: an oracle-length level-3 episode pays 0.1, a
+      level-1 one (87 tokens) 0.035 and one twice as long 0.062: between two successes in a group the shorter is
+      preferred by ~0.03, small next to the 1 between success and failure; the most the loop allows
+      (10 x 64 + 3 x 56 = 808 tokens) pays 0.19, and the cap alone would take ~3,800;
+    todo_weight=0.05 per item still open when the episode ends (level 3 lists 2: 0.1, a level-3 episode's length);
+    malformed_weight=0.05 per malformed call: a wasted turn costs more than its ~40 tokens of length (0.02), so
+      format errors are discouraged on their own; ten of them reach the cap;
+    repeat_weight=0.02, no_message_weight=0.05 (the defaults); lint off (it doubles a sandboxed episode's cost and
+      a one-line fix rarely changes ruff's findings).
+  Batch rows: a level-3 trajectory takes 2-3 of a step's groups_per_step x samples_per_prompt = 32 rows, so a step
+  holds fewer groups than the level-1 run's 4 (the queue hands over whole groups that fit).
+  """
+  c.harness.update(context_budget=448, max_turn_tokens=64, observation_reserve=128, max_turns=10, max_segments=4,
+                   summary_max_tokens=56, summary_prompt="Summarize.")
+  c.harness.rewards.update(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5,
+                           todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
+                           lint_weight=0.0, penalty_cap=0.5)
+  c.sft.update(seq_len=512, batch=8)   # the same tokens per step as 16 x 256, a whole segment per row
+  c.eval.update(tasks=1500,            # 500 held-out tasks per level (the mix is spread evenly)
+                summaries_from_start=True)   # RL acting with the SFT start's summaries: do trained ones help?
+
+
+def _recipe_sweep():
+  """The measurement rows of `rl.py:recipe`, one run each (`--config.<key>=<value>` per pair).
+
+  Every run evaluates the SFT start, RL and the equal-wall-clock SFT control per level, greedy and at T=1 (so the
+  first rows answer "does RL learn beyond copying" and "does greedy improve"); the others are one seed each.
+  """
+  return ([{"seed": s} for s in (0, 1)]                                              # the default comparison
+          + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
+          + [{"harness.sampling.temperature": 0.7}]                                  # greedy: rollout temperature
+          + [{f"harness.{k}": v for k, v in DROP_OLDEST.items()}]    # summaries vs dropped oldest turns (the SFT
+          # start's summaries are in every run: eval.summaries_from_start)
+          + [{"harness.rewards.length_weight": 0.0}]                                 # λ = 0
+          + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q}
+             for q in (0.0, 1.0)])                    # λ > 0 at q = 0 and 1; q = 0.5 is the recipe (the seed rows)
+
+
+def get_sweep(arg: str | None = None):
+  """Ablations of the variant `arg` names (default colab), each one command (`--config.<key>=<value>` per pair):
+  for `recipe` its measurement rows, for the others router replay, length penalty q, KL β, staleness, group size."""
+  if arg == "recipe":
+    return _recipe_sweep()
   return ([{"rl.router_replay": r} for r in (True, False)]
-          + [{"length_weight": 0.001, "length_q": q} for q in (0.0, 0.5, 1.0)]
-          + [{"rl.kl_coef": b} for b in (0.0, 1e-3, 1e-2)]
-          + [{"max_staleness": 0, "mode": "sync"}] + [{"max_staleness": s} for s in (2, 8)]
-          + [{"samples_per_prompt": g} for g in (4, 8, 16)])
+          + [{"harness.rewards.length_weight": 0.001, "harness.rewards.length_q": q} for q in (0.0, 0.5, 1.0)]
+          + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-3, 1e-2)]
+          + [{"rollout.max_staleness": 0, "rollout.mode": "sync"}]
+          + [{"rollout.max_staleness": s} for s in (2, 8)]
+          + [{"rollout.samples_per_prompt": g} for g in (4, 8, 16)])

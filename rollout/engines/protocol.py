@@ -64,12 +64,16 @@ class GenerateResult:
       fed that token (SGLang: the last one); None for dense/scripted engines.
     policy_version: version of the weights that produced the tokens.
     finish_reason: 'stop' (stop token), 'length' (max_tokens) or 'abort'.
+    prompt_routed_experts: int32 [P, N, K] experts each prompt token was routed to in this call's prefill, at its
+      own position (same layout); with it the trainer replays the whole context as the engine ran it. None when
+      the engine does not report prefill routing.
   """
   output_ids: np.ndarray
   logprobs: np.ndarray
   routed_experts: np.ndarray | None
   policy_version: int
   finish_reason: FinishReason
+  prompt_routed_experts: np.ndarray | None = None
 
   def __post_init__(self):
     t = len(self.output_ids)
@@ -77,6 +81,10 @@ class GenerateResult:
       raise ValueError(f"logprobs shape {self.logprobs.shape} != ({t},) output tokens")
     if self.routed_experts is not None and (self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != t):
       raise ValueError(f"routed_experts must be [T={t}, layers, top_k], got {self.routed_experts.shape}")
+    pr = self.prompt_routed_experts
+    if pr is not None and (pr.ndim != 3 or (self.routed_experts is not None
+                                            and pr.shape[1:] != self.routed_experts.shape[1:])):
+      raise ValueError(f"prompt_routed_experts must be [P, layers, top_k] like routed_experts, got {pr.shape}")
     if self.finish_reason not in FINISH_REASONS:
       raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
 

@@ -89,7 +89,8 @@ def oracle_policy(tasks: Sequence[Task]) -> Callable[[str], dict]:
 
   It finds the task by its prompt (and, when several tasks share a prompt, by the file contents its tool results
   have shown), and its position by the number of assistant turns in the context; after a self-summary it resumes
-  from the step count it wrote into the summary.
+  from the step count it wrote into the summary. Its summaries are the task's `metadata['oracle_summaries'][k]`
+  (what the next segment needs after k turns; procedural tasks carry them), else a generic step-count note.
   """
   by_prompt: dict[str, list[Task]] = {}
   for t in tasks:
@@ -101,12 +102,15 @@ def oracle_policy(tasks: Sequence[Task]) -> Callable[[str], dict]:
     user, done, summarizing = _current_context(prompt_text)
     m = SUMMARY_STEP_RE.findall(prompt_text)
     done += int(m[-1]) if m else 0
-    if summarizing:
-      return {"content": f"Working on: {user} completed steps: {done}"}
     candidates = by_prompt.get(user, [])
     if len(candidates) > 1:
       observations = [r.split(cf.END_OF_TURN, 1)[0] for r in prompt_text.split(cf.TOOL_RESULT)[1:]]
       candidates = [t for t in candidates if _consistent(t, observations)]
+    if summarizing:
+      summaries = candidates[0].metadata.get("oracle_summaries") if candidates else None
+      if summaries:
+        return {"content": summaries[min(done, len(summaries) - 1)]}
+      return {"content": f"Working on: {user} completed steps: {done}"}
     if not candidates:
       return {"content": "I do not know this task."}
     turns = candidates[0].metadata["oracle"]

@@ -6,9 +6,9 @@ per-token logprobs (`meta_info.output_token_logprobs`, `[logprob, token_id, null
 
 Routing alignment (the protocol's): `routed_experts[t]` is the routing of output token t as an input, at its own
 sequence position P + t (P prompt tokens) — the layout the trainer replays. SGLang logs positions 0..S-2, so the
-last output token (never fed back) gets a row of -1 ("not recorded": the trainer uses its own routing there), and
-the log's row P - 1 (the last prompt token) is dropped with the prompt. Dense layers are dropped: N counts MoE
-layers only.
+last output token (never fed back) gets a row of -1 ("not recorded"; no trained token depends on it), and rows
+0..P-1 are the prompt's prefill routing (`GenerateResult.prompt_routed_experts`). Dense layers are dropped: N
+counts MoE layers only.
 
 Shapes: P prompt tokens, T output tokens, S = P + T, L all hidden layers, N MoE layers, K experts per token.
 Only the standard library and numpy: `rollout/` must run without JAX or torch.
@@ -134,7 +134,8 @@ def from_response(body: dict[str, Any], prompt_len: int, layout: RoutingLayout |
     layout: routing layout, or None to ignore routing.
 
   Returns:
-    The `GenerateResult`, with routed_experts int32 [T, N, K] when `layout` is given and the server logged routing.
+    The `GenerateResult`, with routed_experts int32 [T, N, K] and prompt_routed_experts [P, N, K] when `layout` is
+    given and the server logged routing.
   """
   if "output_ids" not in body or "meta_info" not in body:
     raise SGLangError(f"unexpected /generate answer (keys {sorted(body)}); was the server started with "
@@ -151,15 +152,16 @@ def from_response(body: dict[str, Any], prompt_len: int, layout: RoutingLayout |
   reason = (meta.get("finish_reason") or {}).get("type", "abort")
   if reason not in ("stop", "length"):
     reason = "abort"
-  routed = None
+  routed = prompt_routed = None
   if layout is not None and meta.get("routed_experts") is not None and T:
     n_positions = prompt_len + T - 1  # every position the model ran; the last output token is never fed back
-    all_SxLxK = decode_routed_experts(meta["routed_experts"], n_positions, layout)
+    moe_SxNxK = decode_routed_experts(meta["routed_experts"], n_positions, layout)[:, list(layout.moe_layers)]
     routed = np.full((T, len(layout.moe_layers), layout.top_k), -1, np.int32)
-    routed[:T - 1] = all_SxLxK[prompt_len:prompt_len + T - 1][:, list(layout.moe_layers)]
+    routed[:T - 1] = moe_SxNxK[prompt_len:]
+    prompt_routed = moe_SxNxK[:prompt_len]
   elif layout is not None and T == 0:
     routed = np.zeros((0, len(layout.moe_layers), layout.top_k), np.int32)
-  return GenerateResult(out_T, logprobs_T, routed, _version(meta), reason)
+  return GenerateResult(out_T, logprobs_T, routed, _version(meta), reason, prompt_routed_experts=prompt_routed)
 
 
 def post_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:

@@ -1,5 +1,5 @@
 """Set builder: mines a benchmark from local git repositories with CursorBench-style filters and writes a frozen,
-versioned set file (JSON: name, version, filters, sources, tasks, and a sha256 of the tasks that `read_set` checks).
+versioned set file (`rollout.tasks.setfile`: name, version, filters, sources, tasks and their sha256).
 
 Filters (on the gold patch, counted by `stats.diff_size`): at least `min_files` changed files (multi-file changes),
 at least `min_lines` changed lines, and prompts of at most `max_prompt_chars` characters (terse requests).
@@ -8,17 +8,12 @@ at least `min_lines` changed lines, and prompts of at most `max_prompt_chars` ch
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import subprocess
 from collections.abc import Sequence
 
 from rollout.evaluation.stats import diff_size
-from rollout.tasks import miner
-from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks import miner, setfile
+from rollout.tasks.environment import EnvironmentCache, git
 from rollout.tasks.task import Task
-
-FORMAT = "composer_jax.eval_set/1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +36,6 @@ def filter_reason(task: Task, f: SetFilters) -> str:
   return ""
 
 
-def _tasks_digest(task_dicts: list[dict]) -> str:
-  return hashlib.sha256(json.dumps(task_dicts, sort_keys=True).encode()).hexdigest()
-
-
 def build_set(repos: Sequence[str], envs: EnvironmentCache, filters: SetFilters = SetFilters(),
               miner_cfg: miner.MinerConfig | None = None, *, name: str, version: str,
               log=print) -> tuple[dict, list[tuple[str, str]]]:
@@ -56,34 +47,16 @@ def build_set(repos: Sequence[str], envs: EnvironmentCache, filters: SetFilters 
   miner_cfg = miner_cfg or miner.MinerConfig()
   tasks, excluded, sources = [], [], []
   for repo in repos:
-    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True)
-    if head.returncode != 0:
-      raise ValueError(f"{repo!r} is not a git repository: {head.stderr.strip()[:200]}")
-    sources.append({"repo": repo, "head": head.stdout.strip()})
-    mined, rejected = miner.mine(repo, envs, miner_cfg)
+    root = miner.repo_root(repo)  # absolute; a subdirectory or a non-repository is a clear error
+    sources.append({"repo": root, "head": git(root, "rev-parse", "HEAD", error=miner.MiningError).strip()})
+    mined, rejected = miner.mine(root, envs, miner_cfg, log=log)
     excluded += [(r.commit, r.reason) for r in rejected]
     for t in mined:
       why = filter_reason(t, filters)
       (excluded.append((t.id, why)) if why else tasks.append(t))
     log(f"[builder] {repo}: {len(mined)} mined, {len(rejected)} rejected by the miner")
   dicts = [t.to_dict() for t in sorted(tasks, key=lambda t: t.id)]
-  out = {"format": FORMAT, "name": name, "version": version, "filters": dataclasses.asdict(filters),
+  out = {"format": setfile.FORMAT, "name": name, "version": version, "filters": dataclasses.asdict(filters),
          "miner": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(miner_cfg).items()},
-         "sources": sources, "tasks": dicts, "sha256": _tasks_digest(dicts)}
+         "sources": sources, "tasks": dicts, "sha256": setfile.tasks_digest(dicts)}
   return out, excluded
-
-
-def write_set(path: str, task_set: dict) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(task_set, f, indent=1, sort_keys=True)
-
-
-def read_set(path: str) -> tuple[dict, list[Task]]:
-  """(set header without tasks, tasks); raises if the file is not a set or its tasks were edited."""
-  with open(path, encoding="utf-8") as f:
-    d = json.load(f)
-  if d.get("format") != FORMAT:
-    raise ValueError(f"{path}: not an evaluation set file (format {d.get('format')!r}, want {FORMAT!r})")
-  if _tasks_digest(d["tasks"]) != d["sha256"]:
-    raise ValueError(f"{path}: tasks do not match the recorded sha256; the frozen set was modified")
-  return {k: v for k, v in d.items() if k != "tasks"}, [Task.from_dict(t) for t in d["tasks"]]

@@ -62,13 +62,21 @@ class CorpusIndex:
     return sum(_h(p) in self.hashes for p in probes), len(probes)
 
 
+SKIP_DIRS = (".git", ".hg", ".svn", "__pycache__", ".mypy_cache", ".pytest_cache", ".tox", "node_modules")
+
+
 def read_corpus(path: str) -> Iterable[str]:
-  """Documents of a corpus: every file under a directory, or the `text` field of each line of a JSONL file."""
+  """Documents of a corpus: every text file under a directory (not inside version-control or cache directories,
+  `SKIP_DIRS`; binary files skipped), or the `text` field of each line of a JSONL file (what
+  `composer_jax.train.corpus.export_corpus` writes)."""
   if os.path.isdir(path):
-    for root, _, files in sorted(os.walk(path)):
+    for root, dirs, files in os.walk(path):
+      dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
       for name in sorted(files):
-        with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
-          yield f.read()
+        with open(os.path.join(root, name), "rb") as f:
+          data = f.read()
+        if b"\0" not in data:
+          yield data.decode("utf-8", errors="replace")
   elif path.endswith((".jsonl", ".json")):
     with open(path, encoding="utf-8") as f:
       for i, line in enumerate(f, 1):

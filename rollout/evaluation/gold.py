@@ -1,8 +1,11 @@
 """Gold validation: a task is valid only if its hidden tests fail in the unpatched environment and pass once the
-gold patch is applied. Invalid tasks are reported with the reason and excluded from evaluation.
+gold patch is applied — the same in every one of `runs` runs of each side. Invalid tasks are reported with the
+reason and excluded from evaluation.
 
 Each check runs in a fresh fork of the task's environment snapshot (sandboxed when the cache's factory is), with
-the same `grade` the harness uses, so a valid task is one the harness can score 0 and 1.
+the same `grade` the harness uses, so a valid task is one the harness can score 0 and 1. A required test whose
+result differs between runs of one side is flaky: the task is invalid (its reward would be noise), and the
+flaky tests are named. A timeout is reported as one, never as a failing test.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from rollout.tasks.environment import EnvironmentBuildError, EnvironmentCache, apply_patch, grade
+from rollout.tasks.environment import EnvironmentBuildError, EnvironmentCache, TestReport, apply_patch, grade
+from rollout.tasks.progress import Progress
 from rollout.tasks.task import Task
 
 
@@ -20,14 +24,16 @@ class GoldCheck:
 
   Attributes:
     task_id: the task.
-    valid: unpatched fails and gold passes.
+    valid: unpatched fails and gold passes, in every run.
     reason: why invalid ("" when valid).
     post_files: path -> text of the files the gold patch changed, after applying it (for the contamination guard).
+    gold_s: the slowest grading of the gold patch (seconds; compare with the task's `tests.timeout_s`).
   """
   task_id: str
   valid: bool
   reason: str = ""
   post_files: dict[str, str] = dataclasses.field(default_factory=dict)
+  gold_s: float = 0.0
 
 
 def _changed_paths(patch: str) -> list[str]:
@@ -38,39 +44,72 @@ def _changed_paths(patch: str) -> list[str]:
   return out
 
 
-def check_task(task: Task, envs: EnvironmentCache) -> GoldCheck:
+def _grade_side(task: Task, envs: EnvironmentCache, gold: bool) -> tuple[TestReport | str, dict[str, str]]:
+  """One grading in a fresh fork, with or without the gold patch: (report or why it could not run, post files)."""
+  ws = envs.fork(task)
+  try:
+    post = {}
+    if gold:
+      res = apply_patch(ws, task.gold_patch)
+      if not res.ok:
+        return f"gold patch does not apply: {res.output.strip()[-200:]}", {}
+      post = {p: ws.read_file(p) for p in _changed_paths(task.gold_patch) if ws.exists(p)}
+    return grade(ws, task.tests), post
+  finally:
+    ws.close()
+
+
+def _flaky(reports: Sequence[TestReport]) -> list[str]:
+  return sorted(t for t in reports[0].results if len({r.results[t] for r in reports}) > 1)
+
+
+def check_task(task: Task, envs: EnvironmentCache, runs: int = 2) -> GoldCheck:
   """Validates one task (see the module docstring)."""
   if not task.gold_patch.strip():
     return GoldCheck(task.id, False, "no gold patch")
   try:
-    ws = envs.fork(task)
+    envs.snapshot(task.environment)
   except EnvironmentBuildError as e:
     return GoldCheck(task.id, False, f"environment does not build: {e}")
-  try:
-    before = grade(ws, task.tests)
-  finally:
-    ws.close()
-  if before.error:
-    return GoldCheck(task.id, False, f"unpatched grading failed: {before.error}")
-  if before.passed:
-    return GoldCheck(task.id, False, "hidden tests already pass without the gold patch")
-  ws = envs.fork(task)
-  try:
-    res = apply_patch(ws, task.gold_patch)
-    if not res.ok:
-      return GoldCheck(task.id, False, f"gold patch does not apply: {res.output.strip()[-200:]}")
-    post = {p: ws.read_file(p) for p in _changed_paths(task.gold_patch) if ws.exists(p)}
-    after = grade(ws, task.tests)
-  finally:
-    ws.close()
+  sides = {}
+  post: dict[str, str] = {}
+  for side, gold in (("unpatched", False), ("gold", True)):
+    reports = []
+    for _ in range(runs):
+      rep, post_files = _grade_side(task, envs, gold)
+      if isinstance(rep, str):
+        return GoldCheck(task.id, False, rep)
+      if rep.timed_out:
+        return GoldCheck(task.id, False, f"{side} grading timed out ({rep.error})")
+      if rep.error:
+        return GoldCheck(task.id, False, f"{side} grading failed: {rep.error}")
+      reports.append(rep)
+      post = post_files or post
+    flaky = _flaky(reports)
+    if flaky:
+      return GoldCheck(task.id, False, f"flaky tests ({side} results differ between {runs} runs): {flaky[:5]}")
+    sides[side] = reports
+    if not gold and reports[0].passed:
+      return GoldCheck(task.id, False, "hidden tests already pass without the gold patch")
+  after = sides["gold"][0]
   if not after.passed:
     bad = sorted(t for t, s in after.results.items() if s != "PASSED")
-    return GoldCheck(task.id, False, f"gold patch fails hidden tests {bad[:5]}" +
-                     (f" ({after.error})" if after.error else ""))
-  return GoldCheck(task.id, True, "", post)
+    return GoldCheck(task.id, False, f"gold patch fails hidden tests {bad[:5]}")
+  return GoldCheck(task.id, True, "", post, max(r.wall_s for r in sides["gold"]))
 
 
-def validate(tasks: Sequence[Task], envs: EnvironmentCache) -> tuple[list[Task], list[GoldCheck]]:
-  """Returns (valid tasks in order, every task's check)."""
-  checks = [check_task(t, envs) for t in tasks]
+def validate(tasks: Sequence[Task], envs: EnvironmentCache, runs: int = 2,
+             progress: bool = True) -> tuple[list[Task], list[GoldCheck]]:
+  """Returns (valid tasks in order, every task's check); a progress bar counts valid tasks and invalid reasons."""
+  if runs < 2:
+    raise ValueError(f"gold validation runs each side at least twice (to find flaky tests), got runs={runs}")
+  checks = []
+  with Progress("gold validation", len(tasks), progress) as bar:
+    for t in tasks:
+      c = check_task(t, envs, runs)
+      checks.append(c)
+      if c.valid:
+        bar.kept()
+      else:
+        bar.rejected(c.reason)
   return [t for t, c in zip(tasks, checks, strict=True) if c.valid], checks

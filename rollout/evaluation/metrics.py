@@ -55,8 +55,9 @@ def summarize(records: Sequence[dict], ks: Sequence[int] = (1,)) -> dict[str, fl
   solved, output_tokens, turns, tool_calls, wall_s, cost.
 
   Returns:
-    n_tasks, samples_per_task, pass@1 (+ _lo/_hi 95% interval), pass@k for each k <= samples, and per-sample means
-    of output_tokens, turns, tool_calls, wall_s and cost (active parameters x output tokens).
+    n_tasks, samples_per_task, pass@1 (+ _lo/_hi 95% interval), pass@k for each k <= samples, grade_timeouts (the
+    number of samples whose grading hit its time limit: not the policy's failure, so reported on their own), and
+    per-sample means of reward, output_tokens, turns, tool_calls, wall_s and cost (active parameters x output tokens).
   """
   if not records:
     raise ValueError("no task records to summarize")
@@ -71,6 +72,7 @@ def summarize(records: Sequence[dict], ks: Sequence[int] = (1,)) -> dict[str, fl
   for k in sorted(set(ks) | {k_all}):
     if 1 < k <= k_all:
       out[f"pass@{k}"] = float(np.mean([pass_at_k(k_all, int(c), k) for c in solved_NxK.sum(axis=1)]))
-  for key in ("output_tokens", "turns", "tool_calls", "wall_s", "cost"):
-    out[key] = float(np.mean([s[key] for r in records for s in r["samples"]]))
+  out["grade_timeouts"] = float(sum(bool(s.get("grade_timed_out")) for r in records for s in r["samples"]))
+  for key in ("reward", "output_tokens", "turns", "tool_calls", "wall_s", "cost"):
+    out[key] = float(np.mean([s.get(key, 0.0) for r in records for s in r["samples"]]))
   return out

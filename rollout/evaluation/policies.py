@@ -2,14 +2,21 @@
 
 Checkpoint policies (the embedded JAX engine) are built in `composer_jax/eval_policies.py`, since `rollout/` never
 imports JAX. The oracle needs a scripted trajectory per task: procedural tasks carry one (`metadata['oracle']`);
-for the others (mined, SWE-style) `gold_oracle_turns` scripts "write the gold patch, apply it, finish", which makes
-the oracle-100% / no-op-0% check meaningful on every source.
+for the others (mined, SWE-style) `gold_oracle_turns` scripts "ask git for HEAD, write the gold patch, apply it,
+finish", which makes the oracle-100% / no-op-0% check meaningful on every source.
+
+The scripted oracle finds its task by the prompt; tasks of one repository may share a prompt (two commits with the
+same subject), so for those the oracle keys the task by its commit: HEAD, which its first turn printed. (After a
+self-summary the HEAD line is gone from the context and the first task with the prompt is assumed; the oracle's
+turns fit one segment whenever its budget is met, see `oracle_turn_tokens`.)
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 
 from rollout.engines import scripted, sglang_client
 from rollout.engines.protocol import GenerateRequest, GenerateResult
@@ -20,10 +27,13 @@ BASELINES = ("oracle", "noop", "random")
 
 
 def gold_oracle_turns(task: Task) -> list[dict]:
-  """Assistant turns that apply the task's gold patch through the agent's own tools, then finish."""
+  """Assistant turns that apply the task's gold patch through the agent's own tools, then finish (first printing
+  HEAD for a repository task, which tells apart tasks sharing a prompt)."""
   apply = (f"(git apply --whitespace=nowarn {GOLD_PATCH_FILE} 2>/dev/null || patch -s -p1 -f < {GOLD_PATCH_FILE});"
            f" s=$?; rm -f {GOLD_PATCH_FILE}; exit $s")
-  return [{"content": "", "tool_calls": [{"name": "write_file",
+  head = [{"content": "", "tool_calls": [{"name": "shell", "arguments": {"command": "git rev-parse HEAD"}}]}] \
+    if task.environment.repo else []
+  return head + [{"content": "", "tool_calls": [{"name": "write_file",
                                           "arguments": {"path": GOLD_PATCH_FILE, "content": task.gold_patch}}]},
           {"content": "", "tool_calls": [{"name": "shell", "arguments": {"command": apply}}]},
           {"content": "", "tool_calls": [{"name": "finish", "arguments": {"message": "Applied the fix."}}]}]
@@ -35,10 +45,34 @@ def with_oracle(tasks: Sequence[Task]) -> list[Task]:
           dataclasses.replace(t, metadata={**t.metadata, "oracle": gold_oracle_turns(t)}) for t in tasks]
 
 
+def oracle_policy(tasks: Sequence[Task]) -> Callable[[str], dict]:
+  """The scripted oracle over `tasks` (see the module docstring), keyed by commit where tasks share a prompt."""
+  tasks = with_oracle(tasks)
+  by_prompt = collections.Counter(t.prompt for t in tasks)
+  keyed = [t for t in tasks if by_prompt[t.prompt] > 1 and t.environment.repo and t.environment.commit]
+  single = {t.id: scripted.oracle_policy([t]) for t in keyed}
+  shared = scripted.oracle_policy(tasks)
+
+  def policy(prompt_text: str) -> dict:
+    for t in keyed:  # HEAD (the task's base commit) is in the first tool result
+      if t.prompt in prompt_text and re.search(rf"\b{re.escape(t.environment.commit)}", prompt_text):
+        return single[t.id](prompt_text)
+    return shared(prompt_text)
+
+  return policy
+
+
+def oracle_turn_tokens(task: Task, tokenizer) -> list[int]:
+  """Tokens of each of the oracle's turns; its longest (the gold patch as a write_file call) needs
+  max_turn_tokens >= it."""
+  (task,) = with_oracle([task])
+  return [len(scripted.encode_assistant(tokenizer, turn)) for turn in task.metadata["oracle"]]
+
+
 def baseline(name: str, tokenizer, tasks: Sequence[Task], seed: int = 0):
   """A scripted baseline engine by name ('oracle', 'noop', 'random'); they run no model, so their cost is 0."""
   if name == "oracle":
-    return scripted.ScriptedEngine(tokenizer, scripted.oracle_policy(with_oracle(tasks)))
+    return scripted.ScriptedEngine(tokenizer, oracle_policy(tasks))
   if name == "noop":
     return scripted.ScriptedEngine(tokenizer, scripted.noop_policy)
   if name == "random":

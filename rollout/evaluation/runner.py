@@ -1,13 +1,20 @@
-"""Runs one policy on a task set with k samples per task, resumably, writing per-task results as JSONL.
+"""The one evaluation runner: one policy on a task set with k samples per task, resumably, writing per-task results
+as JSONL beside the settings that define them. `evaluate_policy` is the entry point for callers outside the
+benchmark suite (the RL experiment, `experiments/agent_main.py`, notebooks).
 
 Tasks are cut into fixed chunks of the *full* task list; each chunk's k x tasks episodes are stepped together
 (one batched `generate` per step) and its records are appended and fsynced when the chunk finishes. On restart the
 finished tasks are read back and skipped, so an interrupted run re-does at most the chunk it was in. The harness
 seed of a chunk depends only on its position, so a resumed run samples what an uninterrupted one would have.
 
+Settings that define a result (`run_settings`: the policy, a hash of the tasks' content, k, chunking, the harness
+configuration except `grade_workers`, active parameters) are stored in `run.json`; a directory holding results made
+with other settings is refused, naming each difference, so a resume never mixes them.
+
 Per-sample record: solved, pass_fraction, reward, output_tokens, turns, tool_calls, wall_s (the chunk's wall time
 divided by its episodes: episodes run batched, so this is the amortised cost per sample), cost (active parameters x
-output tokens, the report's inference-cost proxy; 0 for the scripted baselines, which run no model), stop_reason.
+output tokens, the report's inference-cost proxy; 0 for the scripted baselines, which run no model), stop_reason,
+grade_error and grade_timed_out (the hidden tests hit their time limit: reported apart from failing tests).
 """
 
 from __future__ import annotations
@@ -16,16 +23,19 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 from rollout import harness
 from rollout.engines.protocol import Engine
-from rollout.tasks.environment import EnvironmentCache
+from rollout.evaluation import metrics, report
+from rollout.tasks.environment import TIMEOUT_ERROR, EnvironmentCache
 from rollout.tasks.task import Task
 
 RESULTS = "results.jsonl"
 RUN_INFO = "run.json"
+NOT_RESULT_DEFINING = ("grade_workers",)  # harness fields that change speed, not results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +52,53 @@ class RunConfig:
 
 
 def set_fingerprint(tasks: Sequence[Task]) -> str:
-  """A short hash of the task ids in order (a resumed run must see the same set)."""
-  return hashlib.sha256("\n".join(t.id for t in tasks).encode()).hexdigest()[:16]
+  """A short hash of the tasks' content in order (a resumed run must see the same tasks, labels included)."""
+  digest = hashlib.sha256()
+  for t in tasks:
+    digest.update(json.dumps(t.to_dict(), sort_keys=True, default=str).encode())
+  return digest.hexdigest()[:16]
+
+
+def run_settings(policy: str, tasks: Sequence[Task], harness_cfg: harness.HarnessConfig, cfg: RunConfig) -> dict:
+  """The settings that define a run's results (stored in run.json, compared on resume)."""
+  h = json.loads(json.dumps(dataclasses.asdict(harness_cfg), default=str))
+  for k in NOT_RESULT_DEFINING:
+    h.pop(k, None)
+  return {"policy": policy, "set": set_fingerprint(tasks), "samples": cfg.samples, "chunk_tasks": cfg.chunk_tasks,
+          "active_params": cfg.active_params, "harness": h}
+
+
+def settings_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """'key: old -> new' for every setting that differs (nested keys joined with '.')."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k), new.get(k)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += settings_diff(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+  return out
+
+
+def read_run_info(out_dir: str) -> dict | None:
+  path = os.path.join(out_dir, RUN_INFO)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _check_run_info(out_dir: str, info: dict) -> None:
+  old = read_run_info(out_dir)
+  if old is None:
+    with open(os.path.join(out_dir, RUN_INFO), "w", encoding="utf-8") as f:
+      json.dump(info, f, indent=1)
+    return
+  diff = [("the tasks differ (other tasks, contents or labels)" if d.startswith("set: ") else d)
+          for d in settings_diff(old, info)]
+  if diff:
+    raise ValueError(f"{out_dir} holds results made with other settings (stored -> now): {'; '.join(diff[:8])}. "
+                     "Resuming would mix them: use a new output directory (or delete this one).")
 
 
 def read_records(out_dir: str) -> dict[str, dict]:
@@ -61,30 +116,25 @@ def read_records(out_dir: str) -> dict[str, dict]:
   return done
 
 
-def _check_run_info(out_dir: str, info: dict) -> None:
-  path = os.path.join(out_dir, RUN_INFO)
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      old = json.load(f)
-    diff = {k: (old.get(k), v) for k, v in info.items() if old.get(k) != v}
-    if diff:
-      raise ValueError(f"{out_dir} holds a run with different settings {diff} (old, new); use a new output dir")
-  else:
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(info, f, indent=1)
-
-
 def _sample(traj, wall_s: float, active_params: int) -> dict:
   m = traj.metrics
+  error = m.get("grade_error", "")
   return {"solved": float(m["solved"]), "pass_fraction": float(m["pass_fraction"]), "reward": float(traj.reward),
           "output_tokens": int(m["output_tokens"]), "turns": int(m["turns"]), "tool_calls": int(m["tool_calls"]),
           "wall_s": wall_s, "cost": float(active_params) * int(m["output_tokens"]), "stop_reason": traj.stop_reason,
-          "grade_error": m.get("grade_error", "")}
+          "grade_error": error, "grade_timed_out": error.startswith(TIMEOUT_ERROR)}
+
+
+def _append(out_dir: str, records: list[dict]) -> None:
+  with open(os.path.join(out_dir, RESULTS), "a", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
                harness_cfg: harness.HarnessConfig, out_dir: str, cfg: RunConfig = RunConfig(),
-               log: Callable[[str], None] = print) -> list[dict]:
+               log: Callable[[str], None] = print, on_chunk: Callable[[list], None] | None = None) -> list[dict]:
   """Evaluates `engine` on `tasks`, resuming from `out_dir`.
 
   Args:
@@ -97,6 +147,7 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
     out_dir: where results.jsonl and run.json go (created).
     cfg: k, chunking, active parameters.
     log: progress lines.
+    on_chunk: called with each chunk's trajectories (e.g. to print transcripts).
 
   Returns:
     One record per task in task order: {task_id, policy, samples: [per-sample dict]}.
@@ -104,8 +155,7 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
   if len({t.id for t in tasks}) != len(tasks):
     raise ValueError("task ids must be unique within a set")
   os.makedirs(out_dir, exist_ok=True)
-  _check_run_info(out_dir, {"policy": policy, "set": set_fingerprint(tasks), "samples": cfg.samples,
-                            "chunk_tasks": cfg.chunk_tasks, "seed": harness_cfg.seed})
+  _check_run_info(out_dir, run_settings(policy, tasks, harness_cfg, cfg))
   done = read_records(out_dir)
   if done:
     log(f"[{policy}] resuming: {len(done)}/{len(tasks)} tasks already done")
@@ -118,17 +168,53 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
     t0 = time.perf_counter()
     trajs = harness.run_episodes(engine, tokenizer, episodes, envs, seeded)
     wall = (time.perf_counter() - t0) / len(episodes)
-    lines = []
-    for i, t in enumerate(chunk):
-      samples = [_sample(tr, wall, cfg.active_params) for tr in trajs[i * cfg.samples:(i + 1) * cfg.samples]]
-      rec = {"task_id": t.id, "policy": policy, "samples": samples}
-      done[t.id] = rec
-      lines.append(json.dumps(rec) + "\n")
-    with open(os.path.join(out_dir, RESULTS), "a", encoding="utf-8") as f:
-      f.writelines(lines)
-      f.flush()
-      os.fsync(f.fileno())
-    solved = sum(s["solved"] for r in (done[t.id] for t in chunk) for s in r["samples"])
+    if on_chunk is not None:
+      on_chunk(trajs)
+    recs = [{"task_id": t.id, "policy": policy,
+             "samples": [_sample(tr, wall, cfg.active_params) for tr in trajs[i * cfg.samples:(i + 1) * cfg.samples]]}
+            for i, t in enumerate(chunk)]
+    _append(out_dir, recs)
+    done.update((r["task_id"], r) for r in recs)
+    solved = sum(s["solved"] for r in recs for s in r["samples"])
+    timeouts = sum(s["grade_timed_out"] for r in recs for s in r["samples"])
     log(f"[{policy}] tasks {c0}-{c0 + len(tasks[c0:c0 + cfg.chunk_tasks]) - 1}: {solved:.0f}/{len(episodes)} "
-        f"samples solved, {wall:.2f} s/sample; {len(done)}/{len(tasks)} done")
+        f"samples solved" + (f", {timeouts} grading timeouts" if timeouts else "") +
+        f", {wall:.2f} s/sample; {len(done)}/{len(tasks)} done")
   return [done[t.id] for t in tasks]
+
+
+def evaluate_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
+                    harness_cfg: harness.HarnessConfig, out_dir: str | None = None, cfg: RunConfig = RunConfig(),
+                    transcripts: int = 0, log: Callable[[str], None] = print) -> dict[str, float]:
+  """Runs one policy on `tasks` and returns its metrics: the entry point for code outside the benchmark suite.
+
+  Args:
+    policy: its name (recorded with the results).
+    engine, tokenizer: the policy.
+    tasks: the tasks (e.g. `rollout.tasks.registry.load_tasks(spec, envs)`).
+    envs: environment cache.
+    harness_cfg: the agent loop's settings (sampling temperature included).
+    out_dir: results go here and a rerun resumes (settings checked); None: a temporary directory, no resume.
+    cfg: k samples per task, chunking, active parameters (cost).
+    transcripts: how many readable transcripts to log (from the first chunk run).
+    log: progress lines.
+
+  Returns:
+    `metrics.summarize` of the records: n_tasks, samples_per_task, pass@1 and its 95% interval (pass@1_lo/_hi),
+    pass@k, grade_timeouts and per-sample means (reward, output_tokens, turns, tool_calls, wall_s, cost).
+  """
+  shown = []
+
+  def show(trajs):
+    for t in trajs[:max(0, transcripts - len(shown))]:
+      shown.append(t)
+      log(report.format_transcript(t))
+
+  if out_dir is None:
+    with tempfile.TemporaryDirectory(prefix="eval_") as tmp:
+      recs = run_policy(policy, engine, tokenizer, tasks, envs, harness_cfg, tmp, cfg, log, show)
+  else:
+    recs = run_policy(policy, engine, tokenizer, tasks, envs, harness_cfg, out_dir, cfg, log, show)
+  summary = metrics.summarize(recs, ks=(cfg.samples,))
+  log(f"[{policy}] " + " ".join(f"{k}={v:.3f}" for k, v in summary.items()))
+  return summary

@@ -25,6 +25,7 @@ import shlex
 
 from rollout import chat_format as cf
 from rollout.tasks.environment import EnvironmentCache, TestReport, grade
+from rollout.tasks.grade_report import SCRIPT_REPORTER
 from rollout.tasks.task import Environment, HiddenTests, Task
 from rollout.workspace import Workspace
 
@@ -64,10 +65,10 @@ class SetupResult:
 
 
 def _import_check(modules: tuple[str, ...]) -> str:
-  """A command printing PASSED/FAILED import:<module> per module (the hidden check)."""
-  code = ("import importlib, sys\nfor m in sys.argv[1:]:\n  try:\n    importlib.import_module(m)\n"
-          "    print('PASSED import:' + m)\n  except Exception as e:\n"
-          "    print('FAILED import:' + m, type(e).__name__)")
+  """A command reporting passed/failed `import:<module>` per module (the hidden check; see grade_report)."""
+  code = (SCRIPT_REPORTER + "\nimport importlib, sys\nfor m in sys.argv[1:]:\n  try:\n"
+          "    importlib.import_module(m)\n    _write('import:' + m, 'passed')\n  except Exception:\n"
+          "    _write('import:' + m, 'failed')\n")
   return f"PYTHONPATH={DEPS}:. python -c {shlex.quote(code)} " + " ".join(shlex.quote(m) for m in modules)
 
 
@@ -77,7 +78,7 @@ def make_setup_task(env: Environment, wheel_dir: str, modules: tuple[str, ...], 
     raise ValueError("an environment-setup task needs at least one module whose import proves the install")
   return Task(id=task_id, language="python", prompt=PROMPT.format(wheels=wheel_dir), environment=env,
               tests=HiddenTests(command=_import_check(modules), fail_to_pass=tuple(f"import:{m}" for m in modules),
-                                timeout_s=120.0),
+                                timeout_s=120.0, report="script"),
               metadata={"kind": "env_setup", "wheel_dir": wheel_dir, "changed_files": [INSTALL, VERIFY]})
 
 

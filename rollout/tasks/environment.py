@@ -1,7 +1,12 @@
 """Builds task environments into workspace snapshots (cached by environment), and grades workspaces.
 
-Grading cost is one shell command in the workspace (plus writing the hidden files / applying the hidden patch):
-the procedural family's plain `python3 hidden_test.py` scripts avoid pytest's start-up time.
+A git environment holds only the history up to its commit: a fresh repository into which that commit and its
+ancestors are fetched, on one branch, with no remote, other refs, reflog or objects of later commits (a task's
+workspace must not contain its own solution, or the future of the repository).
+
+Grading reads a machine-readable report (`grade_report.py`), never the command's console output. Its cost is one
+shell command in the workspace (plus writing the hidden files / applying the hidden patch): the procedural family's
+plain `python3 hidden_test.py` scripts avoid pytest's start-up time.
 """
 
 from __future__ import annotations
@@ -15,21 +20,41 @@ import shutil
 import subprocess
 import tempfile
 
+from rollout.tasks import grade_report
 from rollout.tasks.task import Environment, HiddenTests, Task
 from rollout.workspace import CommandResult, Workspace, WorkspaceFactory
 
-RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR)\s+(\S+)", re.MULTILINE)
+TIMEOUT_ERROR = "hidden tests timed out"  # TestReport.error of a timed-out grading (reported apart from failures)
+BRANCH = "main"  # the one branch of a task's repository
 
 
 class EnvironmentBuildError(RuntimeError):
   """An environment could not be built (missing repo/commit, a failing setup command)."""
 
 
-def _git(repo: str, *args: str) -> str:
+def git(repo: str, *args: str, error=EnvironmentBuildError) -> str:
+  """`git -C repo args` -> stdout; a failure raises `error` with git's own message."""
   out = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
   if out.returncode != 0:
-    raise EnvironmentBuildError(f"git {' '.join(args)} in {repo!r} failed: {out.stderr.strip()[:300]}")
+    raise error(f"git {' '.join(args)} in {repo!r} failed: {out.stderr.strip()[:500]}")
   return out.stdout
+
+
+def fetch_history(repo: str, commit: str, dest: str) -> str:
+  """Makes `dest` a new repository holding `commit` and its ancestors only (see the module docstring); returns the
+  full sha. Fetching one sha needs the source's upload-pack to allow any wanted sha (set for this call only)."""
+  found = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+                         capture_output=True, text=True)
+  if found.returncode != 0:
+    raise EnvironmentBuildError(f"commit {commit!r} is not in the repository {repo!r}")
+  sha = found.stdout.strip()
+  git(os.path.dirname(dest) or ".", "init", "-q", "-b", BRANCH, os.path.basename(dest))
+  git(dest, "fetch", "-q", "--no-tags", "--upload-pack", "git -c uploadpack.allowAnySHA1InWant=true upload-pack",
+      os.path.abspath(repo), sha)
+  git(dest, "-c", "advice.detachedHead=false", "checkout", "-q", "-B", BRANCH, sha)
+  os.remove(os.path.join(dest, ".git", "FETCH_HEAD"))
+  git(dest, "reflog", "expire", "--expire=now", "--all")
+  return sha
 
 
 def materialize(env: Environment, dest: str) -> None:
@@ -41,8 +66,7 @@ def materialize(env: Environment, dest: str) -> None:
   elif env.repo:
     if not os.path.isdir(env.repo):
       raise EnvironmentBuildError(f"environment repo {env.repo!r} does not exist")
-    subprocess.run(["git", "clone", "-q", "--no-checkout", env.repo, dest], check=True, capture_output=True)
-    _git(dest, "-c", "advice.detachedHead=false", "checkout", "-q", env.commit)
+    fetch_history(env.repo, env.commit, dest)
   else:
     os.makedirs(dest, exist_ok=True)
   for path, text in env.files.items():
@@ -88,15 +112,50 @@ class EnvironmentCache:
 
 
 @dataclasses.dataclass(frozen=True)
+class TestRun:
+  """One run of a test command: test id -> status for every test the report names, and how the run went."""
+  results: dict[str, str]
+  timed_out: bool
+  wall_s: float
+  output: str  # the (capped) console output, for people reading logs; never parsed
+  reported: bool = True  # the command wrote a report (False: the plugin never loaded, or the runner never ran)
+
+  def no_report_reason(self) -> str:
+    return ("the test command wrote no report (a pytest command must run as `python -m pytest` in the workspace "
+            f"root, so that the grading plugin can load): ...{self.output.strip()[-300:]}")
+
+
+def run_tests(ws: Workspace, command: str, report: str, timeout_s: float) -> TestRun:
+  """Runs `command` in `ws` with a fresh report file and nonce (see `grade_report`) and reads the report."""
+  if report not in grade_report.REPORT_KINDS:
+    raise ValueError(f"unknown test report kind {report!r}; valid: {grade_report.REPORT_KINDS}")
+  nonce, token = secrets.token_hex(8), secrets.token_hex(8)  # names the code under test cannot have prepared
+  tmp, plugin = f".grade_{token}", f"{grade_report.PLUGIN_MODULE}_{token}"
+  env = f'GRADE_NONCE={nonce} GRADE_REPORT="$PWD/{tmp}/report.jsonl"'
+  ws.write_file(f"{tmp}/.dir", "")  # creates the directory without a process (file writes are host operations)
+  if report == "pytest":
+    # In the workspace root, which `python -m` puts on sys.path: PYTHONPATH would be overridden by a command that
+    # sets its own (`PYTHONPATH=src python -m pytest ...`).
+    ws.write_file(f"{plugin}.py", grade_report.PYTEST_PLUGIN)
+    env += f' PYTEST_ADDOPTS="-p {plugin} {grade_report.PYTEST_ADDOPTS} ${{PYTEST_ADDOPTS:-}}"'
+  res = ws.run(f"{env} {command}", timeout_s=timeout_s)
+  reported = ws.exists(f"{tmp}/report.jsonl")
+  text = ws.read_file(f"{tmp}/report.jsonl") if reported else ""
+  ws.run(f"rm -rf {tmp} {plugin}.py", timeout_s=30)
+  return TestRun(grade_report.parse_report(text, nonce), res.timed_out, res.wall_s, res.output,
+                 reported or res.timed_out)
+
+
+@dataclasses.dataclass(frozen=True)
 class TestReport:
   """Hidden-test outcome.
 
   Attributes:
     passed: every required test (fail_to_pass + pass_to_pass) was reported PASSED.
     pass_fraction: fraction of required tests that passed (a logged metric).
-    results: test id -> "PASSED" | "FAILED" | "ERROR" | "MISSING" for the required tests.
+    results: test id -> "PASSED" | "FAILED" | "ERROR" | "SKIPPED" | "MISSING" for the required tests.
     wall_s: time to grade (hidden files + command).
-    error: why grading could not run (patch did not apply, timeout), or "".
+    error: why grading could not run (patch did not apply) or was cut short (`TIMEOUT_ERROR`), or "".
   """
   passed: bool
   pass_fraction: float
@@ -104,15 +163,9 @@ class TestReport:
   wall_s: float
   error: str = ""
 
-
-def parse_results(output: str, nonce: str | None = None) -> dict[str, str]:
-  """Test id -> status from "PASSED id" / "FAILED id" / "ERROR id" lines (the last line for an id wins).
-
-  With a nonce only lines ending in " <nonce>" count, so output printed by the code under test cannot forge results.
-  """
-  pattern = RESULT_LINE if nonce is None else \
-    re.compile(r"^(PASSED|FAILED|ERROR)\s+(\S+)\s+" + re.escape(nonce) + r"\s*$", re.MULTILINE)
-  return {m.group(2): m.group(1) for m in pattern.finditer(output)}
+  @property
+  def timed_out(self) -> bool:
+    return self.error.startswith(TIMEOUT_ERROR)
 
 
 def _restore_and_apply(ws: Workspace, patch: str, timeout_s: float) -> CommandResult | None:
@@ -132,7 +185,6 @@ def _restore_and_apply(ws: Workspace, patch: str, timeout_s: float) -> CommandRe
 def grade(ws: Workspace, tests: HiddenTests) -> TestReport:
   """Writes/applies the hidden tests into `ws`, runs them and checks every required id passed."""
   required = list(tests.fail_to_pass) + list(tests.pass_to_pass)
-  wall = 0.0
   if tests.patch:
     failed = _restore_and_apply(ws, tests.patch, tests.timeout_s)
     if failed is not None:
@@ -140,15 +192,12 @@ def grade(ws: Workspace, tests: HiddenTests) -> TestReport:
                         f"hidden test patch did not apply: {failed.output[-300:]}")
   for path, text in tests.files.items():
     ws.write_file(path, text)
-  nonce = secrets.token_hex(8) if tests.nonce else None
-  command = f"GRADE_NONCE={nonce} {tests.command}" if nonce else tests.command
-  res = ws.run(command, timeout_s=tests.timeout_s)
-  wall += res.wall_s
-  found = parse_results(res.output, nonce)
-  results = {t: found.get(t, "MISSING") for t in required}
+  run = run_tests(ws, tests.command, tests.report, tests.timeout_s)
+  results = {t: run.results.get(t, "MISSING") for t in required}
   n_pass = sum(v == "PASSED" for v in results.values())
-  error = "hidden tests timed out" if res.timed_out else ""
-  return TestReport(n_pass == len(required), n_pass / len(required), results, wall, error)
+  error = f"{TIMEOUT_ERROR} after {tests.timeout_s:g} s" if run.timed_out else \
+    "" if run.reported else run.no_report_reason()
+  return TestReport(n_pass == len(required), n_pass / len(required), results, run.wall_s, error)
 
 
 def apply_patch(ws: Workspace, patch: str, timeout_s: float = 60.0) -> CommandResult:

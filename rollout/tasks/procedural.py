@@ -26,6 +26,7 @@ import hashlib
 import random
 import re
 
+from rollout.tasks.grade_report import SCRIPT_REPORTER
 from rollout.tasks.task import Environment, HiddenTests, Task
 
 # (template name, argument list, correct expression with {c0}, {c1} constants)
@@ -207,12 +208,12 @@ def _test_source(fn: _Fn, rng: random.Random) -> tuple[str, str | None]:
 
 def _hidden_script(tests: list[str]) -> str:
   names = [t.split("(")[0][4:] for t in tests]
-  # The nonce is taken out of the environment before any code under test is imported (see HiddenTests.nonce);
-  # results are flushed per test so output interleaves in order.
-  runner = ("\n\nimport os\nimport sys\n_nonce = os.environ.pop('GRADE_NONCE', '')\nsys.path.insert(0, '.')\n"
+  # The reporter takes the report path and nonce out of the environment before any code under test is imported
+  # (see grade_report); a result is written as each test finishes.
+  runner = ("\n\n" + SCRIPT_REPORTER + "\n\nimport sys\nsys.path.insert(0, '.')\n"
             "failed = 0\nfor _t in [" + ", ".join(names) + "]:\n"
-            "    try:\n        _t()\n        print('PASSED', _t.__name__, _nonce, flush=True)\n"
-            "    except Exception:\n        failed += 1\n        print('FAILED', _t.__name__, _nonce, flush=True)\n"
+            "    try:\n        _t()\n        _write(_t.__name__, 'passed')\n"
+            "    except Exception:\n        failed += 1\n        _write(_t.__name__, 'failed')\n"
             "sys.exit(1 if failed else 0)\n")
   return "\n\n".join(tests) + runner
 
@@ -247,6 +248,40 @@ def _oracle(cfg: ProceduralConfig, fixes: list[_Fn], files: dict[str, str]) -> l
   names = ", ".join(f.name for f in fixes)
   turns.append({"content": "", "tool_calls": [{"name": "finish", "arguments": {"message": f"Fixed {names}."}}]})
   return turns
+
+
+def _oracle_summaries(cfg: ProceduralConfig, fixes: list[_Fn]) -> list[str]:
+  """The oracle's self-summary after each number of completed turns k (`summaries[k]`, k = 0..len(oracle)).
+
+  A summary replaces the context, so it carries what the next segment cannot see again: which functions are fixed,
+  which file a grep found a function in, and, once a file was read, the edit to make (`path: old -> new`; the next
+  segment has no copy of the file). It starts with the step count, which the scripted oracle resumes from (and
+  which survives a summary cut at `summary_max_tokens`); the todo list needs no copy (it lives in the episode's
+  tools, not in the context).
+  """
+  # Turn indices as `_oracle` lays them out: [todo], then per fix [grep], read, edit; then finish.
+  t, steps = int(cfg.use_todo), []
+  for _ in fixes:
+    grep = t if not cfg.name_files else None
+    t += grep is not None
+    steps.append((grep, t, t + 1))
+    t += 2
+  out = []
+  for k in range(t + 2):
+    parts = [f"completed steps: {k}."]
+    for fn, (grep, read, edit) in zip(fixes, steps, strict=True):
+      path = f"{fn.module}.py"
+      if edit < k:
+        parts.append(f"Fixed {fn.name}.")
+      elif read < k:
+        old = "raise NotImplementedError" if fn.kind == "stub" else f"return {fn.shown}"
+        parts.append(f"`{path}`: `{old}` -> `return {fn.correct}`.")
+      elif cfg.name_files or (grep is not None and grep < k):
+        parts.append(f"{fn.name} is in `{path}`.")
+      else:
+        parts.append(f"Left: {fn.name}.")
+    out.append(" ".join(parts))
+  return out
 
 
 def _unified_diff(before: dict[str, str], after: dict[str, str]) -> str:
@@ -300,13 +335,13 @@ def make_task(rng: random.Random, cfg: ProceduralConfig, split: str, level: int 
     environment=Environment(files=before),
     # -I -S: no site-packages or env vars needed, and ~40% less interpreter start-up (grading is on the RL path).
     tests=HiddenTests(command=f"python3 -I -S {HIDDEN_TEST_FILE}", fail_to_pass=tuple(f2p), pass_to_pass=tuple(p2p),
-                      files={HIDDEN_TEST_FILE: _hidden_script(tests)}, timeout_s=20.0, nonce=True),
+                      files={HIDDEN_TEST_FILE: _hidden_script(tests)}, timeout_s=20.0, report="script"),
     gold_patch=gold,
     metadata={"source": "procedural", "split": split, "level": level, "cores": [f.core for f in fns],
               "changed_files": sorted(p for p in before if before[p] != after[p]),
               "changed_lines": sum(1 for line in gold.splitlines() if line.startswith("-") and
                                    not line.startswith("---")),
-              "oracle": _oracle(cfg, fixes, before)})
+              "oracle": _oracle(cfg, fixes, before), "oracle_summaries": _oracle_summaries(cfg, fixes)})
 
 
 def generate(n: int, *, seed: int = 0, split: str = "train", level: int = 1,
@@ -346,15 +381,20 @@ def near_miss(task: Task, rng: random.Random) -> Task:
   # Another one-token change of the right expression, or (when it has none, e.g. `a - b`) of the broken one.
   wrong = [m for m in _mutations(correct) if m not in (correct, shown)] or \
     [m for m in _mutations(shown) if m not in (correct, shown)]
-  turns = []
+  turns, chosen = [], None
   for turn in task.metadata["oracle"]:
     calls = []
     for call in turn["tool_calls"]:
       new = call["arguments"].get("new", "")
       if call["name"] == "edit" and f"return {correct}\n" in new + "\n" and wrong:
+        chosen = rng.choice(wrong)
         call = {"name": "edit", "arguments": {**call["arguments"],
-                                              "new": new.replace(f"return {correct}", f"return {rng.choice(wrong)}")}}
+                                              "new": new.replace(f"return {correct}", f"return {chosen}")}}
         wrong = []  # one wrong edit per demonstration
       calls.append(call)
     turns.append({**turn, "tool_calls": calls})
-  return dataclasses.replace(task, metadata={**task.metadata, "oracle": turns, "near_miss": True})
+  meta = {**task.metadata, "oracle": turns, "near_miss": True}
+  if chosen is not None and "oracle_summaries" in meta:  # a summary plans the same wrong edit the demo makes
+    meta["oracle_summaries"] = [s.replace(f"-> `return {correct}`", f"-> `return {chosen}`")
+                                for s in meta["oracle_summaries"]]
+  return dataclasses.replace(task, metadata=meta)

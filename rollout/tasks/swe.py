@@ -4,8 +4,9 @@ An instance has `instance_id`, `repo` ("owner/name"), `base_commit`, `patch` (go
 and `PASS_TO_PASS` (lists, or JSON strings of lists, as in the published files) and `problem_statement` (the prompt).
 The repository is looked up under `repos_dir` as `owner__name`, `name` or `owner/name` (a clone with the commit).
 Hidden tests: the test patch is applied at grading, then the test files it touches are run with `test_command`
-(pytest `-rA` by default, whose "PASSED <file>::<test>" ids are SWE-bench's ids for pytest repositories; repositories
-with other runners, e.g. Django's, need their own command via `test_commands`).
+(pytest by default, whose "<file>::<test>" node ids are SWE-bench's ids for pytest repositories; repositories
+with other runners, e.g. Django's, need their own command via `test_commands`, one that writes the grading report
+itself: see `grade_report.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 from rollout.tasks.task import Environment, HiddenTests, Task
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
-DEFAULT_TEST_COMMAND = "python -m pytest -rA -q -p no:cacheprovider {files}"
+DEFAULT_TEST_COMMAND = "python -m pytest -q -p no:cacheprovider {files}"
 
 
 def _ids(value, field: str, instance: str) -> tuple[str, ...]:
@@ -34,12 +35,13 @@ def _ids(value, field: str, instance: str) -> tuple[str, ...]:
 
 
 def find_repo(repos_dir: str, repo: str) -> str:
-  """Local clone of `owner/name` under repos_dir, or a FileNotFoundError listing where it looked."""
+  """Local clone of `owner/name` under repos_dir (absolute, so a set works from any directory), or a
+  FileNotFoundError listing where it looked."""
   owner, _, name = repo.partition("/")
   tried = [os.path.join(repos_dir, f"{owner}__{name}"), os.path.join(repos_dir, name), os.path.join(repos_dir, repo)]
   for path in tried:
     if os.path.isdir(os.path.join(path, ".git")) or os.path.isfile(os.path.join(path, "HEAD")):
-      return path
+      return os.path.abspath(path)
   raise FileNotFoundError(f"no local clone of {repo!r}; looked in {tried}")
 
 

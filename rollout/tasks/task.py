@@ -8,9 +8,9 @@ A `Task` is plain data (JSON round trip with `to_dict`/`from_dict`):
   environment   how to build the starting files: a directory, or a git repository at a commit, plus inline files,
                 then setup commands run once; the result is frozen as a workspace snapshot (see `environment.py`)
   tests         hidden tests, never shown to the agent: written/applied into the workspace only at grading time.
-                `command` prints per-test result lines "PASSED <test id>" / "FAILED <test id>" (pytest `-rA` does,
-                and so do the procedural family's plain-python scripts); every id in `fail_to_pass` and
-                `pass_to_pass` must be reported PASSED for the task reward to be 1
+                `command` runs them and leaves a machine-readable report (`grade_report.py`: any pytest command,
+                or a script of ours); every id in `fail_to_pass` and `pass_to_pass` must be reported PASSED for the
+                task reward to be 1
   gold_patch    optional unified diff (`git apply -p1` format) that solves the task
   metadata      free-form; sources record at least `changed_files` and `changed_lines` of the gold patch
 """
@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+from rollout.tasks.grade_report import REPORT_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +57,14 @@ class HiddenTests:
   """The grader.
 
   Attributes:
-    command: shell command, run in the workspace root, printing "PASSED <id>" / "FAILED <id>" lines.
-    fail_to_pass: ids that fail before the fix and must pass after.
+    command: shell command, run in the workspace root.
+    fail_to_pass: ids that fail (or cannot run) before the fix and must pass after.
     pass_to_pass: ids that pass before and must keep passing.
     files: test files written (overwriting) right before grading.
     patch: a unified diff applied right before grading (files it touches are first restored from the environment).
-    timeout_s: wall-clock limit for the command.
-    nonce: the grader puts a fresh random GRADE_NONCE in the command's environment and only counts result lines
-      that end with it (the runner reads and removes it before importing the code under test), so printed output
-      of that code cannot forge results. For runners we write (procedural); pytest does not support it.
+    timeout_s: wall-clock limit for the command (the miner calibrates it from the measured gold run).
+    report: how results are reported (`grade_report.REPORT_KINDS`): 'pytest' (a plugin the grader loads into any
+      pytest command) or 'script' (the command writes the report itself); console output is never parsed.
   """
   command: str
   fail_to_pass: tuple[str, ...]
@@ -71,11 +72,13 @@ class HiddenTests:
   files: Mapping[str, str] = dataclasses.field(default_factory=dict)
   patch: str = ""
   timeout_s: float = 60.0
-  nonce: bool = False
+  report: str = "pytest"
 
   def __post_init__(self):
     if not self.fail_to_pass:
       raise ValueError("HiddenTests.fail_to_pass is empty: a task needs at least one test its fix must make pass")
+    if self.report not in REPORT_KINDS:
+      raise ValueError(f"unknown HiddenTests.report {self.report!r}; valid: {REPORT_KINDS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Task:
     env = dict(d["environment"])
     env["setup"] = tuple(env.get("setup", ()))
     tests = dict(d["tests"])
+    tests.pop("nonce", None)  # set files written before grading read a report file (every kind now uses a nonce)
     for k in ("fail_to_pass", "pass_to_pass"):
       tests[k] = tuple(tests.get(k, ()))
     return Task(id=d["id"], language=d["language"], prompt=d["prompt"], environment=Environment(**env),

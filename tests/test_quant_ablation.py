@@ -1,7 +1,7 @@
-"""The quantisation ablation's error sweep at a small size (kernels_pallas/quant_ablation.py)."""
+"""The quantisation ablation's error sweep at a small size (composer_jax/quant_ablation.py)."""
 import numpy as np
 
-from kernels_pallas.quant_ablation import AblationConfig, error_sweep
+from composer_jax.quant_ablation import AblationConfig, error_sweep
 
 
 def test_error_sweep_shows_where_per_tensor_scaling_breaks():

@@ -5,7 +5,7 @@ Two `jax.shard_map` regions, manual over `context` only (every other mesh axis s
 
 - `ring_attention`: queries stay on their device; the KV blocks travel around a ring with `lax.ppermute`, one hop
   per step, merged with an online softmax (running max and sum in float32); a backward ring of its own
-  (parallel/ring.py), so per-device memory stays O(L/N).
+  (ring_attention.py), so per-device memory stays O(L/N).
 - `allgather_attention`: all-gather the KV once, attend locally (simpler; KV memory is the full sequence's).
 
 Both pass MLA's compact latent (c [S, C] and the rotated rope key kr [S, R]) rather than per-head keys/values and
@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.model import ring_attention as ring_lib
 from composer_jax.model.attention import latent_kv, queries
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.rope import softmax_scale
-from composer_jax.parallel import ring as ring_lib
 
-AXIS = "context"  # = ring.AXIS (not read from there: ring imports model, which imports this module)
+AXIS = ring_lib.AXIS
 
 
 def context_size() -> int:
@@ -132,7 +132,7 @@ def _check_length(L: int, multiple: int, n: int) -> None:
 
 def ring_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array, segment_ids_BxL: jax.Array,
                    index_BxL: jax.Array, kvb: dict, scale: float) -> jax.Array:
-  """Ring attention over the `context` axis of the current mesh → [B, L, H, Dv] (global shapes; parallel/ring.py).
+  """Ring attention over the `context` axis of the current mesh → [B, L, H, Dv] (global shapes; ring_attention.py).
 
   Args:
     q_BxLxHxQ: queries (nope then rotated rope part), in the zig-zag layout like every other sequence input.

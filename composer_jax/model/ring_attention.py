@@ -7,14 +7,14 @@ log-sum-exp; dq stays local, dc/dkr accumulators travel with their KV block and 
 expansion weights' gradients are summed over the ring with `psum`. (Autodiff through a scanned forward ring would
 instead keep every step's carries: O(L) per device.)
 
-Layout: zig-zag (parallel/context.py). Device i holds query chunks (i, 2n-1-i). At ring step t it holds the KV of
+Layout: zig-zag (context_parallel.py). Device i holds query chunks (i, 2n-1-i). At ring step t it holds the KV of
 device j = i - t (mod n), chunks (j, 2n-1-j). For j < i both query chunks see KV chunk j entirely and chunk
 2n-1-j not at all: attend all queries to the first KV half. For j > i only query chunk 2n-1-i sees anything, and
 it sees both KV chunks: attend the second query half to all KV. Every device does half a block per step (the
 zig-zag balance); only step 0 (j = i) needs the causal diagonal. The segment/index mask is applied in every case.
 
 Letters: B batch, L local query length, S local key length, H heads, Q query/key head dim, R rope head dim,
-Dv value head dim, C kv_lora_rank, n context-parallel size.
+Dv value head dim, C kv_lora_rank, N context-parallel size (`n` in code).
 """
 from __future__ import annotations
 

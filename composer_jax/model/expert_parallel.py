@@ -4,11 +4,11 @@ Tokens are split over the batch axes *and* `expert` (and `seq` over `context`), 
 sends copies of its tokens to the devices owning their chosen experts (all-to-all), runs its local experts, sends
 the results back (all-to-all) and combines them with the gate weights. Two variants (`cfg.moe_impl`):
 
-- `ep_capacity`: fixed [E, C, D] send buffers, C = ceil(capacity_factor * t * K / E) slots per (source device,
-  expert), exchanged with `lax.all_to_all` (runs on every backend, XLA:CPU included). Assignments past C are
+- `ep_capacity`: fixed [E, Ce, D] send buffers, Ce = ceil(capacity_factor * t * K / E) slots per (source device,
+  expert), exchanged with `lax.all_to_all` (runs on every backend, XLA:CPU included). Assignments past Ce are
   dropped: the token keeps the shared expert and the residual, and `dropped_fraction` counts them.
 - `ep_ragged`: dropless; assignments sorted by expert are exchanged with `lax.ragged_all_to_all` (GPU/TPU only;
-  XLA:CPU does not implement it) and computed with grouped matmuls (`moe.expert_matmul`). The receive buffer has
+  XLA:CPU does not implement it) and computed with grouped matmuls (`experts.expert_matmul`). The receive buffer has
   the worst-case N * t * K rows, so no assignment is ever dropped.
 
 The mesh comes from the context (`jax.set_mesh(mesh)` around the jitted call; `get_abstract_mesh()` inside) or is
@@ -17,7 +17,7 @@ passed explicitly. There is no silent fallback: an `ep_*` impl without a mesh is
 
 Letters: B batch, L length, D hidden, E routed experts, K experts per token, F expert ffw, N expert-axis size,
 X = E / N experts per device, b, l local batch and length, t = b*l local tokens, m = t*K local assignments,
-C slots per (source device, expert), R = N*m receive rows (dropless).
+Ce slots per (source device, expert), R = N*m receive rows (dropless).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.model.moe import capacity_combine, capacity_dispatch, expert_matmul
+from composer_jax.model.experts import capacity, capacity_combine, capacity_dispatch, expert_matmul
 from composer_jax.parallel.rules import ShardingRules
 
 EP_IMPLS = ("ep_capacity", "ep_ragged")
@@ -78,7 +78,7 @@ def _check_divides(name: str, size: int, axes: tuple[str, ...], mesh) -> None:
     raise ValueError(f"expert parallelism: {name}={size} is not divisible by mesh axes {axes} (size {n})")
 
 
-def expert_parallel(p: dict, x_BxLxD: jax.Array, idx_BxLxK: jax.Array, w_BxLxK: jax.Array, valid_BxL: jax.Array,
+def expert_parallel(p: dict, x_BxLxD: jax.Array, experts_BxLxK: jax.Array, w_BxLxK: jax.Array, valid_BxL: jax.Array,
                     cfg: ModelConfig, *, mesh=None, rules: ShardingRules | None = None,
                     ragged_all_to_all=jax.lax.ragged_all_to_all) -> tuple[jax.Array, jax.Array]:
   """Routed experts with expert parallelism (`cfg.moe_impl` picks the variant).
@@ -86,7 +86,7 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, idx_BxLxK: jax.Array, w_BxLxK: 
   Args:
     p: the layer's `moe` params (gate/up [E, D, F], down [E, F, D]).
     x_BxLxD: normed input.
-    idx_BxLxK: chosen (or replayed) experts.
+    experts_BxLxK: chosen (or replayed) experts.
     w_BxLxK: their gate weights.
     valid_BxL: non-padding tokens (padding takes no capacity slot).
     cfg: model config; `moe_impl` in `EP_IMPLS`.
@@ -120,7 +120,7 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, idx_BxLxK: jax.Array, w_BxLxK: 
   dt = x_BxLxD.dtype
   region = jax.shard_map(body, mesh=mesh, in_specs=(*w_specs, tok, tok, tok, tok), out_specs=(tok, P()))
   with jax.named_scope(cfg.moe_impl):
-    return region(p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt), x_BxLxD, idx_BxLxK, w_BxLxK,
+    return region(p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt), x_BxLxD, experts_BxLxK, w_BxLxK,
                   valid_BxL)
 
 
@@ -131,35 +131,35 @@ def _ffn(h_in, gate, up, down, mm, ffw_axes):
 
 
 def dispatch(x_txD, expert_m, valid_m, n_experts: int, cap: int):
-  """Local slots, then all-to-all: returns (received [N, X, C, D] by source device, slot [m], kept [m])."""
+  """Local slots, then all-to-all: returns (received [N, X, Ce, D] by source device, slot [m], kept [m])."""
   N = jax.lax.axis_size(AXIS)
-  buf_ExCxD, slot_m, keep_m = capacity_dispatch(x_txD, expert_m, valid_m, n_experts, cap)
-  send_NxXxCxD = buf_ExCxD.reshape(N, n_experts // N, cap, x_txD.shape[1])
-  return jax.lax.all_to_all(send_NxXxCxD, AXIS, 0, 0, tiled=True), slot_m, keep_m
+  buf_ExCexD, slot_m, keep_m = capacity_dispatch(x_txD, expert_m, valid_m, n_experts, cap)
+  send_NxXxCexD = buf_ExCexD.reshape(N, n_experts // N, cap, x_txD.shape[1])
+  return jax.lax.all_to_all(send_NxXxCexD, AXIS, 0, 0, tiled=True), slot_m, keep_m
 
 
-def return_to_sources(y_NxXxCxD):
-  """The inverse all-to-all: each source device gets its [E, C, D] slots back."""
-  N, X, C, D = y_NxXxCxD.shape
-  return jax.lax.all_to_all(y_NxXxCxD, AXIS, 0, 0, tiled=True).reshape(N * X, C, D)
+def return_to_sources(y_NxXxCexD):
+  """The inverse all-to-all: each source device gets its [E, Ce, D] slots back."""
+  N, X, Ce, D = y_NxXxCexD.shape
+  return jax.lax.all_to_all(y_NxXxCexD, AXIS, 0, 0, tiled=True).reshape(N * X, Ce, D)
 
 
-def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, idx_bxlxK, w_bxlxK, valid_bxl, *, cap_factor,
+def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cap_factor,
                    token_axes, ffw_axes):
   b, l, D = x_bxlxD.shape
-  K = idx_bxlxK.shape[-1]
+  K = experts_bxlxK.shape[-1]
   X = gate_XxDxF.shape[0]
   N = jax.lax.axis_size(AXIS)
   t = b * l
   E = N * X
-  C = max(1, math.ceil(cap_factor * t * K / E))
+  Ce = capacity(cap_factor, t, K, E)
   valid_m = jnp.repeat(valid_bxl.reshape(t), K)
-  recv_NxXxCxD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), idx_bxlxK.reshape(-1), valid_m, E, C)
-  rows_XxRxD = recv_NxXxCxD.transpose(1, 0, 2, 3).reshape(X, N * C, D)
+  recv_NxXxCexD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), experts_bxlxK.reshape(-1), valid_m, E, Ce)
+  rows_XxRxD = recv_NxXxCexD.transpose(1, 0, 2, 3).reshape(X, N * Ce, D)
   mm = functools.partial(jnp.einsum, "erd,edf->erf")
   y_XxRxD = _ffn(rows_XxRxD, gate_XxDxF, up_XxDxF, down_XxFxD, mm, ffw_axes)
-  y_ExCxD = return_to_sources(y_XxRxD.reshape(X, N, C, D).transpose(1, 0, 2, 3))
-  out_txD = capacity_combine(y_ExCxD, slot_m, keep_m, w_bxlxK.reshape(-1), t)
+  y_ExCexD = return_to_sources(y_XxRxD.reshape(X, N, Ce, D).transpose(1, 0, 2, 3))
+  out_txD = capacity_combine(y_ExCexD, slot_m, keep_m, w_bxlxK.reshape(-1), t)
   counts = jnp.stack([(valid_m & ~keep_m).sum(), valid_m.sum()]).astype(jnp.float32)
   n_dropped, n_valid = jax.lax.psum(counts, token_axes)
   return out_txD.reshape(b, l, D), n_dropped / jnp.maximum(n_valid, 1.0)
@@ -169,16 +169,16 @@ def _exclusive_cumsum(a, axis):
   return jnp.cumsum(a, axis=axis) - a
 
 
-def _ragged_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, idx_bxlxK, w_bxlxK, valid_bxl, *, cfg, ffw_axes,
+def _ragged_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cfg, ffw_axes,
                  ragged_all_to_all):
   del valid_bxl  # dropless: padding tokens are computed like the single-device ragged path does
   b, l, D = x_bxlxD.shape
-  K = idx_bxlxK.shape[-1]
+  K = experts_bxlxK.shape[-1]
   X = gate_XxDxF.shape[0]
   N = jax.lax.axis_size(AXIS)
   me = jax.lax.axis_index(AXIS)
   t, m = b * l, b * l * K
-  expert_m = idx_bxlxK.reshape(m)
+  expert_m = experts_bxlxK.reshape(m)
   order_m = jnp.argsort(expert_m, stable=True)  # by global expert = by owning device, then local expert
   token_m = order_m // K
   xs_mxD = x_bxlxD.reshape(t, D)[token_m]

@@ -1,0 +1,131 @@
+r"""The RL step against the LM train step on the same rows, and the compile time of `model.init`, in one process.
+
+  python benchmarks/rl_step.py [--variant colab] [--batch 8] [--seq 256] [--prompt 64] [--steps 3] [--rounds 5]
+
+Both steps are built as their trainers build them (explicit shardings, the state donated) on the same model
+(MTP off: the RL policy does not train MTP heads by default, and the LM step is run with mtp_loss='none'), the same
+[B, L] tokens, and the same optimizer. The RL batch marks the first `--prompt` tokens of each row as the prompt, the
+rest as generated; its engine logprobs and routing are the policy's own (one forward), recorded at every position —
+what the JAX and SGLang engines report — so with router replay on the step runs the reference and policy forwards
+and one backward (`rl_step`, `unreplayed_every=0`). `rl_step_with_unreplayed` runs the unreplayed forward (pass 2)
+every step as well, which is what a step costs when its metric is due (every `RLConfig.unreplayed_every` steps) or
+routing is missing.
+
+Method: the implementations alternate over `--rounds` rounds of `--steps` steps each after 2 warm-up steps; figures
+are medians over rounds, the load average (1 min) is printed beside them. `init_compile_s` is the median over 3
+calls of `model.init` on the full config (MTP included) in this process, each after `jax.clear_caches()` (trace +
+compile + run; the persistent compilation cache is off). Last line: JSON with `rl_step_vs_train_step`,
+`init_compile_s` and the rest.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import train_step as lm_bench  # noqa: E402
+from composer_jax import configs, model  # noqa: E402
+from composer_jax.rl import losses as rl_losses  # noqa: E402
+from composer_jax.rl import step as rl_step  # noqa: E402
+from composer_jax.train import loop, optim, step  # noqa: E402
+from composer_jax.train.config import OptimConfig  # noqa: E402
+from experiments.configs import model as model_configs  # noqa: E402
+
+jax.config.update("jax_enable_compilation_cache", False)
+
+
+def init_compile_s(cfg, repeats=3) -> float:
+  times = []
+  for i in range(repeats):
+    jax.clear_caches()
+    t = time.perf_counter()
+    jax.block_until_ready(model.init(jax.random.key(i), cfg))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def rl_batch(cfg, params, lm, prompt: int, group: int = 4, seed: int = 0) -> dict:
+  """The LM batch's rows as an RL batch: the policy's own logprobs and routing recorded at every position."""
+  B, L = lm["tokens"].shape
+  tokens = jnp.asarray(lm["tokens"])
+  h, aux = jax.jit(lambda p, t: model.hidden_states(p, t, cfg))(params, tokens)
+  logp = jax.jit(rl_losses.token_logprobs)(h, model.lm_head(params, cfg), tokens)
+  reward = np.random.default_rng(seed).integers(0, 2, B).astype(np.float32)
+  gen = (np.arange(L) >= prompt).astype(np.float32)
+  return {"tokens": lm["tokens"], "segment_ids": lm["segment_ids"], "positions": lm["positions"],
+          "gen_mask": np.broadcast_to(gen, (B, L)).copy(), "inf_logprobs": np.asarray(logp),
+          "routing": np.asarray(aux["experts"]), "reward": reward, "passed": reward,
+          "group": (np.arange(B) // group).astype(np.int32), "first": np.ones(B, np.float32),
+          "valid": np.ones(B, np.float32), "is_cap": np.full(B, 2.0, np.float32), "staleness": np.zeros(B, np.int32),
+          "traj_gen_tokens": np.full(B, L - prompt, np.float32)}
+
+
+def rl_runner(cfg, params, batch, rl_cfg):
+  """`rl_step` as `rl.trainer` builds it; returns run(n) → seconds per step (after 2 warm-up steps)."""
+  mesh = loop.single_device_mesh()
+  p_shard = model.shardings(cfg, mesh)
+  opt = rl_step.freeze_subtrees(optim.make_optimizer(OptimConfig(), params), params)
+  shardings = step.state_shardings(opt, params, p_shard)
+  box = [step.init_state(params, opt)]
+  ref = jax.tree.map(jnp.copy, params)
+  bsh = rl_step.batch_shardings(mesh)
+  batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, bsh)
+  fn = rl_step.make_rl_step(cfg, rl_cfg, opt, shardings, bsh, p_shard)
+
+  def run(n):
+    t = time.perf_counter()
+    for _ in range(n):
+      box[0], m = fn(box[0], batch, ref)
+    jax.block_until_ready(m)
+    return (time.perf_counter() - t) / n
+  run(2)
+  return run
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--variant", default="colab")
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq", type=int, default=256)
+  ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per row (not trained on)")
+  ap.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
+  ap.add_argument("--rounds", type=int, default=5)
+  args = ap.parse_args()
+  full = configs.from_dict(model.ModelConfig, model_configs.get_config(args.variant).to_dict())
+  init_s = init_compile_s(full)
+  cfg = configs.from_dict(model.ModelConfig, {**model_configs.get_config(args.variant).to_dict(),
+                                              "num_nextn_predict_layers": 0})
+  params = model.init(jax.random.key(0), cfg)
+  lm = lm_bench.lm_batch(cfg, args.batch, args.seq)
+  batch = rl_batch(cfg, params, lm, args.prompt)
+  run = {"train_step": lm_bench.ours(cfg, params, lm)[0],
+         "rl_step": rl_runner(cfg, params, batch, rl_step.RLConfig(unreplayed_every=0)),
+         "rl_step_with_unreplayed": rl_runner(cfg, params, batch, rl_step.RLConfig(unreplayed_every=1))}
+  times, loads = {k: [] for k in run}, []
+  for r in range(args.rounds):
+    loads.append(os.getloadavg()[0])
+    for k, f in run.items():
+      times[k].append(f(args.steps))
+    print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()) + f"  load {loads[-1]:.1f}")
+  med = {k: statistics.median(v) for k, v in times.items()}
+  result = {"variant": args.variant, "batch": args.batch, "seq": args.seq, "prompt": args.prompt,
+            "rounds": args.rounds, "steps_per_round": args.steps,
+            "rl_step_vs_train_step": med["rl_step"] / med["train_step"],
+            "rl_step_with_unreplayed_vs_train_step": med["rl_step_with_unreplayed"] / med["train_step"],
+            "rl_step_s": med["rl_step"], "rl_step_with_unreplayed_s": med["rl_step_with_unreplayed"],
+            "train_step_s": med["train_step"], "init_compile_s": init_s,
+            "load_average": statistics.mean(loads), "load_average_end": os.getloadavg()[0]}
+  for k, v in result.items():
+    print(f"{k:>38}: {v:.4g}" if isinstance(v, float) else f"{k:>38}: {v}")
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,253 @@
+"""The LM head and its losses, chunked over tokens with a custom VJP: [B, L, V] logits are never materialised.
+
+Every loss over the vocabulary (next-token cross-entropy, RL token log-probs and entropy, MTP self-distillation,
+evaluation NLL) goes through these functions. The forward runs the head on `chunk_size` tokens at a time and keeps
+only per-token statistics (the log-normaliser); the backward recomputes each chunk's logits from h and w and turns
+them straight into that chunk's dh and its share of dw. Peak memory is one [Tc, V] block instead of several
+[B·L, V] arrays (logits, softmax, its gradient and a transposed copy), which on a CPU is also most of the time the
+plain formula spends in the head (the log-softmax backward alone wrote a transposed [4096, 2048] copy per step).
+
+Where the final norm sits: outside. `h` is the hidden state *after* the final RMSNorm (the trunk's `final_norm`,
+or an MTP module's own `shared_head.norm`), as `model.hidden_states` returns it; `w_DxV` is `lm_head(params, cfg)`.
+The norm has few FLOPs and a per-module weight, so keeping it out lets the trunk and every MTP module share this
+one head.
+
+Numerics: logits are accumulated in float32 (`preferred_element_type`) whatever the dtype of h and w; gradients
+come back in h's and w's dtypes. `*_reference` beside each function is the plain formula on full logits (tested
+equal, values and gradients).
+
+Letters: B batch, L length, T = B·L tokens, D hidden, V vocab, Tc tokens per chunk, n number of chunks.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from composer_jax.model.config import ModelConfig
+
+DEFAULT_CHUNK = 512   # tokens per chunk: [512, V] float32 blocks (8 MiB at V = 4096); measured on the colab step
+
+
+def lm_head(params: dict, cfg: ModelConfig, detach: bool = False) -> jax.Array:
+  """The head's weight w [D, V] (the transposed embedding when tied); `detach` stops its gradient."""
+  w_DxV = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+  return jax.lax.stop_gradient(w_DxV) if detach else w_DxV
+
+
+def logits(h_xD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+  """Full float32 logits [..., V] of h [..., D] (sampling and tests; losses use the chunked functions below)."""
+  return jnp.einsum("...d,dv->...v", h_xD, w_DxV.astype(h_xD.dtype), preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------- chunking helpers
+
+def _chunks(x_Tx_: jax.Array, Tc: int) -> jax.Array:
+  """[T, ...] → [n, Tc, ...], zero-padded at the end to a whole number of chunks."""
+  T = x_Tx_.shape[0]
+  n = -(-T // Tc)
+  pad = [(0, n * Tc - T)] + [(0, 0)] * (x_Tx_.ndim - 1)
+  return jnp.pad(x_Tx_, pad).reshape(n, Tc, *x_Tx_.shape[1:])
+
+
+def _unchunk(x_nxCx_: jax.Array, T: int) -> jax.Array:
+  return x_nxCx_.reshape(-1, *x_nxCx_.shape[2:])[:T]
+
+
+def _chunk_size(chunk_size: int, T: int) -> int:
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+  return min(chunk_size, max(T, 1))
+
+
+def _chunk_logits(h_TcxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+  return jnp.dot(h_TcxD, w_DxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------- token log-probs and entropy
+
+def _stats(z_TcxV: jax.Array, t_Tc: jax.Array):
+  """(log p(target), entropy, logsumexp) per row of float32 logits."""
+  lse_Tc = jax.nn.logsumexp(z_TcxV, axis=-1)
+  logp_TcxV = z_TcxV - lse_Tc[:, None]
+  p_TcxV = jnp.exp(logp_TcxV)
+  ent_Tc = -jnp.sum(p_TcxV * logp_TcxV, axis=-1)
+  return jnp.take_along_axis(logp_TcxV, t_Tc[:, None], axis=-1)[:, 0], ent_Tc, lse_Tc
+
+
+def _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc):
+  def one(args):
+    h_TcxD, t_Tc = args
+    return _stats(_chunk_logits(h_TcxD, w_DxV), t_Tc)
+  logp, ent, lse = jax.lax.map(one, (_chunks(h_TxD, Tc), _chunks(t_T, Tc)))
+  T = h_TxD.shape[0]
+  return _unchunk(logp, T), _unchunk(ent, T), _unchunk(lse, T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _token_stats(h_TxD, w_DxV, t_T, Tc):
+  logp_T, ent_T, _ = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc)
+  return logp_T, ent_T
+
+
+def _token_stats_fwd(h_TxD, w_DxV, t_T, Tc):
+  logp_T, ent_T, lse_T = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc)
+  return (logp_T, ent_T), (h_TxD, w_DxV, t_T, lse_T, ent_T)
+
+
+def _token_stats_bwd(Tc, res, g):
+  """d logp_t/dz = onehot(t) − p;  dH/dz = −p ⊙ (log p + H). Per chunk: dz → dh = dz wᵀ, dw += hᵀ dz."""
+  h_TxD, w_DxV, t_T, lse_T, ent_T = res
+  g_logp_T, g_ent_T = g
+  T, V = h_TxD.shape[0], w_DxV.shape[1]
+  w_c = w_DxV.astype(h_TxD.dtype)
+
+  def one(dw_DxV, args):
+    h_TcxD, t_Tc, lse_Tc, ent_Tc, gl_Tc, ge_Tc = args
+    logp_TcxV = _chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None]
+    p_TcxV = jnp.exp(logp_TcxV)
+    onehot_TcxV = jax.nn.one_hot(t_Tc, V, dtype=jnp.float32)
+    dz_TcxV = gl_Tc[:, None] * (onehot_TcxV - p_TcxV) - ge_Tc[:, None] * p_TcxV * (logp_TcxV + ent_Tc[:, None])
+    dh_TcxD = jnp.dot(dz_TcxV.astype(h_TcxD.dtype), w_c.T, preferred_element_type=jnp.float32)
+    dw_DxV = dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
+    return dw_DxV, dh_TcxD.astype(h_TcxD.dtype)
+
+  xs = tuple(_chunks(a, Tc) for a in (h_TxD, t_T, lse_T, ent_T, g_logp_T.astype(jnp.float32),
+                                     g_ent_T.astype(jnp.float32)))
+  dw_DxV, dh = jax.lax.scan(one, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+  return _unchunk(dh, T), dw_DxV.astype(w_DxV.dtype), None
+
+
+_token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
+
+
+def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, *, chunk_size: int = DEFAULT_CHUNK,
+                   with_entropy: bool = False):
+  """log softmax(h w)[target] per token, chunked; differentiable in h and w.
+
+  Args:
+    h_BxLxD: hidden states after the final norm (any float dtype).
+    w_DxV: the head's weight (`lm_head(params, cfg)`); cast to h's dtype for the matmul, accumulated in float32.
+    targets_BxL: int token ids in [0, V).
+    chunk_size: tokens per chunk (any positive number; the last chunk is padded).
+    with_entropy: also return the entropy of each token's distribution (differentiable too).
+
+  Returns:
+    logp_BxL float32, or (logp_BxL, entropy_BxL) with `with_entropy`.
+  """
+  B, L, D = h_BxLxD.shape
+  if targets_BxL.shape != (B, L):
+    raise ValueError(f"targets have shape {targets_BxL.shape}, expected h's leading shape {(B, L)}")
+  if w_DxV.shape[0] != D:
+    raise ValueError(f"w has shape {w_DxV.shape}, expected [D={D}, V]")
+  Tc = _chunk_size(chunk_size, B * L)
+  logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32), Tc)
+  if with_entropy:
+    return logp_T.reshape(B, L), ent_T.reshape(B, L)
+  return logp_T.reshape(B, L)
+
+
+def token_logprobs_reference(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, *,
+                             with_entropy: bool = False):
+  """The plain formula on full [B, L, V] logits (what `token_logprobs` computes)."""
+  logp_BxLxV = jax.nn.log_softmax(logits(h_BxLxD, w_DxV), axis=-1)
+  logp_BxL = jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  if with_entropy:
+    return logp_BxL, -jnp.sum(jnp.exp(logp_BxLxV) * logp_BxLxV, axis=-1)
+  return logp_BxL
+
+
+def cross_entropy(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array, *,
+                  chunk_size: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array]:
+  """Masked mean next-token cross-entropy and the number of counted tokens (mask: 1 = counted)."""
+  nll_BxL = -token_logprobs(h_BxLxD, w_DxV, targets_BxL, chunk_size=chunk_size)
+  mask = mask_BxL.astype(jnp.float32)
+  n = jnp.sum(mask)
+  return jnp.sum(nll_BxL * mask) / jnp.maximum(n, 1.0), n
+
+
+def cross_entropy_reference(h_BxLxD, w_DxV, targets_BxL, mask_BxL) -> tuple[jax.Array, jax.Array]:
+  nll_BxL = -token_logprobs_reference(h_BxLxD, w_DxV, targets_BxL)
+  mask = mask_BxL.astype(jnp.float32)
+  n = jnp.sum(mask)
+  return jnp.sum(nll_BxL * mask) / jnp.maximum(n, 1.0), n
+
+
+# ------------------------------------------------------------------------------------ distillation to a teacher
+
+def _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, Tc):
+  def one(args):
+    h_TcxD, th_TcxD = args
+    z_TcxV = _chunk_logits(h_TcxD, w_DxV)
+    tz_TcxV = _chunk_logits(th_TcxD, tw_DxV)
+    lse_Tc = jax.nn.logsumexp(z_TcxV, axis=-1)
+    q_TcxV = jax.nn.softmax(tz_TcxV, axis=-1)
+    ce_Tc = lse_Tc - jnp.sum(q_TcxV * z_TcxV, axis=-1)     # −Σ q log p, with Σ q = 1
+    agree_Tc = (jnp.argmax(z_TcxV, -1) == jnp.argmax(tz_TcxV, -1)).astype(jnp.float32)
+    return ce_Tc, agree_Tc, lse_Tc
+  ce, agree, lse = jax.lax.map(one, (_chunks(h_TxD, Tc), _chunks(th_TxD, Tc)))
+  T = h_TxD.shape[0]
+  return _unchunk(ce, T), _unchunk(agree, T), _unchunk(lse, T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _distill(h_TxD, w_DxV, th_TxD, tw_DxV, Tc):
+  ce_T, agree_T, _ = _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, Tc)
+  return ce_T, agree_T
+
+
+def _distill_fwd(h_TxD, w_DxV, th_TxD, tw_DxV, Tc):
+  ce_T, agree_T, lse_T = _distill_fwd_chunks(h_TxD, w_DxV, th_TxD, tw_DxV, Tc)
+  return (ce_T, agree_T), (h_TxD, w_DxV, th_TxD, tw_DxV, lse_T)
+
+
+def _distill_bwd(Tc, res, g):
+  """d(−Σ q log p)/dz = p − q; the teacher (q) gets no gradient."""
+  h_TxD, w_DxV, th_TxD, tw_DxV, lse_T = res
+  g_ce_T = g[0]
+  T = h_TxD.shape[0]
+  w_c = w_DxV.astype(h_TxD.dtype)
+
+  def one(dw_DxV, args):
+    h_TcxD, th_TcxD, lse_Tc, g_Tc = args
+    p_TcxV = jnp.exp(_chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None])
+    q_TcxV = jax.nn.softmax(_chunk_logits(th_TcxD, tw_DxV), axis=-1)
+    dz_TcxV = (g_Tc[:, None] * (p_TcxV - q_TcxV)).astype(h_TcxD.dtype)
+    dh_TcxD = jnp.dot(dz_TcxV, w_c.T, preferred_element_type=jnp.float32)
+    return dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV, preferred_element_type=jnp.float32), dh_TcxD.astype(h_TcxD.dtype)
+
+  xs = tuple(_chunks(a, Tc) for a in (h_TxD, th_TxD, lse_T, g_ce_T.astype(jnp.float32)))
+  dw_DxV, dh = jax.lax.scan(one, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+  return _unchunk(dh, T), dw_DxV.astype(w_DxV.dtype), jnp.zeros_like(th_TxD), jnp.zeros_like(tw_DxV)
+
+
+_distill.defvjp(_distill_fwd, _distill_bwd)
+
+
+def distill_cross_entropy(h_BxLxD: jax.Array, w_DxV: jax.Array, teacher_h_BxLxD: jax.Array,
+                          teacher_w_DxV: jax.Array | None = None, *, chunk_size: int = DEFAULT_CHUNK):
+  """Per-token −Σ_v q_v log p_v with p = softmax(h w), q = softmax(teacher_h teacher_w) held fixed (no gradient).
+
+  The MTP self-distillation loss: the student is an MTP module's hidden, the teacher the trunk's hidden at the
+  position that predicts the same token. Differentiable in h and w only.
+
+  Returns:
+    (cross-entropy [B, L] float32, top-1 agreement [B, L] float32: argmax p == argmax q).
+  """
+  B, L, D = h_BxLxD.shape
+  if teacher_h_BxLxD.shape != h_BxLxD.shape:
+    raise ValueError(f"teacher_h has shape {teacher_h_BxLxD.shape}, expected h's shape {h_BxLxD.shape}")
+  tw_DxV = w_DxV if teacher_w_DxV is None else teacher_w_DxV
+  Tc = _chunk_size(chunk_size, B * L)
+  ce_T, agree_T = _distill(h_BxLxD.reshape(B * L, D), w_DxV, teacher_h_BxLxD.reshape(B * L, D).astype(h_BxLxD.dtype),
+                           jax.lax.stop_gradient(tw_DxV), Tc)
+  return ce_T.reshape(B, L), agree_T.reshape(B, L)
+
+
+def distill_cross_entropy_reference(h_BxLxD, w_DxV, teacher_h_BxLxD, teacher_w_DxV=None):
+  tw_DxV = w_DxV if teacher_w_DxV is None else teacher_w_DxV
+  z = logits(h_BxLxD, w_DxV)
+  tz = jax.lax.stop_gradient(logits(teacher_h_BxLxD, tw_DxV))
+  ce = -jnp.sum(jax.nn.softmax(tz, axis=-1) * jax.nn.log_softmax(z, axis=-1), axis=-1)
+  return ce, (jnp.argmax(z, -1) == jnp.argmax(tz, -1)).astype(jnp.float32)

@@ -1,0 +1,142 @@
+"""How new policy versions reach the engines that generate rollouts; both ends of each channel, in a registry.
+
+  publisher   trainer side: `publish(params, version) -> seconds`    worker side: `follow(cfg) -> Follower`
+  in_place    the in-process JaxEngine's weights are swapped         (no workers: sync mode)
+  files       `weights/v<version>.npz` + an atomic pointer           each worker's JaxEngine reloads newer files
+  fleet       a Hugging Face checkpoint loaded by the SGLang fleet   workers attach to the fleet (`rl/fleet.py`)
+
+Which publisher a run uses follows from its engine and mode (`ENGINES`); `make` and `follow` look it up and list
+the valid names on a bad one. `publisher.engine` is the engine an in-process (sync) rollout source generates with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
+
+from composer_jax import model
+from composer_jax.rl import publish
+from composer_jax.rl.config import ENGINES, RunConfig
+
+
+class Publisher(Protocol):
+  engine: object | None    # the engine an in-process rollout source uses (None: only worker processes generate)
+
+  def publish(self, params, version: int) -> float: ...
+
+  def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class Follower:
+  """A worker's engine and how it keeps up: `version()` it now serves, `load_newer()` before each group."""
+  engine: object
+  version: Callable[[], int]
+  load_newer: Callable[[], None] = lambda: None
+
+
+def engine_config(cfg: RunConfig):
+  """The embedded engine's fixed buckets: one group per call, prompts padded to half the context budget, turns to
+  max_turn_tokens (so every call reuses one compiled program)."""
+  from composer_jax.sampling.engine import EngineConfig
+  return EngineConfig(min_batch_bucket=cfg.rollout.samples_per_prompt,
+                      min_prompt_bucket=cfg.harness.context_budget // 2,
+                      min_len_bucket=cfg.harness.max_turn_tokens, seed=cfg.seed)
+
+
+def weights_dir(cfg: RunConfig) -> str:
+  return os.path.join(cfg.workdir, "weights")
+
+
+class InPlace:
+  """Sync mode with the embedded engine: the trainer's own JaxEngine gets each version's params directly."""
+
+  def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
+    from composer_jax.sampling.engine import JaxEngine
+    self.engine = JaxEngine(params, cfg.model, engine_config(cfg), policy_version=version)
+
+  def publish(self, params, version: int) -> float:
+    t0 = time.perf_counter()
+    self.engine.update_weights(params, version)
+    return time.perf_counter() - t0
+
+  def close(self) -> None:
+    pass
+
+  @staticmethod
+  def follow(cfg: RunConfig) -> Follower:
+    raise ValueError("the in_place publisher has no worker processes (rollout.mode='sync')")
+
+
+class WeightFiles:
+  """Async mode with the embedded engine: one `.npz` per version; workers poll `weights/latest.json`."""
+  engine = None
+
+  def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
+    self.dir = weights_dir(cfg)
+    got = publish.latest(self.dir)
+    if got is None or got[0] != version:
+      publish.publish(self.dir, params, version)
+
+  def publish(self, params, version: int) -> float:
+    t0 = time.perf_counter()
+    publish.publish(self.dir, params, version)
+    return time.perf_counter() - t0
+
+  def close(self) -> None:
+    pass
+
+  @staticmethod
+  def follow(cfg: RunConfig) -> Follower:
+    """A JaxEngine on the newest published weights (waits for the first), reloading newer ones when asked."""
+    from composer_jax.sampling.engine import JaxEngine
+    wdir = weights_dir(cfg)
+    while publish.latest(wdir) is None:
+      time.sleep(0.2)
+    like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
+    version, path = publish.latest(wdir)
+    # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
+    engine = JaxEngine(jax.device_put(publish.load(path, like), jax.devices()[0]), cfg.model, engine_config(cfg),
+                       policy_version=version)
+
+    def load_newer() -> None:
+      while (got := publish.latest(wdir)) is not None and got[0] > engine.policy_version:
+        try:
+          engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
+        except FileNotFoundError:
+          continue   # pruned between the pointer read and the load: a newer one is there
+
+    return Follower(engine, lambda: engine.policy_version, load_newer)
+
+
+def _fleet():
+  from composer_jax.rl import fleet
+  return fleet.FleetPublisher
+
+
+PUBLISHERS: dict[str, Callable[[], type]] = {"in_place": lambda: InPlace, "files": lambda: WeightFiles,
+                                             "fleet": _fleet}
+
+
+def publisher_name(cfg: RunConfig) -> str:
+  return ENGINES[cfg.rollout.engine][cfg.rollout.mode]   # RolloutConfig checked both names
+
+
+def publisher_class(name: str) -> type:
+  if name not in PUBLISHERS:
+    raise ValueError(f"unknown publisher {name!r}; valid: {sorted(PUBLISHERS)}")
+  return PUBLISHERS[name]()
+
+
+def make(cfg: RunConfig, params, version: int, log_fn=print) -> Publisher:
+  """The run's publisher, started on `params` as `version` (an SGLang fleet starts its servers here)."""
+  return publisher_class(publisher_name(cfg))(cfg, params, version, log_fn)
+
+
+def follow(cfg: RunConfig) -> Follower:
+  """The worker-process end of the run's publisher."""
+  return publisher_class(publisher_name(cfg)).follow(cfg)

@@ -1,0 +1,118 @@
+"""Rollout sources: where a trainer step's groups come from, behind one protocol, chosen by `rollout.mode`.
+
+  sync    InProcess   roll the step's groups out here with the current policy (the publisher's engine), then take
+                      them from the queue: staleness 0, the trainer waits for every rollout
+  async   WorkerPool  worker processes (`python -m composer_jax.rl.worker`) fill the queue while the trainer trains;
+                      the trainer only waits when the queue has too few fresh groups (a dead worker is restarted)
+
+Either way groups pass through the same tensorstore queue, so the consumer's cursor, the staleness filter and the
+exactly-once bookkeeping are the same code in both modes.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Protocol
+
+from composer_jax.rl import setup
+from composer_jax.rl.config import RunConfig
+from rollout import workers
+from rollout.queue import QueueConsumer, QueueProducer
+
+
+class Source(Protocol):
+  def next(self, version: int) -> tuple[list, float]:
+    """The next step's whole groups for a trainer at policy `version`, and the seconds spent rolling out here."""
+
+  def close(self) -> None: ...
+
+
+def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lambda: None) -> list:
+  """Polls `consumer` until it has `train.groups_per_step` usable groups (`wait()` between empty polls)."""
+  groups, rows = [], 0
+  while len(groups) < cfg.train.groups_per_step:
+    got = consumer.poll(version, max_groups=cfg.train.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows)
+    groups += got
+    rows += sum(g.key.n_rows for g in got)
+    if len(groups) < cfg.train.groups_per_step:
+      wait()
+      time.sleep(0.05)
+  return groups
+
+
+class InProcess:
+  """Sync rollouts in the trainer's process with `engine` (kept current by the in_place or fleet publisher)."""
+
+  def __init__(self, cfg: RunConfig, engine, tok, consumer: QueueConsumer, log_fn=print):
+    if engine is None:
+      raise ValueError(f"rollout.mode='sync' needs an in-process engine; engine {cfg.rollout.engine!r} has none")
+    self.cfg, self.engine, self.tok, self.consumer = cfg, engine, tok, consumer
+    self.envs = setup.make_envs(cfg)
+    self.producer = QueueProducer(setup.queue_url(cfg), "sync0")
+    self.pool = setup.train_pool(cfg)
+    self.wcfg = workers.WorkerConfig(samples_per_prompt=cfg.rollout.samples_per_prompt,
+                                     max_groups=cfg.train.groups_per_step)
+
+  def next(self, version: int) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    workers.run_worker(self.engine, self.tok, self.pool, self.envs, self.cfg.harness, self.producer, self.wcfg,
+                       os.path.join(self.cfg.workdir, "sync0.json"))
+    rollout_s = time.perf_counter() - t0
+    return take_groups(self.consumer, self.cfg, version), rollout_s
+
+  def close(self) -> None:
+    self.envs.factory.close()
+
+
+class WorkerPool:
+  """Worker processes, restarted if one dies (its unfinished group is redone; nothing queued is lost)."""
+
+  def __init__(self, cfg: RunConfig, engine, tok, consumer: QueueConsumer, log_fn=print):
+    self.cfg, self.consumer, self.log_fn = cfg, consumer, log_fn
+    self.logs = os.path.join(cfg.workdir, "workers")
+    os.makedirs(self.logs, exist_ok=True)
+    stop = os.path.join(self.logs, "STOP")
+    if os.path.exists(stop):
+      os.remove(stop)
+    self.procs = [self._start(i) for i in range(cfg.rollout.workers)]
+    self.restarts = 0
+
+  def _start(self, i: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
+    out = open(os.path.join(self.logs, f"worker{i}.log"), "a")
+    return subprocess.Popen([sys.executable, "-m", "composer_jax.rl.worker", self.cfg.workdir, str(i)],
+                            stdout=out, stderr=subprocess.STDOUT, env=env)
+
+  def check(self) -> None:
+    for i, p in enumerate(self.procs):
+      if p.poll() is not None:
+        self.log_fn(f"worker{i} exited with {p.returncode}; restarting it (see {self.logs}/worker{i}.log)")
+        self.restarts += 1
+        if self.restarts > 10 * self.cfg.rollout.workers:
+          raise RuntimeError(f"workers keep dying; see {self.logs}/worker*.log")
+        self.procs[i] = self._start(i)
+
+  def next(self, version: int) -> tuple[list, float]:
+    return take_groups(self.consumer, self.cfg, version, wait=self.check), 0.0
+
+  def close(self) -> None:
+    open(os.path.join(self.logs, "STOP"), "w").close()
+    for p in self.procs:
+      p.terminate()
+    for p in self.procs:
+      try:
+        p.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        p.kill()
+
+
+SOURCES = {"sync": InProcess, "async": WorkerPool}
+
+
+def make(cfg: RunConfig, engine, tok, consumer: QueueConsumer, log_fn=print) -> Source:
+  """The rollout source of `rollout.mode` (`engine`: the publisher's in-process engine, used by sync)."""
+  if cfg.rollout.mode not in SOURCES:
+    raise ValueError(f"unknown rollout.mode {cfg.rollout.mode!r}; valid: {sorted(SOURCES)}")
+  return SOURCES[cfg.rollout.mode](cfg, engine, tok, consumer, log_fn)

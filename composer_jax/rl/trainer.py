@@ -1,0 +1,111 @@
+"""The RL trainer's state: started or restored, one jitted RL step per batch of groups, checkpoints with the queue.
+
+State: params, optimizer, step and the queue consumer's cursor, saved in the same orbax checkpoint
+(`workdir/checkpoints`), so a restore re-delivers exactly the groups after the saved step. Exactly once:
+`applied.jsonl` records which group keys each step trained on; on restore at step s, lines after s are dropped
+(those steps are redone, and the restored cursor re-delivers exactly their groups).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from composer_jax import model
+from composer_jax.rl import batch as rl_batch
+from composer_jax.rl import setup
+from composer_jax.rl import step as rl_step
+from composer_jax.rl.config import RunConfig
+from composer_jax.train import checkpoint as ckpt_lib
+from composer_jax.train import loop as train_loop
+from composer_jax.train import optim
+from composer_jax.train import step as step_lib
+from rollout.queue import QueueConsumer
+from rollout.staleness import StalenessConfig
+
+
+def _truncate_applied(path: str, step: int) -> None:
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  with open(path + ".tmp", "w") as f:
+    for r in rows:
+      if r["step"] <= step:
+        f.write(json.dumps(r) + "\n")
+  os.replace(path + ".tmp", path)
+
+
+def reward_terms(trajectories: list[dict]) -> dict[str, float]:
+  """Each reward term's mean over a step's trajectories (`reward/<term>`), so metrics.jsonl shows over training
+  which terms move the reward (the success term, or a penalty being shrunk instead)."""
+  keys = sorted({k for t in trajectories for k in t.get("breakdown", {})})
+  return {f"reward/{k}": float(np.mean([t["breakdown"].get(k, 0.0) for t in trajectories])) for k in keys}
+
+
+class Trainer:
+  """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference."""
+
+  def __init__(self, cfg: RunConfig, ref_params, log_fn=print):
+    self.cfg, self.ref_params = cfg, ref_params
+    mesh = train_loop.single_device_mesh()
+    params_sh = model.shardings(cfg.model, mesh)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
+    optimizer = rl_step.freeze_subtrees(optim.make_optimizer(cfg.train.optim, abstract), abstract)
+    state_sh = step_lib.state_shardings(optimizer, abstract, params_sh)
+    self.ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
+    qstate = None
+    if self.ckpts.latest_step() is not None:
+      abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract, optimizer))
+      self.state = self.ckpts.restore(ckpt_lib.abstract_like(abstract_state, state_sh))
+      qstate = self.ckpts.restore_meta()
+      log_fn(f"Resumed RL at step {int(self.state.step)}")
+    else:
+      init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=state_sh)
+      self.state = init(ref_params)
+    self.start = int(self.state.step)
+    self.applied_path = os.path.join(cfg.workdir, "applied.jsonl")
+    _truncate_applied(self.applied_path, self.start)
+    self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
+                                                                       cfg.rollout.staleness_policy), state=qstate)
+    self.batch_cfg = rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget,
+                                          n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
+                                          top_k=cfg.model.num_experts_per_tok)
+    self.batch_sh = rl_step.batch_shardings(mesh)
+    self.step_fn = rl_step.make_rl_step(cfg.model, cfg.rl, optimizer, state_sh, self.batch_sh, params_sh)
+
+  @property
+  def params(self):
+    return self.state.params
+
+  def step(self, step_no: int, groups: list) -> dict[str, float]:
+    """One RL step on `groups` (whole groups of this step); returns its metrics as floats."""
+    batch = rl_batch.from_consumed(groups, self.batch_cfg)
+    batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, self.batch_sh)
+    self.state, m = self.step_fn(self.state, batch, self.ref_params)
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    m.update(reward_terms([t for g in groups for t in g.trajectories()]))
+    if not np.isfinite(m["loss"]):
+      raise train_loop.NonFiniteLossError(f"non-finite RL loss at step {step_no}; last good checkpoint "
+                                          f"{self.ckpts.latest_step()}")
+    with open(self.applied_path, "a") as f:
+      f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
+    return m
+
+  def queue_stats(self) -> dict[str, float]:
+    qs = self.consumer.stats()
+    hist = qs.pop("staleness_hist")
+    return {**{k: float(v) for k, v in qs.items()}, **{f"staleness_{k}": float(v) for k, v in hist.items()}}
+
+  def checkpoint(self, step_no: int) -> None:
+    """Saves state + queue cursor together, then lets the queue drop what that checkpoint no longer needs."""
+    qsave = self.consumer.state()
+    self.ckpts.save(step_no, self.state, meta=qsave, force=True)
+    self.ckpts.wait()
+    self.consumer.commit(qsave)
+
+  def close(self) -> None:
+    self.ckpts.close()
