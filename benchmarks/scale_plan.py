@@ -81,16 +81,19 @@ STAGES = {
 }
 
 # Per stage and device count: mesh axis sizes (data, expert, context, tensor; tensor is innermost in the device
-# order, then context, so a context group of <= 8 is one node). Expert parallelism spans nodes: with 384 experts
-# each device must hold few of them, since gathering many experts' weights per layer (FSDP) costs more than the
-# all-to-all of the tokens. Context stays inside a node and weights are FSDP-sharded over it (RULES), so the
-# per-layer weight gathers ride NVLink. The ring's per-step score block is [H, L/CP, L/CP] in f32: L/CP <= 4096.
+# order, then context, so a context group of 4 is half a node and its weight gathers ride NVLink). Weights are
+# FSDP-sharded over data x context (`rules_for`), experts over `expert`: a device must hold few of the 384 experts,
+# since the per-layer gather of its experts' weights grows with their number. The ring's per-step score block is
+# [H, L/CP, L/CP] in f32, hence context 32 for 256k rows. (Meshes with context 8 and a wide expert axis, e.g.
+# expert=32 x context=8 or expert=128 x context=8, and context=64 alone, fail to compile here: XLA rejects the
+# PartitionId that `lax.axis_index` in the zig-zag permutation's partially manual shard_map becomes.)
 MESHES = {
-    "pretrain_32k": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8},
-                     1024: {"expert": 128, "context": 8}},
-    "long_256k": {64: {"expert": 2, "context": 32}, 256: {"expert": 4, "context": 64},
-                  1024: {"expert": 16, "context": 64}},
-    "rl": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8}, 1024: {"expert": 128, "context": 8}},
+    "pretrain_32k": {64: {"expert": 16, "context": 4}, 256: {"data": 4, "expert": 16, "context": 4},
+                     1024: {"data": 16, "expert": 16, "context": 4}},
+    "long_256k": {64: {"expert": 2, "context": 32}, 256: {"data": 4, "expert": 2, "context": 32},
+                  1024: {"data": 16, "expert": 2, "context": 32}},
+    "rl": {64: {"expert": 16, "context": 4}, 256: {"data": 4, "expert": 16, "context": 4},
+           1024: {"data": 16, "expert": 16, "context": 4}},
 }
 
 
@@ -389,7 +392,9 @@ def run_children(args) -> list[dict]:
     stages = [s for s in args.stages if args.mesh or n in MESHES[s]]
     with tempfile.TemporaryDirectory() as dump:
       env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                 XLA_FLAGS=f"--xla_force_host_platform_device_count={n} " + hlo_collectives.dump_flags(dump))
+                 XLA_FLAGS=f"--xla_force_host_platform_device_count={n} " + hlo_collectives.dump_flags(dump)
+                 # LLVM's optimisation level changes code, not buffers or collectives: -O0 compiles faster.
+                 + " --xla_backend_optimization_level=0")
       cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", args.variant, "--dump_dir", dump,
              "--stages", *stages, "--depths", ",".join(map(str, args.depths)), "--seq", str(args.seq or 0)]
       if args.mesh:
