@@ -129,7 +129,16 @@ def _length_weight(q: float) -> float:
 
 def _recipe(c: ml_collections.ConfigDict) -> None:
   r"""`rl.py:recipe`: the report's RL recipe at Colab scale (procedural levels 1-3, self-summary chains, C(x) and
-  behavioural terms on). Not yet the default: its 30-minute fit and its calibration are still to be measured.
+  behavioural terms on). Not yet the default: its 30-minute fit is unmeasured and its SFT start is not yet good
+  enough on levels 2-3.
+
+  Calibration so far (2-core CPU under load 6-17, so the times are upper bounds; SFT on 512 of the tasks, not
+  1024; 40 held-out tasks per level, Wilson 95% CIs): after 300 SFT steps the start solves 0% at every level,
+  greedy and T=1 (it loops to max_turns); after 600 more (900 in all, two LR schedules) at T=1 level 1 22.5%
+  [12.3, 37.5], level 2 2.5% [0.4, 12.9], level 3 0% [0, 8.8]; greedy 22.5%, 7.5% [2.6, 19.9], 0%. A start needs
+  ~20% at T=1 for its groups to hold successes: only level 1 is there. Levers still to measure: all-correct
+  demonstrations for levels 2-3 (sft.demo_accuracy=0.5 makes half of them near misses), 1024+ SFT tasks, more
+  steps; else keep only the levels that reach it.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
