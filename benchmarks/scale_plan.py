@@ -111,11 +111,13 @@ MESHES = {
 }
 
 
-def rules_for(axes: dict[str, int]):
-  """Tokens over data x expert (and seq over context); every weight's D over data x context (ZeRO-3)."""
+def rules_for(axes: dict[str, int], n_experts: int = 384):
+  """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), expert
+  weights' D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves)."""
   from composer_jax.parallel.rules import ShardingRules
   fsdp = tuple(a for a in ("data", "context") if axes.get(a, 1) > 1) or None
-  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=fsdp)
+  few_experts = n_experts // axes.get("expert", 1) <= 8
+  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp)
 
 
 def plan_model_config(variant: str, n_moe_layers: int, seq: int):
@@ -189,7 +191,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
 
   cfg = plan_model_config(variant, n_moe_layers, stage.seq)
   mesh = make_mesh(axes, devices=devices)
-  rules = rules_for(axes)
+  rules = rules_for(axes, cfg.n_routed_experts)
   specs = jax.tree_util.tree_flatten_with_path(model.param_specs(cfg),
                                                is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
   layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
