@@ -113,11 +113,8 @@ def train_small(dry: bool, steps: int) -> dict:
   d.update(num_nextn_predict_layers=0, param_dtype="bfloat16", compute_dtype="bfloat16")
   cfg = configs.from_dict(model.ModelConfig, d)
   params = model.init(jax.random.key(0), cfg)
-  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, L)).astype(np.int32)
-  batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((B, L), jnp.int32),
-           "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
-           "loss_mask": jnp.ones((B, L), jnp.float32)}
-  step_s, compile_s = ts.time_ours(cfg, params, batch, steps)
+  run, compile_s = ts.ours(cfg, params, ts.lm_batch(cfg, B, L))
+  step_s = float(np.median([run(max(1, steps // 5)) for _ in range(5)]))   # 5 timed rounds, warm-up excluded
   flops = ts.model_flops_per_step(cfg, B, L)
   return {"variant": variant, "batch": B, "seq": L, "dtype": "bfloat16", "step_s": step_s, "compile_s": compile_s,
           "tokens_per_s": B * L / step_s, "mfu_vs_h200_bf16_peak": flops / step_s / H200_BF16_FLOPS,

@@ -67,6 +67,20 @@ H200 = {"hbm_bytes": 141e9, "bf16_flops": 989e12, "hbm_bw": 4.8e12, "nvlink_bw":
 HEADROOM = 0.10
 
 
+def RL_CONFIG():  # noqa: N802  (a constant, built lazily so that importing this file does not import jax)
+  """The RL step the plan compiles: without router replay. With replay, the unreplayed forward sits in a
+  `lax.cond`, and XLA's SPMD partitioner rejects the PartitionId that `lax.axis_index` in the context-parallel
+  regions becomes inside a conditional, so a replayed RL step does not compile on a context mesh (see the README).
+  Replay's cost is the policy's own (pass 2) forward: `RL_FORWARDS` counts it."""
+  from composer_jax.rl import step as rl_step_lib
+  return rl_step_lib.RLConfig(router_replay=False, ref_router_replay=False)
+
+
+# Forward passes' worth of model FLOPs per step: LM = forward + backward; RL = the policy's forward + backward,
+# the reference forward and (with replay, on steps that need it) the unreplayed forward, counted here.
+LM_FORWARDS, RL_FORWARDS = 3, 5
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
   step: str          # "lm" (train.step) | "rl" (rl.step)
@@ -97,11 +111,13 @@ MESHES = {
 }
 
 
-def rules_for(axes: dict[str, int]):
-  """Tokens over data x expert (and seq over context); every weight's D over data x context (ZeRO-3)."""
+def rules_for(axes: dict[str, int], n_experts: int = 384):
+  """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), expert
+  weights' D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves)."""
   from composer_jax.parallel.rules import ShardingRules
   fsdp = tuple(a for a in ("data", "context") if axes.get(a, 1) > 1) or None
-  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=fsdp)
+  few_experts = n_experts // axes.get("expert", 1) <= 8
+  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp)
 
 
 def plan_model_config(variant: str, n_moe_layers: int, seq: int):
@@ -175,7 +191,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
 
   cfg = plan_model_config(variant, n_moe_layers, stage.seq)
   mesh = make_mesh(axes, devices=devices)
-  rules = rules_for(axes)
+  rules = rules_for(axes, cfg.n_routed_experts)
   specs = jax.tree_util.tree_flatten_with_path(model.param_specs(cfg),
                                                is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
   layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
@@ -194,7 +210,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   else:
     case["batch"], b_shard = _rl_batch(mesh, rules, rows, stage.seq, cfg)
     ref = _sds(abstract_params, p_shard)
-    case["fn"] = rl_step_lib.make_rl_step(cfg, rl_step_lib.RLConfig(), optimizer, s_shard, b_shard, p_shard)
+    case["fn"] = rl_step_lib.make_rl_step(cfg, RL_CONFIG(), optimizer, s_shard, b_shard, p_shard)
     case["args"], case["module"] = (case["state"], case["batch"], ref), "jit_rl_step"
   case["b_shard"] = b_shard
   return case
@@ -321,7 +337,8 @@ def roofline(row: dict, stage: Stage, variant: str, n_layers_moe: int, n_devices
   """Step-time lower bound and MFU upper bound for one extrapolated row (per device figures)."""
   cfg = dataclasses.replace(plan_model_config(variant, n_layers_moe, stage.seq), scan_layers=True)
   fwd = model_flops_per_token(cfg, stage.seq) * row["tokens"] / n_devices
-  useful, executed = (3 * fwd, (3 + cfg.remat) * fwd) if stage.step == "lm" else (5 * fwd, (5 + cfg.remat) * fwd)
+  n = LM_FORWARDS if stage.step == "lm" else RL_FORWARDS
+  useful, executed = n * fwd, (n + cfg.remat) * fwd
   c = row["collectives"]
   t = {"compute": executed / H200["bf16_flops"],
        "memory": (row["argument"] + row["output"] + 2 * row["temp"]) / H200["hbm_bw"],
