@@ -125,7 +125,7 @@ def main(argv):
               f"{fitted.max_turn_tokens}, context_budget {hcfg.context_budget} -> {fitted.context_budget}")
       hcfg = fitted
     out = suite.evaluate({spec.name: tasks}, pols, envs, hcfg, c.out,
-                         runner.RunConfig(samples=c.samples, chunk_tasks=c.chunk_tasks), corpus=c.corpus,
+                         runner.SampleConfig(samples=c.samples, chunk_tasks=c.chunk_tasks), corpus=c.corpus,
                          exclude_contaminated=not c.keep_contaminated, gold_runs=c.gold_runs)
     for name, r in out.items():
       print(f"[{name}] Pareto front: {r['pareto_front']}; plot: {os.path.join(c.out, name, 'pareto.png')}")

@@ -22,8 +22,8 @@ def test_resume_with_other_settings_is_refused(tmp_path):
   (tmp_path / runner.RUN_INFO).write_text(json.dumps(info))
   with pytest.raises(ValueError, match="samples"):
     runner.run_policy("p", None, None, tasks, None, harness.HarnessConfig(), str(tmp_path),
-                      runner.RunConfig(samples=3), log=lambda s: None)
+                      runner.SampleConfig(samples=3), log=lambda s: None)
   with pytest.raises(ValueError, match="unique"):
     runner.run_policy("p", None, None, tasks + tasks[:1], None, harness.HarnessConfig(), str(tmp_path / "x"))
   with pytest.raises(ValueError, match="samples >= 1"):
-    runner.RunConfig(samples=0)
+    runner.SampleConfig(samples=0)

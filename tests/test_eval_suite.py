@@ -80,7 +80,7 @@ def test_procedural_set_oracle_100_noop_0_invalid_excluded(tmp_path, factory, to
                                     p: t for p, t in _apply(tasks[4]).items()}))
   sets = {"proc": tasks + [no_gold, fixed_env]}
   out = suite.evaluate(sets, _baselines(tok), EnvironmentCache(factory), CFG, str(tmp_path),
-                       runner.RunConfig(samples=2, chunk_tasks=3), log=lambda s: None)["proc"]
+                       runner.SampleConfig(samples=2, chunk_tasks=3), log=lambda s: None)["proc"]
   assert dict(out["invalid"]) == {"broken/no_gold": "no gold patch",
                                   "broken/already_fixed": "hidden tests already pass without the gold patch"}
   assert out["valid"] == 5

@@ -220,3 +220,19 @@ def test_moe_paths_lower_for_cuda(impl):
   cfg = dataclasses.replace(CFG, moe_impl=impl)
   f = jax.jit(jax.grad(lambda p, x: moe_lib.moe_block(p, x, jnp.ones((2, 8), bool), cfg)[0].sum(), argnums=(0, 1)))
   f.trace(p, x).lower(lowering_platforms=("cuda",))
+
+
+def test_dense_with_precomputed_layout_equals_without():
+  p = _moe_params(CFG)
+  x = jax.random.normal(jax.random.key(11), (10, CFG.hidden_size))
+  scores = moe_lib.router_scores(p, x)
+  idx = moe_lib.select_experts(scores, p["bias"], CFG)
+  w = moe_lib.gate_weights(scores, idx, CFG)
+  laid = experts_lib.dense_layout(p)
+  assert laid["gate_up"].shape == (CFG.hidden_size, 2 * CFG.n_routed_experts * CFG.moe_intermediate_size)
+  np.testing.assert_allclose(experts_lib.experts_dense(laid, x, idx, w), experts_lib.experts_dense(p, x, idx, w),
+                             rtol=1e-6, atol=1e-6)
+  # A stack's layout is the per-layer layouts stacked (the decode loop slices it per layer).
+  stacked = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), p)
+  np.testing.assert_array_equal(experts_lib.dense_layout(stacked)["gate_up"][1],
+                                experts_lib.dense_layout(jax.tree.map(lambda a: 2 * a, p))["gate_up"])

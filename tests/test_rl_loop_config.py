@@ -92,15 +92,14 @@ def test_rl_main_config_converts_and_typos_fail():
 
 
 def test_every_sweep_entry_builds_a_valid_run_config():
+  base = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x")
   for overrides in rl_configs.get_sweep():
-    c = rl_configs.get_config("colab")
+    cfg = configs.replace(base, **overrides)          # the same dotted keys as --config.<key>=<value>
     for k, v in overrides.items():
-      node = c
-      *path, leaf = k.split(".")
-      for p in path:
-        node = node[p]
-      node[leaf] = v
-    cfg = configs.from_dict(RunConfig, c, workdir="/tmp/x")
+      node = cfg
+      for p in k.split("."):
+        node = getattr(node, p)
+      assert node == v, k
     assert cfg.model.vocab_size == 512
 
 

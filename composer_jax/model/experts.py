@@ -51,15 +51,40 @@ def experts_dense(p: dict, x_TxD: jax.Array, experts_TxK: jax.Array, w_TxK: jax.
   on XLA:CPU (where `ragged_dot` runs as a masked dense dot plus sort/gather/scatter glue anyway) it is ~2× faster
   per layer forward + backward at the colab shape, and it is the fastest decode path at a few tokens per step.
   """
-  gate, up, down = _expert_weights(p, x_TxD.dtype)
-  E, D, F = gate.shape
+  E, D, F = p["gate"].shape[-3:]
   T = x_TxD.shape[0]
-  # The weight relayout ([E, D, F] → [D, E·2F]) is a copy of the expert weights per call: small next to the GEMMs.
-  gu_DxEx2F = jnp.concatenate([gate, up], axis=2).transpose(1, 0, 2).reshape(D, E * 2 * F)
+  gu_DxEx2F = (p["gate_up"] if "gate_up" in p else dense_layout(p)["gate_up"]).astype(x_TxD.dtype)
+  down = p["down"].astype(x_TxD.dtype)
   h_TxEx2F = (x_TxD @ gu_DxEx2F).reshape(T, E, 2 * F)
   g_TxE = gate_matrix(experts_TxK, w_TxK, E).astype(x_TxD.dtype)
   a_TxExF = jax.nn.silu(h_TxEx2F[..., :F]) * h_TxEx2F[..., F:] * g_TxE[:, :, None]
   return a_TxExF.reshape(T, E * F) @ down.reshape(E * F, D)
+
+
+def dense_layout(p: dict) -> dict:
+  """A layer's (or a stack's: leading axes are kept) `moe` params plus `gate_up` [..., D, E·2F], the layout
+  `experts_dense`'s first GEMM reads.
+
+  Training relays the weights inside each step (a copy of the expert weights, small next to the GEMMs). A decode
+  loop runs thousands of tiny steps with fixed weights: lay them out once per generation call, outside the loop
+  (`with_dense_layout`); at batch 1 the per-step copy would cost more than the layer's matmuls.
+  """
+  *lead, E, D, F = p["gate"].shape
+  n = len(lead)
+  gu = jnp.concatenate([p["gate"], p["up"]], axis=-1)                       # [..., E, D, 2F]
+  gu = jnp.moveaxis(gu, n, n + 1).reshape(*lead, D, E * 2 * F)               # [..., D, E·2F]
+  return dict(p, gate_up=gu)
+
+
+def with_dense_layout(params: dict) -> dict:
+  """params with every MoE stack (trunk and MTP modules) carrying `dense_layout` (call inside jit, once)."""
+  out = dict(params)
+  if "moe_layers" in params:
+    out["moe_layers"] = dict(params["moe_layers"], moe=dense_layout(params["moe_layers"]["moe"]))
+  if "mtp" in params and "moe" in params["mtp"]["block"]:
+    block = params["mtp"]["block"]
+    out["mtp"] = dict(params["mtp"], block=dict(block, moe=dense_layout(block["moe"])))
+  return out
 
 
 def experts_ragged(p: dict, x_TxD: jax.Array, experts_TxK: jax.Array, w_TxK: jax.Array,

@@ -230,7 +230,7 @@ def init_values(key: jax.Array, cfg: ModelConfig) -> dict[str, Any]:
 
   All normal leaves come from one standard-normal draw (per MAX_DRAW elements), sliced and scaled per leaf: XLA
   compiles each random op separately, and one threefry per leaf (53 leaves) made the colab config's init compile
-  in 10-36 s; one draw compiles in ~2.7 s.
+  in 36 s (2-core CPU, load ~13); one draw compiles in 2.8 s (load ~11; 5.7 s at load ~17).
   """
   leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_info)
   out: list[jax.Array | None] = [None] * len(leaves)

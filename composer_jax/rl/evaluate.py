@@ -21,7 +21,7 @@ def success_rate(engine: Engine, tokenizer, tasks: Sequence, envs, hcfg: harness
   """
   cfg = dataclasses.replace(hcfg, sampling=SamplingParams(temperature=temperature))
   records = runner.run_policy(policy, engine, tokenizer, tasks, envs, cfg, out_dir,
-                              runner.RunConfig(samples=1, chunk_tasks=chunk), log=lambda s: None)
+                              runner.SampleConfig(samples=1, chunk_tasks=chunk), log=lambda s: None)
   out = _figures([r["samples"][0] for r in records])
   levels = [t.metadata.get("level") for t in tasks]
   if any(lv is not None for lv in levels):  # a procedural mix: the same figures per level

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling.decode import Batch, Output, generate
 from composer_jax.sampling.speculative import generate_speculative
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
@@ -62,6 +63,7 @@ def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int
   """draft_tokens = 0: plain decoding."""
   if all_experts:
     cfg = dataclasses.replace(cfg, moe_impl="dense")
+    params = with_dense_layout(params)   # the dense path's weight layout, once per call rather than per step
   if draft_tokens:
     return generate_speculative(params, batch, cfg, max_len, draft_tokens)
   return generate(params, batch, cfg, max_len)

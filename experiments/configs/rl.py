@@ -95,6 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                  grad_clip=1.0)))
   c.rl = ml_collections.ConfigDict(dict(
       router_replay=True, ref_router_replay=True, mtp_weight=0.0, bias_update_rate=0.0,
+      unreplayed_every=10,   # the unreplayed forward (only a metric when routing is fully recorded) every N steps
       loss=dict(kl_coef=1e-3, is_cap=2.0, importance="truncate", normalize="tokens",
                 norm_constant=ml_collections.config_dict.placeholder(float), adv_std=False, adv_eps=1e-6)))
   c.rollout = ml_collections.ConfigDict(dict(

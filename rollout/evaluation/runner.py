@@ -39,7 +39,7 @@ NOT_RESULT_DEFINING = ("grade_workers",)  # harness fields that change speed, no
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class SampleConfig:
   """samples: k per task; chunk_tasks: tasks per batched chunk (and per checkpoint of progress);
   active_params: parameters used per token, for the cost estimate."""
   samples: int = 1
@@ -59,7 +59,7 @@ def set_fingerprint(tasks: Sequence[Task]) -> str:
   return digest.hexdigest()[:16]
 
 
-def run_settings(policy: str, tasks: Sequence[Task], harness_cfg: harness.HarnessConfig, cfg: RunConfig) -> dict:
+def run_settings(policy: str, tasks: Sequence[Task], harness_cfg: harness.HarnessConfig, cfg: SampleConfig) -> dict:
   """The settings that define a run's results (stored in run.json, compared on resume)."""
   h = json.loads(json.dumps(dataclasses.asdict(harness_cfg), default=str))
   for k in NOT_RESULT_DEFINING:
@@ -133,7 +133,7 @@ def _append(out_dir: str, records: list[dict]) -> None:
 
 
 def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
-               harness_cfg: harness.HarnessConfig, out_dir: str, cfg: RunConfig = RunConfig(),
+               harness_cfg: harness.HarnessConfig, out_dir: str, cfg: SampleConfig = SampleConfig(),
                log: Callable[[str], None] = print, on_chunk: Callable[[list], None] | None = None) -> list[dict]:
   """Evaluates `engine` on `tasks`, resuming from `out_dir`.
 
@@ -184,7 +184,7 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
 
 
 def evaluate_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
-                    harness_cfg: harness.HarnessConfig, out_dir: str | None = None, cfg: RunConfig = RunConfig(),
+                    harness_cfg: harness.HarnessConfig, out_dir: str | None = None, cfg: SampleConfig = SampleConfig(),
                     transcripts: int = 0, log: Callable[[str], None] = print) -> dict[str, float]:
   """Runs one policy on `tasks` and returns its metrics: the entry point for code outside the benchmark suite.
 

@@ -125,7 +125,7 @@ def collect_summaries(sdir: str, tasks: Sequence[Task], settings: dict, log: Log
 
 
 def _run_policies(name: str, valid: Sequence[Task], pols: Mapping[str, Policy], envs: EnvironmentCache,
-                  harness_cfg: harness.HarnessConfig, run_cfg: runner.RunConfig, sdir: str, over_budget: set[str],
+                  harness_cfg: harness.HarnessConfig, run_cfg: runner.SampleConfig, sdir: str, over_budget: set[str],
                   log: Log) -> dict[str, list[str]]:
   """Runs every policy (results land in sdir/<policy>/); returns the validity failures of oracle / no-op."""
   validity = {}
@@ -143,7 +143,7 @@ def _run_policies(name: str, valid: Sequence[Task], pols: Mapping[str, Policy], 
 
 
 def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy], envs: EnvironmentCache,
-             harness_cfg: harness.HarnessConfig, out_dir: str, run_cfg: runner.RunConfig | None = None,
+             harness_cfg: harness.HarnessConfig, out_dir: str, run_cfg: runner.SampleConfig | None = None,
              corpus: str = "", exclude_contaminated: bool = True, contamination_cfg=None, gold_runs: int = 2,
              log: Log = print) -> dict[str, dict]:
   """Runs every policy on every set (see the module docstring).
@@ -166,7 +166,7 @@ def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy],
     {id: tokens}, "summaries": {policy: metrics} (every policy present), "notes": [...], "pareto_front": [names],
     "validity_failures": {"oracle"/"noop": [task ids scoring other than 1 / 0, over-budget ones left out]}}.
   """
-  run_cfg = run_cfg or runner.RunConfig()
+  run_cfg = run_cfg or runner.SampleConfig()
   os.makedirs(out_dir, exist_ok=True)
   _write_set_stats(sets, out_dir, log)
   index = contamination.CorpusIndex(contamination.read_corpus(corpus),
