@@ -444,6 +444,7 @@ def report(rows: list[dict], variant: str, load: tuple, out: str | None = None) 
                 "total_gb": round(fit[0]["total"] / 1e9, 1)} if fit else None)
   depth = {f"{r['stage']}@{r['devices']}": r["depth_deviation"] for r in rows if "depth_deviation" in r}
   summary = {"variant": variant, "smallest_fitting": best, "depth_check": depth,
+             "not_compiled": [s for s in STAGES if s not in best],
              "load_avg": [round(x, 2) for x in load],
              "rows": [{"stage": r["stage"], "devices": r["devices"], "mesh": _mesh_str(r["axes"]),
                        "total_gb": round(r["total"] / 1e9, 1), "fits": r["fits"],

@@ -124,7 +124,7 @@ def test_all_to_all_bytes_match_ep_bytes(monkeypatch):
 
 def test_activation_memory_matches_cp_memory():
   """Ring attention on context=4, tiny model (activations dominate): the whole step's temp (FSDP params, AdamW)
-  agrees with cp_memory's grad(loss) temp (params replicated) to 5% (measured 0.3% at 2048 tokens)."""
+  is cp_memory's grad(loss) temp (params replicated) plus at most the optimizer's temporaries."""
   cm = _bench("cp_memory")
   from composer_jax import model
   seq = 1024
@@ -137,7 +137,9 @@ def test_activation_memory_matches_cp_memory():
   finally:
     sp.plan_model_config = orig
   n_params = sum(x.size for x in jax.tree.leaves(model.abstract_params(cfg)))
-  assert abs(got["temp"] - ref["temp"]) <= 0.05 * ref["temp"]
+  # The step holds what grad(loss) holds, plus the optimizer's temporaries: at most 8 f32 copies of the params
+  # (gradients, clipping, AdamW's moment updates, the update); it may schedule a little tighter (measured -0.3%).
+  assert -0.05 * ref["temp"] <= got["temp"] - ref["temp"] <= 8 * 4 * n_params
   assert got["temp"] > 10 * 4 * n_params              # the comparison is about activations, not params
 
 
