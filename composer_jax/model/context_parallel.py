@@ -67,14 +67,14 @@ def from_zigzag_reference(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
   return x if n == 1 else jnp.take(x, np.argsort(zigzag_order(x.shape[axis], n)), axis=axis)
 
 
-def _swap_halves(x, *, n: int, axis: int, inverse: bool):
+def _swap_halves(x, me_1, *, n: int, axis: int, inverse: bool):
   """Per-device body of `to_zigzag` / `from_zigzag`: two half-chunk `ppermute`s, nothing gathered.
 
   Contiguous layout: device i holds halves (2i, 2i+1); zig-zag: device i holds halves (i, 2n-1-i). In either
   direction each device sends exactly one half to each of two permutations whose targets are all distinct, so
-  each is one `ppermute`.
+  each is one `ppermute`. me_1: [1] this device's index on `context` (`ring_attention.shard_index`).
   """
-  i = jax.lax.axis_index(AXIS)
+  i = me_1[0]
   lo, hi = jnp.split(x, 2, axis=axis)
   if not inverse:  # half 2i goes to the device owning it in zig-zag order, likewise half 2i+1
     dest = lambda h: h if h < n else 2 * n - 1 - h  # noqa: E731
@@ -98,10 +98,10 @@ def _permute(x: jax.Array, n: int, axis: int, inverse: bool) -> jax.Array:
                      f"the current one has {context_size()}")
   zigzag_order(x.shape[axis], n)  # validates the length
   spec = P(*([None] * axis), AXIS)
-  fn = jax.shard_map(lambda a: _swap_halves(a, n=n, axis=axis, inverse=inverse), axis_names={AXIS},
-                     in_specs=spec, out_specs=spec)
+  fn = jax.shard_map(functools.partial(_swap_halves, n=n, axis=axis, inverse=inverse), axis_names={AXIS},
+                     in_specs=(spec, P(AXIS)), out_specs=spec)
   with jax.named_scope("from_zigzag" if inverse else "to_zigzag"):
-    return fn(x)
+    return fn(x, ring_lib.shard_index(n))
 
 
 def to_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:

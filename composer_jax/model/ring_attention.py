@@ -29,6 +29,16 @@ from composer_jax.model.attention import expand_kv
 AXIS = "context"
 
 
+def shard_index(n: int) -> jax.Array:
+  """[n] int32 0..n-1, passed into a `shard_map` over `context` with spec `P(AXIS)`: each device sees its own index.
+
+  Used instead of `lax.axis_index`: that lowers to a PartitionId, which XLA's SPMD partitioner rejects in a
+  partially manual `shard_map` inside a `lax.cond` (the RL step's unreplayed pass) and on some meshes (context=8
+  with a wide expert axis). A sharded iota is partitioned like any other array, so its value is the same index.
+  """
+  return jnp.arange(n, dtype=jnp.int32)
+
+
 def block_mask(seg_q_BxL, idx_q_BxL, seg_k_BxS, idx_k_BxS) -> jax.Array:
   """[B, L, S]: same segment and key index <= query index (original sequence indices)."""
   same = seg_q_BxL[:, :, None] == seg_k_BxS[:, None, :]
@@ -74,10 +84,11 @@ def _split_rows(tree, half):
   return jax.tree.map(lambda a: a[:, :, :half], tree), jax.tree.map(lambda a: a[:, :, half:], tree)
 
 
-def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float, n: int):
-  """Forward ring → (out [B, L, H, Dv], lse [B, H, L] float32; -inf for rows that see no key)."""
+def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, me_1, *, scale: float, n: int):
+  """Forward ring → (out [B, L, H, Dv], lse [B, H, L] float32; -inf for rows that see no key). me_1: [1] this
+  device's index on `context` (`shard_index`)."""
   B, L, H, _ = q_BxLxHxQ.shape
-  i, half = jax.lax.axis_index(AXIS), L // 2
+  i, half = me_1[0], L // 2
   kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
   acc = online_update(empty_acc(B, H, L, kvb["v_b"].shape[-1]), q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
 
@@ -118,11 +129,11 @@ def _block_grads(q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_q, idx_q,
   return dq, jax.tree.map(lambda a: a.astype(f32), dkvb), dc.astype(f32), dkr.astype(f32)
 
 
-def _bwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, out_BxLxHxDv, lse_BxHxL, dout_BxLxHxDv, *,
-                scale: float, n: int):
+def _bwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, out_BxLxHxDv, lse_BxHxL, dout_BxLxHxDv, me_1,
+                *, scale: float, n: int):
   """Backward ring → (dq, dc, dkr, dkvb summed over the ring)."""
   L = q_BxLxHxQ.shape[1]
-  i, half = jax.lax.axis_index(AXIS), L // 2
+  i, half = me_1[0], L // 2
   weights = kvb
   # Varying copies: their per-device gradients accumulate locally and are summed once at the end (through the
   # replicated originals, autodiff would insert a psum at every step).
@@ -164,9 +175,9 @@ LSE = P(None, None, AXIS)
 
 def _fwd_call(q, c, kr, seg, idx, kvb, scale, n):
   fn = jax.shard_map(functools.partial(_fwd_region, scale=scale, n=n), axis_names={AXIS},
-                     in_specs=(SEQ,) * 5 + (P(),), out_specs=(SEQ, LSE))
+                     in_specs=(SEQ,) * 5 + (P(), P(AXIS)), out_specs=(SEQ, LSE))
   with jax.named_scope("ring_attention_fwd"):
-    return fn(q, c, kr, seg, idx, kvb)
+    return fn(q, c, kr, seg, idx, kvb, shard_index(n))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -183,9 +194,9 @@ def _ring_fwd(q, c, kr, seg, idx, kvb, scale, n):
 def _ring_bwd(scale, n, res, dout):
   q, c, kr, seg, idx, kvb, out, lse = res
   fn = jax.shard_map(functools.partial(_bwd_region, scale=scale, n=n), axis_names={AXIS},
-                     in_specs=(SEQ,) * 5 + (P(), SEQ, LSE, SEQ), out_specs=(SEQ, SEQ, SEQ, P()))
+                     in_specs=(SEQ,) * 5 + (P(), SEQ, LSE, SEQ, P(AXIS)), out_specs=(SEQ, SEQ, SEQ, P()))
   with jax.named_scope("ring_attention_bwd"):
-    dq, dc, dkr, dkvb = fn(q, c, kr, seg, idx, kvb, out, lse, dout)
+    dq, dc, dkr, dkvb = fn(q, c, kr, seg, idx, kvb, out, lse, dout, shard_index(n))
   return dq, dc, dkr, None, None, dkvb
 
 
