@@ -68,12 +68,11 @@ HEADROOM = 0.10
 
 
 def RL_CONFIG():  # noqa: N802  (a constant, built lazily so that importing this file does not import jax)
-  """The RL step the plan compiles: without router replay. With replay, the unreplayed forward sits in a
-  `lax.cond`, and XLA's SPMD partitioner rejects the PartitionId that `lax.axis_index` in the context-parallel
-  regions becomes inside a conditional, so a replayed RL step does not compile on a context mesh (see the README).
-  Replay's cost is the policy's own (pass 2) forward: `RL_FORWARDS` counts it."""
+  """The RL step the plan compiles: the default `RLConfig`, router replay on. Its unreplayed forward sits in a
+  `lax.cond` (run when routing is missing or its metric is due), so the compiled program holds both branches;
+  `RL_FORWARDS` counts that forward as if it ran every step."""
   from composer_jax.rl import step as rl_step_lib
-  return rl_step_lib.RLConfig(router_replay=False, ref_router_replay=False)
+  return rl_step_lib.RLConfig()
 
 
 # Forward passes' worth of model FLOPs per step: LM = forward + backward; RL = the policy's forward + backward,
