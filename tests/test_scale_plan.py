@@ -195,3 +195,12 @@ def test_compiled_memory_matches_a_real_8_device_run():
   print("rss growth / (8 x temp):", r["rss_delta"] / (8 * fig["temp"]))
   assert 0.9 <= r["rss_delta"] / (8 * fig["temp"]) <= 1.6
   assert jnp.isfinite(r["loss"])
+
+
+def test_rl_stage_with_router_replay_compiles_on_a_context_mesh():
+  """The plan's RL step (router replay on: the unreplayed forward under a `lax.cond`) compiles on expert x context,
+  and its ring's ppermutes are counted (the zig-zag permutation and the ring used to stop it with a PartitionId)."""
+  assert sp.RL_CONFIG().router_replay
+  got = sp.compile_case("tiny", sp.Stage("rl", 64), {"expert": 2, "context": 4}, 1, None, devices=jax.devices()[:8])
+  assert got["temp"] > 0 and got["ref_params"] > 0
+  assert got["collectives"]["collective-permute"]["count"] > 0
