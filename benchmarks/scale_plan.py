@@ -97,9 +97,7 @@ STAGES = {
 # order, then context, so a context group of 4 is half a node and its weight gathers ride NVLink). Weights are
 # FSDP-sharded over data x context (`rules_for`), experts over `expert`: a device must hold few of the 384 experts,
 # since the per-layer gather of its experts' weights grows with their number. The ring's per-step score block is
-# [H, L/CP, L/CP] in f32, hence context 32 for 256k rows. (Meshes with context 8 and a wide expert axis, e.g.
-# expert=32 x context=8 or expert=128 x context=8, and context=64 alone, fail to compile here: XLA rejects the
-# PartitionId that `lax.axis_index` in the zig-zag permutation's partially manual shard_map becomes.)
+# [H, L/CP, L/CP] in f32, hence context 32 for 256k rows.
 MESHES = {
     "pretrain_32k": {64: {"expert": 16, "context": 4}, 256: {"data": 4, "expert": 16, "context": 4},
                      1024: {"data": 16, "expert": 16, "context": 4}},
