@@ -129,9 +129,9 @@ class JaxEngine:
     B = bucket(len(requests), ecfg.min_batch_bucket)
     U = min(bucket(len(uniq), ecfg.min_batch_bucket), B)
     P = bucket(max(len(p) for p in uniq), ecfg.min_prompt_bucket)
-    T = bucket(max(r.params.max_tokens for r in requests), ecfg.min_len_bucket)
-    if P + T > cfg.max_position_embeddings:
-      raise ValueError(f"prompt bucket {P} + output bucket {T} exceed max_position_embeddings="
+    Lo = bucket(max(r.params.max_tokens for r in requests), ecfg.min_len_bucket)
+    if P + Lo > cfg.max_position_embeddings:
+      raise ValueError(f"prompt bucket {P} + output bucket {Lo} exceed max_position_embeddings="
                        f"{cfg.max_position_embeddings}")
     prompts = np.zeros((U, P), np.int32)
     pad = np.full((U,), P - 1, np.int32)  # filler prompts: one token
@@ -152,24 +152,24 @@ class JaxEngine:
                   top_k_B=jnp.asarray([sp.top_k for sp in params], jnp.int32),
                   top_p_B=jnp.asarray([sp.top_p for sp in params], jnp.float32),
                   max_tokens_B=jnp.asarray([sp.max_tokens for sp in params], jnp.int32),
-                  stop_BxS=jnp.asarray(stop), seeds_B=jnp.asarray(seeds))
-    return batch, T
+                  stop_BxZ=jnp.asarray(stop), seeds_B=jnp.asarray(seeds))
+    return batch, Lo
 
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    batch, T = self._batch(requests)
+    batch, Lo = self._batch(requests)
     ecfg = self.engine_cfg
-    out = jax.device_get(_run(self.params, batch, self.cfg, T, ecfg.draft_tokens if ecfg.speculative else 0))
+    out = jax.device_get(_run(self.params, batch, self.cfg, Lo, ecfg.draft_tokens if ecfg.speculative else 0))
     self.last_stats = {k: int(v) for k, v in out.stats.items()}
     rows_B = np.asarray(batch.row_prompt_B)
     results = []
     for b, r in enumerate(requests):
       n = int(out.length_B[b])
-      toks = np.asarray(out.tokens_BxT[b, :n], np.int32)
+      toks = np.asarray(out.tokens_BxLo[b, :n], np.int32)
       stopped = n > 0 and int(toks[-1]) in r.params.stop_token_ids
       # Prompts are left-padded: the request's own P tokens are the last P slots of its unique prompt's row.
       prompt_PxLmxK = out.prompt_experts_LmxUxPxK[:, rows_B[b], -len(r.prompt_ids):].transpose(1, 0, 2)
-      results.append(GenerateResult(output_ids=toks, logprobs=np.asarray(out.logprobs_BxT[b, :n], np.float32),
-                                    routed_experts=np.asarray(out.experts_BxTxLmxK[b, :n], np.int32),
+      results.append(GenerateResult(output_ids=toks, logprobs=np.asarray(out.logprobs_BxLo[b, :n], np.float32),
+                                    routed_experts=np.asarray(out.experts_BxLoxLmxK[b, :n], np.int32),
                                     policy_version=self.policy_version,
                                     finish_reason="stop" if stopped else "length",
                                     prompt_routed_experts=np.asarray(prompt_PxLmxK, np.int32)))
