@@ -8,7 +8,7 @@ import pytest
 
 from composer_jax import model
 from composer_jax.sampling import cached_model as cm
-from composer_jax.sampling.engine import EngineConfig, JaxEngine
+from composer_jax.sampling.engine import EngineConfig, JaxEngine, generation_moe_impl
 from rollout.engines.protocol import GenerateRequest, SamplingParams
 
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -40,23 +40,39 @@ def test_split_layers_decode_equals_scanned():
 @pytest.mark.parametrize("speculative", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["plain", "speculative"])
 def test_engine_decode_expert_paths_agree(speculative):
-  """The engine's 'all' (dense two-GEMM, the CPU default) and 'model' (here grouped matmul) paths agree."""
+  """The engine's 'dense' (two GEMMs, the CPU default) and 'model' (here grouped matmul) paths agree."""
   params = model.init(jax.random.key(2), dataclasses.replace(CFG, initializer_range=0.2))
   reqs = [GenerateRequest(tuple(range(i + 1, 2 * i + 4)), SamplingParams(temperature=0.0, max_tokens=12))
           for i in range(4)]
   ragged = dataclasses.replace(CFG, moe_impl="ragged")   # 'model' then means grouped matmuls, as on a GPU
-  outs = [JaxEngine(params, ragged, EngineConfig(speculative=speculative, decode_experts=e, min_batch_bucket=4,
+  outs = [JaxEngine(params, ragged, EngineConfig(speculative=speculative, moe_impl=e, min_batch_bucket=4,
                                               min_prompt_bucket=8, min_len_bucket=16)).generate(reqs)
-          for e in ("all", "model")]
+          for e in ("dense", "model")]
   for a, b in zip(*outs):
     np.testing.assert_array_equal(a.output_ids, b.output_ids)
     np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("choice, model_impl, matmul, platform, want", [
+  ("auto", "ragged", "bf16", "cpu", "dense"),        # CPU: two plain GEMMs beat XLA:CPU's masked grouped matmul
+  ("auto", "ragged", "bf16", "gpu", "ragged"),       # elsewhere the model's own
+  ("auto", "ep_ragged", "bf16", "gpu", "ep_ragged"),
+  ("auto", "auto", "bf16", "gpu", "ragged"),
+  ("auto", "ragged", "mxfp8", "cpu", "ragged"),      # quantised expert matmuls exist only on the ragged path
+  ("model", "ragged", "bf16", "cpu", "ragged"),
+  ("model", "capacity", "bf16", "gpu", "ragged"),    # dropping depends on the batch: never in generation
+  ("dense", "ragged", "bf16", "gpu", "dense"),
+  ("capacity", "dense", "bf16", "cpu", "ragged"),
+])
+def test_generation_moe_impl(choice, model_impl, matmul, platform, want):
+  cfg = dataclasses.replace(CFG, moe_impl=model_impl, moe_matmul=matmul)
+  assert generation_moe_impl(cfg, choice, platform) == want
+
+
 def test_bad_engine_config_raises():
   params = model.init(jax.random.key(2), dataclasses.replace(CFG, initializer_range=0.2))
-  with pytest.raises(ValueError, match="decode_experts"):
-    JaxEngine(params, CFG, EngineConfig(decode_experts="fast"))
+  with pytest.raises(ValueError, match=r"EngineConfig.moe_impl='fast'; valid: \['auto', 'model', 'dense'"):
+    JaxEngine(params, CFG, EngineConfig(moe_impl="fast"))
   with pytest.raises(ValueError, match="draft_tokens"):
     JaxEngine(params, CFG, EngineConfig(speculative=True, draft_tokens=0))

@@ -1,12 +1,12 @@
 """Jitted batched generation: prefill each unique prompt once, copy its cache to its samples, decode in a
 `lax.while_loop` that stops when every row has finished (stop token or its own max_tokens).
 
-All shapes are fixed per (U, P, B, T) bucket, so a new batch of the same bucket reuses the compiled program.
+All shapes are fixed per (U, P, B, Lo) bucket, so a new batch of the same bucket reuses the compiled program.
 Row b samples from prompt `row_prompt_B[b]`; the while loop keeps feeding tokens until each row's last output
 token has itself been fed through the model, so its routed experts are recorded too.
 
-Letters: U unique prompts, P padded prompt width, B rows (samples), T output buffer length, V vocab, D hidden,
-Lm MoE layers, K experts per token, S stop ids per row.
+Letters (composer_jax/model/README.md): U unique prompts, P padded prompt width, B rows (samples), Lo output buffer
+length (new tokens a row can hold), Z stop ids per row, V vocab, D hidden, Lm MoE layers, K experts per token.
 """
 from __future__ import annotations
 
@@ -32,22 +32,22 @@ class Batch(NamedTuple):
   top_k_B: jax.Array
   top_p_B: jax.Array
   max_tokens_B: jax.Array
-  stop_BxS: jax.Array         # stop token ids, -1 padded
+  stop_BxZ: jax.Array         # stop token ids, -1 padded
   seeds_B: jax.Array          # uint32 per-row seed
 
 
 class Output(NamedTuple):
   """Per-row outputs; entries at index >= length_B are junk."""
-  tokens_BxT: jax.Array
-  logprobs_BxT: jax.Array     # policy logprob of each token (sampler.policy_logprobs)
-  experts_BxTxLmxK: jax.Array
+  tokens_BxLo: jax.Array
+  logprobs_BxLo: jax.Array     # policy logprob of each token (sampler.policy_logprobs)
+  experts_BxLoxLmxK: jax.Array
   length_B: jax.Array
   prompt_experts_LmxUxPxK: jax.Array
   stats: dict                 # speculative decoding: steps, drafted, accepted (scalars)
 
 
-def is_stop(tok_B: jax.Array, stop_BxS: jax.Array) -> jax.Array:
-  return (tok_B[:, None] == stop_BxS).any(-1)
+def is_stop(tok_B: jax.Array, stop_BxZ: jax.Array) -> jax.Array:
+  return (tok_B[:, None] == stop_BxZ).any(-1)
 
 
 def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool = False):
@@ -85,22 +85,22 @@ def _first_token(logits_BxV: jax.Array, batch: Batch, keys_B):
   return tok_B, lp_B
 
 
-def _out_buffers(B: int, T: int, cfg: ModelConfig, extra: int = EXTRA):
+def _out_buffers(B: int, Lo: int, cfg: ModelConfig, extra: int = EXTRA):
   n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
-  return (jnp.zeros((B, T + extra), jnp.int32), jnp.zeros((B, T + extra), jnp.float32),
-          jnp.zeros((B, T + extra, n_moe, cfg.num_experts_per_tok), jnp.int32))
+  return (jnp.zeros((B, Lo + extra), jnp.int32), jnp.zeros((B, Lo + extra), jnp.float32),
+          jnp.zeros((B, Lo + extra, n_moe, cfg.num_experts_per_tok), jnp.int32))
 
 
 def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Output:
   """Plain (non-speculative) batched generation of up to `max_len` tokens per row (jit with cfg, max_len static)."""
   U, P = batch.prompts_UxP.shape
-  B, T = batch.row_prompt_B.shape[0], max_len
+  B, Lo = batch.row_prompt_B.shape[0], max_len
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + T + EXTRA)
+  cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + Lo + EXTRA)
   pad_B = batch.pad_U[batch.row_prompt_B]
   params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
-  toks, lps, routes = _out_buffers(B, T, cfg)
+  toks, lps, routes = _out_buffers(B, Lo, cfg)
   toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
 
   def cond(state):
@@ -112,7 +112,7 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Outp
     start_B = jnp.full((B,), P, jnp.int32) + i
     logits, _, experts, cache = cm.forward_cached(params, tok_B[:, None], cache, start_B, pad_B, cfg)
     routes = jax.lax.dynamic_update_slice_in_dim(routes, jnp.transpose(experts, (1, 2, 0, 3)), i, axis=1)
-    end_B = jnp.where(is_stop(tok_B, batch.stop_BxS) & (i < end_B), i + 1, end_B)
+    end_B = jnp.where(is_stop(tok_B, batch.stop_BxZ) & (i < end_B), i + 1, end_B)
     if greedy:
       nxt_B = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     else:
@@ -126,4 +126,4 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Outp
   state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, routes, batch.max_tokens_B.astype(jnp.int32))
   i, _, _, toks, lps, routes, end_B = greedy_or_sampled(batch, cond, body, state)
   stats = {"steps": i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
-  return Output(toks[:, :T], lps[:, :T], routes[:, :T], end_B, prompt_experts, stats)
+  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from composer_jax.model import moe
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling.decode import Batch, Output, generate
@@ -35,34 +36,45 @@ class EngineConfig:
   Attributes:
     speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
     draft_tokens: drafts per speculative step (module 0 chained on its own output after the first).
-    decode_experts: how generation runs the routed experts: 'all' (every expert as two plain GEMMs, moe_impl
-      'dense'; fastest on CPU, where the grouped matmul is a masked dense dot anyway), 'model' (the model's
-      moe_impl, e.g. grouped matmuls on GPU), 'auto' ('all' on CPU, else 'model').
     max_batch: most rows per compiled call (larger requests are split).
     min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
       batch so every call reuses one compiled program.
     min_prompt_bucket: smallest padded prompt width (prompts are left-padded to a power of two >= this).
     min_len_bucket: smallest output buffer length.
-    moe_impl: override of cfg.moe_impl for generation (None: keep; 'capacity' is always replaced by 'ragged',
-      since dropping depends on the batch and would break equality with the trainer's forward).
+    moe_impl: how generation runs the routed experts: 'auto' (on CPU the model's "auto", i.e. 'dense', every
+      expert as two plain GEMMs, since XLA:CPU runs a grouped matmul as a masked dense dot anyway; elsewhere the
+      model's own), 'model' (the model's `moe_impl`), or a name in `model.moe.MOE_IMPLS`. 'capacity' is always
+      replaced by 'ragged', since dropping depends on the batch and would break equality with the trainer's
+      forward. With 'dense' the expert weights are laid out for it once per call, not once per step.
     seed: seed of the engine's own stream for requests without a seed.
   """
   speculative: bool = False
   draft_tokens: int = 1
-  decode_experts: str = "auto"
   max_batch: int = 64
   min_batch_bucket: int = 1
   min_prompt_bucket: int = 16
   min_len_bucket: int = 16
-  moe_impl: str | None = None
+  moe_impl: str = "auto"
   seed: int = 0
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens", "all_experts"))
-def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int, all_experts: bool) -> Output:
+def generation_moe_impl(cfg: ModelConfig, choice: str, platform: str | None = None) -> str:
+  """The `MOE_IMPLS` name generation runs for `EngineConfig.moe_impl=choice` (see there) on `platform`."""
+  valid = ("auto", "model", *moe.MOE_IMPLS)
+  if choice not in valid:
+    raise ValueError(f"EngineConfig.moe_impl={choice!r}; valid: {list(valid)}")
+  platform = platform or jax.default_backend()
+  if choice == "auto":
+    choice = "auto" if platform == "cpu" else "model"
+  impl = moe.resolve_moe_impl(dataclasses.replace(cfg, moe_impl=cfg.moe_impl if choice == "model" else choice),
+                              platform)
+  return "ragged" if impl == "capacity" else impl
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens"))
+def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int) -> Output:
   """draft_tokens = 0: plain decoding."""
-  if all_experts:
-    cfg = dataclasses.replace(cfg, moe_impl="dense")
+  if cfg.moe_impl == "dense":
     params = with_dense_layout(params)   # the dense path's weight layout, once per call rather than per step
   if draft_tokens:
     return generate_speculative(params, batch, cfg, max_len, draft_tokens)
@@ -74,17 +86,12 @@ class JaxEngine:
 
   def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig(),
                policy_version: int = 0):
-    impl = engine_cfg.moe_impl or cfg.moe_impl
-    self.cfg = dataclasses.replace(cfg, moe_impl="ragged" if impl == "capacity" else impl)
+    self.cfg = dataclasses.replace(cfg, moe_impl=generation_moe_impl(cfg, engine_cfg.moe_impl))
     self.engine_cfg = engine_cfg
     if engine_cfg.speculative and cfg.num_nextn_predict_layers < 1:
       raise ValueError("EngineConfig(speculative=True) needs a model with MTP modules (num_nextn_predict_layers >= 1)")
     if engine_cfg.draft_tokens < 1:
       raise ValueError(f"EngineConfig.draft_tokens must be >= 1, got {engine_cfg.draft_tokens}")
-    if engine_cfg.decode_experts not in ("auto", "all", "model"):
-      raise ValueError(f"EngineConfig.decode_experts={engine_cfg.decode_experts!r}; valid: 'auto', 'all', 'model'")
-    self._all_experts = engine_cfg.decode_experts == "all" or (
-        engine_cfg.decode_experts == "auto" and jax.default_backend() == "cpu")
     self.params = params
     self.policy_version = policy_version
     self._calls = 0
@@ -122,9 +129,9 @@ class JaxEngine:
     B = bucket(len(requests), ecfg.min_batch_bucket)
     U = min(bucket(len(uniq), ecfg.min_batch_bucket), B)
     P = bucket(max(len(p) for p in uniq), ecfg.min_prompt_bucket)
-    T = bucket(max(r.params.max_tokens for r in requests), ecfg.min_len_bucket)
-    if P + T > cfg.max_position_embeddings:
-      raise ValueError(f"prompt bucket {P} + output bucket {T} exceed max_position_embeddings="
+    Lo = bucket(max(r.params.max_tokens for r in requests), ecfg.min_len_bucket)
+    if P + Lo > cfg.max_position_embeddings:
+      raise ValueError(f"prompt bucket {P} + output bucket {Lo} exceed max_position_embeddings="
                        f"{cfg.max_position_embeddings}")
     prompts = np.zeros((U, P), np.int32)
     pad = np.full((U,), P - 1, np.int32)  # filler prompts: one token
@@ -145,25 +152,24 @@ class JaxEngine:
                   top_k_B=jnp.asarray([sp.top_k for sp in params], jnp.int32),
                   top_p_B=jnp.asarray([sp.top_p for sp in params], jnp.float32),
                   max_tokens_B=jnp.asarray([sp.max_tokens for sp in params], jnp.int32),
-                  stop_BxS=jnp.asarray(stop), seeds_B=jnp.asarray(seeds))
-    return batch, T
+                  stop_BxZ=jnp.asarray(stop), seeds_B=jnp.asarray(seeds))
+    return batch, Lo
 
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    batch, T = self._batch(requests)
+    batch, Lo = self._batch(requests)
     ecfg = self.engine_cfg
-    out = jax.device_get(_run(self.params, batch, self.cfg, T, ecfg.draft_tokens if ecfg.speculative else 0,
-                              self._all_experts))
+    out = jax.device_get(_run(self.params, batch, self.cfg, Lo, ecfg.draft_tokens if ecfg.speculative else 0))
     self.last_stats = {k: int(v) for k, v in out.stats.items()}
     rows_B = np.asarray(batch.row_prompt_B)
     results = []
     for b, r in enumerate(requests):
       n = int(out.length_B[b])
-      toks = np.asarray(out.tokens_BxT[b, :n], np.int32)
+      toks = np.asarray(out.tokens_BxLo[b, :n], np.int32)
       stopped = n > 0 and int(toks[-1]) in r.params.stop_token_ids
       # Prompts are left-padded: the request's own P tokens are the last P slots of its unique prompt's row.
       prompt_PxLmxK = out.prompt_experts_LmxUxPxK[:, rows_B[b], -len(r.prompt_ids):].transpose(1, 0, 2)
-      results.append(GenerateResult(output_ids=toks, logprobs=np.asarray(out.logprobs_BxT[b, :n], np.float32),
-                                    routed_experts=np.asarray(out.experts_BxTxLmxK[b, :n], np.int32),
+      results.append(GenerateResult(output_ids=toks, logprobs=np.asarray(out.logprobs_BxLo[b, :n], np.float32),
+                                    routed_experts=np.asarray(out.experts_BxLoxLmxK[b, :n], np.int32),
                                     policy_version=self.policy_version,
                                     finish_reason="stop" if stopped else "length",
                                     prompt_routed_experts=np.asarray(prompt_PxLmxK, np.int32)))

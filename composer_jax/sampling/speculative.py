@@ -14,7 +14,8 @@ Each emitted token is then distributed exactly as under plain sampling with the 
 distribution; with temperature 0 p and q are one-hot and the output equals greedy decoding token for token (a
 batch of only greedy rows runs a loop specialised to argmax comparisons).
 
-Letters: B rows, P padded prompt width, T output buffer length, V vocab, D hidden, k drafts per step, W = k + 1.
+Letters: B rows, P padded prompt width, Lo output buffer length (new tokens a row can hold), V vocab, D hidden,
+k drafts per step, W = k + 1.
 """
 from __future__ import annotations
 
@@ -104,18 +105,18 @@ def _draft(params, cache, h_BxWxD, tok_BxW, s_B, pad_B, cfg: ModelConfig, k: int
   return jnp.stack(drafts, 1), q_lps, cache
 
 
-def _write_window(buf_BxTx_, new_BxWx_, at_B, active_B):
+def _write_window(buf_BxLox_, new_BxWx_, at_B, active_B):
   """Writes each active row's W new entries at at_B (inactive rows keep theirs)."""
   W = new_BxWx_.shape[1]
-  old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, W, axis=0))(buf_BxTx_, at_B)
+  old = jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, W, axis=0))(buf_BxLox_, at_B)
   keep = jnp.where(active_B.reshape((-1,) + (1,) * (new_BxWx_.ndim - 1)), new_BxWx_, old)
-  return cm.write_rows(buf_BxTx_, keep, at_B)
+  return cm.write_rows(buf_BxLox_, keep, at_B)
 
 
-def _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, stop_BxS):
+def _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, stop_BxZ):
   """Tokens fed this step are x_s and the n accepted drafts; the first stop among them ends the row after it."""
   for j in range(fed_BxW.shape[1]):
-    stop_B = active_B & (j <= n_B) & is_stop(fed_BxW[:, j], stop_BxS) & (idx_B + j < end_B)
+    stop_B = active_B & (j <= n_B) & is_stop(fed_BxW[:, j], stop_BxZ) & (idx_B + j < end_B)
     end_B = jnp.where(stop_B, idx_B + j + 1, end_B)
   return end_B
 
@@ -125,14 +126,14 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
   k, W = draft_tokens, draft_tokens + 1
   _, P = batch.prompts_UxP.shape
   _check(params, cfg, k, P)
-  B, T = batch.row_prompt_B.shape[0], max_len
-  extra = W + 1  # a step writes W tokens past a row's pointer, which is < T while the row is active
+  B, Lo = batch.row_prompt_B.shape[0], max_len
+  extra = W + 1  # a step writes W tokens past a row's pointer, which is < Lo while the row is active
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  cache, logits_BxV, h_BxPxD, prompt_experts = prefill(params, batch, cfg, P + T + extra, mtp=True)
+  cache, logits_BxV, h_BxPxD, prompt_experts = prefill(params, batch, cfg, P + Lo + extra, mtp=True)
   pad_B = batch.pad_U[batch.row_prompt_B]
   params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
-  toks, lps, routes = _out_buffers(B, T, cfg, extra)
+  toks, lps, routes = _out_buffers(B, Lo, cfg, extra)
   toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
   repeat = lambda a_B, n: jnp.repeat(a_B, n, axis=0)  # noqa: E731  per-row settings for [B * n, V] rows
 
@@ -173,7 +174,7 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
     toks = _write_window(toks, out_BxW, idx_B + 1, active_B)
     lps = _write_window(lps, lp_BxW, idx_B + 1, active_B)
     routes = _write_window(routes, jnp.transpose(experts, (1, 2, 0, 3)), idx_B, active_B)
-    end_B = _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, batch.stop_BxS)
+    end_B = _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, batch.stop_BxZ)
     keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
     return (keep(s_B + 1 + n_B, s_B), keep(_shift_window(h_BxWxD, hv_BxWxD, n_B), h_BxWxD),
             keep(_shift_window(tok_BxW, out_BxW, n_B), tok_BxW), cache, toks, lps, routes,
@@ -185,5 +186,5 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
            batch.max_tokens_B.astype(jnp.int32))
   state = greedy_or_sampled(batch, cond, body, state)
   _, _, _, _, toks, lps, routes, drafted, accepted, steps, end_B = state
-  return Output(toks[:, :T], lps[:, :T], routes[:, :T], end_B, prompt_experts,
+  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts,
                 {"steps": steps, "drafted": drafted, "accepted": accepted})

@@ -35,6 +35,7 @@ import dataclasses
 import ml_collections
 
 from experiments.configs import common
+from experiments.configs import model as model_configs
 from experiments.configs import rl as rl_configs
 from rollout.tasks import miner
 
@@ -45,19 +46,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          keep_contaminated=False, checkpoint="", model="colab", sglang_url="", backend="sandbox",
                          out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
                          max_prompt_chars=1000, temperature=1.0, harness="default")
-  c = ml_collections.ConfigDict()
+  c = ml_collections.ConfigDict()   # mirrors composer_jax.eval_run.EvalConfig
   # c.set mirrors rollout.tasks.registry.SetSpec (the one task-source registry RL and SFT use too).
   c.set = ml_collections.ConfigDict(dict(
     kind=arg.variant, n=arg.n_tasks if arg.variant == "procedural" else 0, seed=arg.seed,
     split="heldout" if arg.variant == "procedural" else "all", levels=tuple(int(x) for x in arg.levels.split("+")),
     repos=tuple(r for r in arg.repos.split(":") if r), jsonl=arg.jsonl, repos_dir=arg.repos_dir, path=arg.set_file,
     heldout_percent=20, miner=dataclasses.asdict(miner.MinerConfig())))
-  c.policies = arg.policies
+  c.policies = tuple(n for n in arg.policies.split("+") if n)
   c.samples = arg.samples
   c.chunk_tasks = arg.chunk_tasks
   c.corpus = arg.corpus  # pretraining corpus (dir or JSONL with "text") for the contamination guard; "" = off
   c.keep_contaminated = arg.keep_contaminated
-  c.checkpoint = ml_collections.ConfigDict(dict(workdir=arg.checkpoint, model=arg.model))
+  # checkpoint.model: the shape of every checkpoint in `workdir` (':'-joined), a variant of configs/model.py.
+  c.checkpoint = ml_collections.ConfigDict(dict(workdir=arg.checkpoint,
+                                                model=model_configs.get_config(arg.model).to_dict()))
   c.sglang_url = arg.sglang_url
   c.backend = arg.backend  # 'sandbox' (bubblewrap) or 'local'
   c.out = arg.out
@@ -65,7 +68,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.gold_runs = 2  # gold validation runs each side this often (>= 2: a flaky task is invalid)
   c.builder = ml_collections.ConfigDict(dict(path=arg.build_set, version=arg.set_version, min_files=arg.min_files,
                                              min_lines=arg.min_lines, max_prompt_chars=arg.max_prompt_chars))
-  c.tokenizer = ml_collections.ConfigDict(dict(vocab_size=1024, train_tasks=200))  # baselines without a checkpoint
+  # The baselines' tokenizer without a checkpoint: a saved one (`dir`) or one fitted to `train_tasks` tasks.
+  c.tokenizer = ml_collections.ConfigDict(dict(dir="", train_tasks=200, fit=dict(vocab_size=1024)))
   # Mirrors rollout.harness.HarnessConfig (system_prompt names one of harness.SYSTEM_PROMPTS).
   c.harness = ml_collections.ConfigDict(dict(context_budget=4096, max_turn_tokens=1024, observation_reserve=512,
                                              max_turns=16, max_segments=3, summary_max_tokens=256,
