@@ -109,10 +109,12 @@ class _Fn:
   core: str
   module: str = ""
 
+  def statement(self) -> str:
+    """The body as the file has it: a stub's `raise`, else `return` of the shown expression."""
+    return "raise NotImplementedError" if self.kind == "stub" else f"return {self.shown}"
+
   def source(self) -> str:
-    if self.kind == "stub":
-      return f'{self.header()}    raise NotImplementedError\n'
-    return f"{self.header()}    return {self.shown}\n"
+    return f"{self.header()}    {self.statement()}\n"
 
   def header(self) -> str:
     """The signature and the docstring that states the intended expression (the spec a fix must meet)."""
@@ -234,11 +236,11 @@ def _oracle(cfg: ProceduralConfig, fixes: list[_Fn], files: dict[str, str]) -> l
       turns.append({"content": "", "tool_calls": [{"name": "grep", "arguments": {"pattern": f"def {fn.name}"}}]})
     turns.append({"content": "", "tool_calls": [{"name": "read_file", "arguments": {"path": path}}]})
     if fn.kind == "stub":
-      old, new = "    raise NotImplementedError\n", f"    return {fn.correct}\n"
+      old, new = f"    {fn.statement()}\n", f"    return {fn.correct}\n"
       old = f'"""Return {fn.correct}."""\n' + old
       new = f'"""Return {fn.correct}."""\n' + new
     else:
-      old, new = f"return {fn.shown}", f"return {fn.correct}"
+      old, new = fn.statement(), f"return {fn.correct}"
       if files[path].count(old) != 1:
         old, new = fn.header() + f"    {old}", fn.header() + f"    {new}"
     calls = [_edit_call(path, old, new)]
@@ -274,8 +276,7 @@ def _oracle_summaries(cfg: ProceduralConfig, fixes: list[_Fn]) -> list[str]:
       if edit < k:
         parts.append(f"Fixed {fn.name}.")
       elif read < k:
-        old = "raise NotImplementedError" if fn.kind == "stub" else f"return {fn.shown}"
-        parts.append(f"`{path}`: `{old}` -> `return {fn.correct}`.")
+        parts.append(f"`{path}`: `{fn.statement()}` -> `return {fn.correct}`.")
       elif cfg.name_files or (grep is not None and grep < k):
         parts.append(f"{fn.name} is in `{path}`.")
       else:
