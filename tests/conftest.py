@@ -1,4 +1,4 @@
-"""Test-wide JAX settings (STYLE.md §13)."""
+"""Test-wide JAX settings: fake devices, the compilation cache, and rank promotion as an error."""
 import os
 
 # Eight fake CPU devices so sharded code can be tested on one machine; set before jax is imported.

@@ -147,7 +147,7 @@ def test_parse_generated_ids_ignores_spelled_out_markers(tok):
 
 
 def test_rollout_side_imports_neither_jax_nor_composer_jax():
-  """The rollout fleet must run without JAX (ARCHITECTURE.md): importing chat_format pulls in neither."""
+  """The rollout fleet must run without JAX (it runs beside SGLang): importing chat_format pulls in neither."""
   code = "import sys, rollout.chat_format; bad = {'jax', 'composer_jax'} & set(sys.modules); assert not bad, bad"
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -57,7 +57,7 @@ def test_oracle_policy_needs_oracle_metadata(tok):
 
 
 def test_rollout_imports_neither_jax_nor_composer_jax():
-  """Layering: the rollout side runs without JAX (ARCHITECTURE.md)."""
+  """Layering: the rollout side runs without JAX (a separate rollout fleet imports no model code)."""
   import subprocess
   import sys
   code = ("import sys, rollout.harness, rollout.evaluation.suite, rollout.tasks.registry, rollout.tasks.swe, "

@@ -1,4 +1,4 @@
-"""Grouped-matmul kernels vs their jnp references, forward and gradients (kernels_pallas/, STYLE.md §10-11).
+"""Grouped-matmul kernels vs their jnp references, forward and gradients (kernels_pallas/; interpret mode on CPU).
 
 `GroupedMatmulTest` runs the compiled kernels and needs a GPU; `GroupedMatmulInterpretTest` runs the same checks in
 the Pallas interpreter on CPU. Shapes stay tiny (T <= 96, K, N <= 64, E <= 4) because interpretation is slow.

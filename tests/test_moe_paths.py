@@ -1,4 +1,4 @@
-"""MoE router and the three expert compute paths against a per-expert Python-loop reference (STYLE.md §12)."""
+"""MoE router and the three expert compute paths against a per-expert Python-loop reference."""
 import dataclasses
 import functools
 

@@ -1,4 +1,4 @@
-"""Frozen model configuration: the one object library code takes (STYLE.md §5).
+"""Frozen model configuration: the one object library code takes.
 
 Field names follow Hugging Face's `DeepseekV3Config` so that interop is a rename-free copy. Built once from the
 ml-collections ConfigDict in `experiments/` with `composer_jax.configs.from_dict(ModelConfig, cfg.model)`.

@@ -1,4 +1,4 @@
-"""Logical axis names → mesh axes: the one table an ablation edits (STYLE.md §2).
+"""Logical axis names → mesh axes: the one table an ablation edits.
 
 Every param and activation names its dimensions with the logical names below; `logical_to_spec` turns such a
 tuple into a `PartitionSpec`. A logical name mapped to None is replicated.

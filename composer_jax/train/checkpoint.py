@@ -1,6 +1,6 @@
 """orbax checkpoints of the whole training state and the data iterator (or, for RL, the queue cursor), saved together.
 
-Resume order (STYLE.md §9): build the abstract state and its shardings → `restore` onto them (params, optimizer
+Resume order: build the abstract state and its shardings → `restore` onto them (params, optimizer
 state, step, RNG) → restore the grain iterator in place → continue from `step`. A checkpoint is written to a
 temporary directory and renamed when complete, so a run killed mid-save resumes from the previous one.
 """
