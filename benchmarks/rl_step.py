@@ -17,8 +17,6 @@ calls of `model.init` on the full config (MTP included) in this process, each af
 compile + run; the persistent compilation cache is off). Last line: JSON with `rl_step_vs_train_step`,
 `init_compile_s` and the rest.
 """
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -90,13 +88,8 @@ def rl_runner(cfg, params, batch, rl_cfg):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--variant", default="colab")
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--seq", type=int, default=256)
+  ap = lm_bench.step_args()
   ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per row (not trained on)")
-  ap.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
-  ap.add_argument("--rounds", type=int, default=5)
   args = ap.parse_args()
   full = configs.from_dict(model.ModelConfig, model_configs.get_config(args.variant).to_dict())
   init_s = init_compile_s(full)
@@ -122,9 +115,7 @@ def main():
             "rl_step_s": med["rl_step"], "rl_step_with_unreplayed_s": med["rl_step_with_unreplayed"],
             "train_step_s": med["train_step"], "init_compile_s": init_s,
             "load_average": statistics.mean(loads), "load_average_end": os.getloadavg()[0]}
-  for k, v in result.items():
-    print(f"{k:>38}: {v:.4g}" if isinstance(v, float) else f"{k:>38}: {v}")
-  print(json.dumps(result))
+  lm_bench.report(result)
 
 
 if __name__ == "__main__":

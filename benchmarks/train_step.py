@@ -120,13 +120,27 @@ def torch_step(path, tokens):
   return run
 
 
-def main():
+def step_args() -> argparse.ArgumentParser:
+  """The flags every step benchmark takes: model variant, batch shape, steps per round, rounds."""
   ap = argparse.ArgumentParser()
   ap.add_argument("--variant", default="colab")
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--seq", type=int, default=256)
   ap.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
   ap.add_argument("--rounds", type=int, default=5)
+  return ap
+
+
+def report(result: dict) -> None:
+  """One figure a line, then the whole result as one JSON object on the last line."""
+  width = max(map(len, result))
+  for k, v in result.items():
+    print(f"{k:>{width}}: {v:.4g}" if isinstance(v, float) else f"{k:>{width}}: {v}")
+  print(json.dumps(result))
+
+
+def main():
+  ap = step_args()
   ap.add_argument("--moe_impl", default=None, help="override the config's MoE path (model.moe.MOE_IMPLS)")
   args = ap.parse_args()
   d = model_configs.get_config(args.variant).to_dict()
@@ -164,9 +178,7 @@ def main():
       "matmul_peak_gflops": med["peak"] / 1e9, "model_gflops_per_step": flops / 1e9,
       "load_average": statistics.mean(times["load"]), "load_average_end": os.getloadavg()[0],
   }
-  for k, v in result.items():
-    print(f"{k:>26}: {v:.4g}" if isinstance(v, float) else f"{k:>26}: {v}")
-  print(json.dumps(result))
+  report(result)
 
 
 if __name__ == "__main__":
