@@ -241,8 +241,12 @@ def _oracle(cfg: ProceduralConfig, fixes: list[_Fn], files: dict[str, str]) -> l
       new = f'"""Return {fn.correct}."""\n' + new
     else:
       old, new = fn.statement(), f"return {fn.correct}"
-      if files[path].count(old) != 1:
-        old, new = fn.header() + f"    {old}", fn.header() + f"    {new}"
+      # Another function can share the buggy line (levels 2-3 put several in a file): widen the match to the
+      # docstring line, and only if that is still ambiguous to the whole header (the shortest unique edit).
+      for context in (f'"""Return {fn.correct}."""\n    ', fn.header() + "    "):
+        if files[path].count(old) == 1:
+          break
+        old, new = context + fn.statement(), context + f"return {fn.correct}"
     calls = [_edit_call(path, old, new)]
     if cfg.use_todo:
       calls.append({"name": "todo", "arguments": {"done": [k + 1]}})
