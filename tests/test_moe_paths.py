@@ -1,4 +1,4 @@
-"""MoE router and the three expert compute paths against a per-expert Python-loop reference."""
+"""MoE router and the expert compute paths against a per-expert Python-loop reference."""
 import dataclasses
 import functools
 
@@ -94,7 +94,7 @@ def test_gate_weights_normalised_and_scaled():
   np.testing.assert_allclose(moe_lib.gate_weights(scores, idx, cfg), [[2.25, 1.5]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged", "capacity_unbounded"])
+@pytest.mark.parametrize("impl", ["dense", "blocked", "ragged", "capacity_unbounded"])
 def test_paths_match_loop_reference(impl):
   p = _moe_params(CFG)
   T = 24
@@ -105,6 +105,8 @@ def test_paths_match_loop_reference(impl):
   ref, _ = _loop_reference(p, x, idx, w)
   if impl == "dense":
     out = experts_lib.experts_dense(p, x, idx, w)
+  elif impl == "blocked":
+    out = jax.jit(experts_lib.experts_blocked)(p, x, idx, w)
   elif impl == "ragged":
     out = jax.jit(experts_lib.experts_ragged)(p, x, idx, w)
   else:
@@ -190,16 +192,16 @@ def test_bad_config_errors():
 
 
 def test_moe_impl_registry_auto_and_errors():
-  assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="auto"), "cpu") == "dense"
+  assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="auto"), "cpu") == "blocked"
   assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="auto"), "cuda") == "ragged"
   # Quantised expert matmuls need the grouped path on every platform.
   assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="auto", moe_matmul="mxfp8"), "cpu") == "ragged"
   assert moe_lib.resolve_moe_impl(dataclasses.replace(CFG, moe_impl="capacity"), "cuda") == "capacity"
-  with pytest.raises(ValueError, match=r"moe_impl='sparse'; valid: \['auto', 'dense', 'ragged', 'capacity'"):
+  with pytest.raises(ValueError, match=r"moe_impl='sparse'; valid: \['auto', 'dense', 'blocked', 'ragged', 'capacity'"):
     moe_lib.check_moe_impl("sparse")
 
 
-@pytest.mark.parametrize("impl", ["auto", "dense", "ragged"])
+@pytest.mark.parametrize("impl", ["auto", "dense", "blocked", "ragged"])
 def test_moe_block_equals_loop_reference_with_shared_expert(impl):
   p = _moe_params(CFG)
   x = jax.random.normal(jax.random.key(9), (2, 6, CFG.hidden_size))
@@ -213,7 +215,7 @@ def test_moe_block_equals_loop_reference_with_shared_expert(impl):
   np.testing.assert_allclose(np.asarray(out).reshape(12, -1), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged", "capacity"])
+@pytest.mark.parametrize("impl", ["dense", "blocked", "ragged", "capacity"])
 def test_moe_paths_lower_for_cuda(impl):
   p = _moe_params(CFG)
   x = jax.random.normal(jax.random.key(10), (2, 8, CFG.hidden_size))
@@ -236,3 +238,39 @@ def test_dense_with_precomputed_layout_equals_without():
   stacked = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), p)
   np.testing.assert_array_equal(experts_lib.dense_layout(stacked)["gate_up"][1],
                                 experts_lib.dense_layout(jax.tree.map(lambda a: 2 * a, p))["gate_up"])
+
+
+def test_block_rows_by_mean_load():
+  # A quarter of the mean load as a power of two, kept in [128, 512], never above the mean load itself (>= 8).
+  assert experts_lib.block_rows(4096, 8) == 128      # colab step: m = 512
+  assert experts_lib.block_rows(4096, 32) == 128     # small step: m = 128
+  assert experts_lib.block_rows(8192, 4) == 512      # the RL model's SFT batch: m = 2048
+  assert experts_lib.block_rows(48, 8) == 4 * 2 and experts_lib.block_rows(3, 8) == 8
+
+
+@pytest.mark.parametrize("routing", ["skewed", "one_expert", "exact_blocks"])
+@pytest.mark.parametrize("block", [None, 4])
+def test_blocked_forward_and_grads_equal_dense(routing, block):
+  """Uneven loads (empty experts, one expert taking every assignment, loads that are whole blocks): the blocked
+  path's output and its gradients (x, gate/up/down weights, gate weights) equal the dense path's."""
+  p = {k: v for k, v in _moe_params(CFG).items() if k in ("gate", "up", "down")}
+  T, K, E = 16, CFG.num_experts_per_tok, CFG.n_routed_experts
+  x = jax.random.normal(jax.random.key(12), (T, CFG.hidden_size))
+  w = jax.random.uniform(jax.random.key(13), (T, K), minval=0.1)
+  if routing == "skewed":      # experts 0 and 1 take most assignments, 5-7 none
+    idx = jnp.stack([jnp.arange(T) % 2, 2 + jnp.arange(T) % 3], 1)
+  elif routing == "one_expert":   # every token's first choice is expert 3 (distinct second choices)
+    idx = jnp.stack([jnp.full(T, 3), jnp.where(jnp.arange(T) % E == 3, 4, jnp.arange(T) % E)], 1)
+  else:                        # 4 per expert: whole blocks of 4 with no padding row
+    idx = jnp.stack([jnp.arange(T) % E, (jnp.arange(T) + 1) % E], 1)
+  idx = idx.astype(jnp.int32)
+
+  def loss(f):
+    return lambda p, x, w: (jnp.sin(f(p, x, idx, w)) * jnp.arange(CFG.hidden_size)[None, :]).sum()
+  blocked = jax.jit(jax.value_and_grad(loss(functools.partial(experts_lib.experts_blocked, block=block)),
+                                       argnums=(0, 1, 2)))
+  dense = jax.value_and_grad(loss(experts_lib.experts_dense), argnums=(0, 1, 2))
+  (vb, gb), (vd, gd) = blocked(p, x, w), dense(p, x, w)
+  np.testing.assert_allclose(vb, vd, rtol=1e-5, atol=1e-4)
+  for a, b in zip(jax.tree.leaves(gb), jax.tree.leaves(gd), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -56,6 +56,8 @@ def test_engine_decode_expert_paths_agree(speculative):
 
 @pytest.mark.parametrize("choice, model_impl, matmul, platform, want", [
   ("auto", "ragged", "bf16", "cpu", "dense"),        # CPU: two plain GEMMs beat XLA:CPU's masked grouped matmul
+  ("auto", "blocked", "bf16", "cpu", "dense"),       # ... and, at a few tokens per step, sorting into blocks
+  ("auto", "auto", "bf16", "cpu", "dense"),
   ("auto", "ragged", "bf16", "gpu", "ragged"),       # elsewhere the model's own
   ("auto", "ep_ragged", "bf16", "gpu", "ep_ragged"),
   ("auto", "auto", "bf16", "gpu", "ragged"),

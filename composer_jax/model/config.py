@@ -53,8 +53,8 @@ class ModelConfig:
   first_k_dense_replace: int = 1
   moe_layer_freq: int = 1
   seq_aux_loss_coef: float = 0.0          # sequence-level balance loss weight (0: aux-loss-free only)
-  moe_impl: str = "auto"                  # a name in model.moe.MOE_IMPLS: "dense" | "ragged" | "capacity" |
-                                          # "ep_capacity" | "ep_ragged" (EP: a mesh), or "auto" (by platform)
+  moe_impl: str = "auto"                  # a name in model.moe.MOE_IMPLS: "dense" | "blocked" | "ragged" |
+                                          # "capacity" | "ep_capacity" | "ep_ragged" (EP: a mesh), "auto" (by platform)
   capacity_factor: float = 1.25           # for moe_impl="capacity" / "ep_capacity"
   moe_matmul: str = "bf16"                # ragged expert matmuls: "bf16" (compute dtype) | "mxfp8" | "nvfp4"
   moe_scale: str = "per_token"            # NVFP4 second-level scale: "per_token" | "per_tensor"
