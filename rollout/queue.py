@@ -228,15 +228,16 @@ class QueueConsumer:
     pending = self._pending()
     return len(pending), sum(g.n_rows for g in pending)
 
-  def poll(self, trainer_version: int, *, max_groups: int | None = None, max_rows: int | None = None
-           ) -> list[ConsumedGroup]:
+  def poll(self, trainer_version: int, *, max_groups: int | None = None, max_rows: int | None = None,
+           batch_rows: int | None = None) -> list[ConsumedGroup]:
     """Delivers the oldest pending groups (possibly none), advancing the cursor past them and past dropped ones.
 
     Args:
       trainer_version: the policy version the trainer is at (staleness = trainer_version − group version).
       max_groups: deliver at most this many.
-      max_rows: deliver whole groups while their rows sum to at most this (a fixed-size batch); a group that
-        does not fit waits for the next poll. A group larger than max_rows alone is an error.
+      max_rows: deliver whole groups while their rows sum to at most this (what is left of a fixed-size batch); a
+        group that does not fit waits for the next poll.
+      batch_rows: the whole batch's rows (default max_rows): a group larger than it can never be batched, an error.
     """
     out, rows = [], 0
     st = self._state
@@ -249,9 +250,10 @@ class QueueConsumer:
         st["cursor"][g.producer] = g.name
         continue
       if max_rows is not None:
-        if g.n_rows > max_rows:
-          raise ValueError(f"group {g.key} has {g.n_rows} rows, more than max_rows={max_rows}: it can never "
-                           "be batched; raise the batch size or shorten groups")
+        capacity = max_rows if batch_rows is None else batch_rows
+        if g.n_rows > capacity:
+          raise ValueError(f"group {g.key} has {g.n_rows} rows, more than the batch's {capacity}: it can never "
+                           "be batched; raise the batch size (train.rows_per_step) or shorten groups")
         if rows + g.n_rows > max_rows:
           break
       r = self.kv.read(g.key).result()

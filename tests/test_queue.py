@@ -146,8 +146,11 @@ class TestQueue:
     _assert_tree_equal(first[0].trajectories()[0], _traj(8, 3, 1.0, n_segments=2))
     second = c.poll(5, max_rows=4)
     assert [g.tree()["meta"]["group_id"] for g in second] == ["g1", "g2"]
-    p.append_group([_traj(8, 5, 1.0)] * 3)
-    with pytest.raises(ValueError, match="more than max_rows"):
+    p.append_group([_traj(8, 5, 1.0)] * 3, group_id="g3")                               # 3 rows
+    # What is left of a 4-row batch (2) is not the batch: the group waits rather than failing ...
+    assert c.poll(5, max_rows=2, batch_rows=4) == []
+    # ... but a group larger than the whole batch can never be batched.
+    with pytest.raises(ValueError, match="3 rows, more than the batch's 2"):
       c.poll(5, max_rows=2)
 
   @pytest.mark.parametrize("policy", ["drop", "keep"])

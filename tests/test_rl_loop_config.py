@@ -31,6 +31,9 @@ def _cfg(**overrides):
     ({"sft.demo_accuracy": 0.0}, "demo_accuracy"),
     ({"sft.steps": 0}, "init_checkpoint"),
     ({"rollout.mode": "sync", "rollout.max_staleness": 0, "rollout.publish_every": 2}, "publish_every must be 1"),
+    ({"train.rows_per_step": -1}, "rows_per_step"),
+    # 4 groups x 8 trajectories = 32 rows, but one group of 8 five-segment chains needs 40.
+    ({"harness.max_segments": 5}, "set train.rows_per_step >= 40"),
 ])
 def test_bad_run_config_is_a_clear_error(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -187,3 +190,28 @@ def test_success_rate_runs_through_the_evaluation_runner_and_resumes(tmp_path):
     assert evaluate.success_rate(noop, tok, tasks, envs, hcfg, 0.0, str(tmp_path / "oracle"))["success"] == 1.0
   finally:
     envs.factory.close()
+
+
+def test_a_step_takes_whole_groups_until_the_next_does_not_fit(tmp_path):
+  """Self-summarising chains take a row per segment: a step holds up to groups_per_step whole groups within
+  batch_rows, and a group that does not fit in what is left opens the next step (it is never an error, and the
+  trainer does not wait for rows that cannot come)."""
+  from composer_jax.rl import sources
+  from rollout.queue import QueueConsumer, QueueProducer
+  from rollout.staleness import StalenessConfig
+
+  def traj(n_segments):
+    seg = {"tokens_T": np.arange(6, dtype=np.int32), "gen_mask_T": np.ones(6, np.int8),
+           "logprobs_T": np.zeros(6, np.float32), "versions_T": np.zeros(6, np.int32),
+           "routed_TxNxK": np.zeros((6, 1, 1), np.int32), "prompt_len": 0, "turns": []}
+    return {"task_id": "t", "segments": [seg] * n_segments, "reward": 1.0, "breakdown": {}}
+
+  cfg = _cfg(**{"train.groups_per_step": 4, "rollout.samples_per_prompt": 2, "harness.max_segments": 3,
+                "train.rows_per_step": 8})
+  url = f"file://{tmp_path}/q"
+  producer = QueueProducer(url, "w")
+  for n_seg in (3, 1, 2, 3, 1, 1, 1, 1, 1):     # groups of 2 trajectories: 1 + n_seg rows each
+    producer.append_group([traj(n_seg), traj(1)], policy_version=0)
+  consumer = QueueConsumer(url, StalenessConfig(max_staleness=5))
+  steps = [[g.key.n_rows for g in sources.take_groups(consumer, cfg, 0)] for _ in range(3)]
+  assert steps == [[4, 2], [3, 4], [2, 2, 2, 2]]   # within 8 rows, in queue order; then 4 groups of 2

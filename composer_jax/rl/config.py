@@ -62,14 +62,20 @@ def _rl_optimizer() -> OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-  """The RL trainer: `steps` steps of `groups_per_step` whole groups each, checkpointed every `ckpt_every`."""
+  """The RL trainer: `steps` steps of up to `groups_per_step` whole groups each (fewer when the next group's rows
+  do not fit in `rows_per_step`), checkpointed every `ckpt_every`."""
   steps: int = 60
   groups_per_step: int = 4          # prompts per RL step
+  # Rows in a step's batch (context_budget tokens each). 0: groups_per_step x samples_per_prompt, a row per
+  # trajectory; a self-summarising chain takes a row per segment, so multi-segment runs set it higher.
+  rows_per_step: int = 0
   ckpt_every: int = 10
   optim: OptimConfig = dataclasses.field(default_factory=_rl_optimizer)
 
   def __post_init__(self):
     _positive(self, "steps", "groups_per_step", "ckpt_every")
+    if self.rows_per_step < 0:
+      raise ValueError(f"train.rows_per_step={self.rows_per_step} must be >= 0 (0: one row per trajectory)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +161,16 @@ class RunConfig:
     if self.sft.demo_accuracy < 1.0 and self.tasks.kind != "procedural":
       raise ValueError(f"sft.demo_accuracy < 1 makes near-miss demonstrations of procedural tasks; the "
                        f"{self.tasks.kind!r} source has none (set it to 1.0)")
+    if self.batch_rows < self.rollout.samples_per_prompt * self.harness.max_segments:
+      raise ValueError(f"a step's {self.batch_rows} rows cannot hold a group of {self.rollout.samples_per_prompt} "
+                       f"trajectories of up to harness.max_segments={self.harness.max_segments} segments (a row "
+                       f"each): set train.rows_per_step >= "
+                       f"{self.rollout.samples_per_prompt * self.harness.max_segments}")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")
 
   @property
   def batch_rows(self) -> int:
-    return self.train.groups_per_step * self.rollout.samples_per_prompt
+    """Rows in a step's batch: `train.rows_per_step`, or one per trajectory of `groups_per_step` groups."""
+    return self.train.rows_per_step or self.train.groups_per_step * self.rollout.samples_per_prompt

@@ -30,12 +30,17 @@ class Source(Protocol):
 
 
 def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lambda: None) -> list:
-  """Polls `consumer` until it has `train.groups_per_step` usable groups (`wait()` between empty polls)."""
+  """Polls `consumer` for one step's whole groups (`wait()` between empty polls): `train.groups_per_step` of them,
+  or fewer when the next one does not fit in what is left of the step's `cfg.batch_rows` rows (a self-summarising
+  chain takes a row per segment); that group opens the next step."""
   groups, rows = [], 0
   while len(groups) < cfg.train.groups_per_step:
-    got = consumer.poll(version, max_groups=cfg.train.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows)
+    got = consumer.poll(version, max_groups=cfg.train.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows,
+                        batch_rows=cfg.batch_rows)
     groups += got
     rows += sum(g.key.n_rows for g in got)
+    if groups and not got and consumer.depth()[0]:   # the oldest pending group waits for the next step
+      break
     if len(groups) < cfg.train.groups_per_step:
       wait()
       time.sleep(0.05)

@@ -175,14 +175,16 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
       format errors are discouraged on their own; ten of them reach the cap;
     repeat_weight=0.02, no_message_weight=0.05 (the defaults); lint off (it doubles a sandboxed episode's cost and
       a one-line fix rarely changes ruff's findings).
-  Batch rows: a level-3 trajectory takes 2-3 of a step's groups_per_step x samples_per_prompt = 32 rows, so a step
-  holds fewer groups than the level-1 run's 4 (the queue hands over whole groups that fit).
+  Batch rows: a level-3 trajectory takes a row per segment (2-3), so a group of 8 takes 8 rows at levels 1-2 and
+  ~20 at level 3, 12 on average over the even mix: train.rows_per_step=48 holds the level-1 run's 4 groups on
+  average, and a step takes fewer when the next group does not fit (it opens the next step).
   """
   c.harness.update(context_budget=496, max_turn_tokens=112, observation_reserve=128, max_turns=10, max_segments=4,
                    summary_max_tokens=56, summary_prompt="Summarize.")
   c.harness.rewards.update(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5,
                            todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
                            lint_weight=0.0, penalty_cap=0.5)
+  c.train.update(rows_per_step=48)
   c.sft.update(seq_len=512, batch=8)   # the same tokens per step as 16 x 256, a whole segment per row
   c.eval.update(tasks=1500,            # 500 held-out tasks per level (the mix is spread evenly)
                 summaries_from_start=True)   # RL acting with the SFT start's summaries: do trained ones help?
