@@ -80,6 +80,9 @@ def test_save_pretrained_checkpoint_through_pretrain_sft_and_rl(tmp_path):
             f"--config.sft.init_checkpoint={sft}", *RL])
   result = json.loads(r.stdout.strip().splitlines()[-1])
   assert result, r.stdout[-2000:]
+  phases = result["phase_seconds"]   # every phase that ran, timed, and within the whole
+  assert {"sft_start", "rl", "eval_sft", "eval_rl", "total"} <= set(phases) and all(v >= 0 for v in phases.values())
+  assert phases["total"] >= phases["rl"] + phases["eval_rl"]
   rl_tok = tokenizer_lib.load_tokenizer(str(rl / "tokenizer"))   # RL re-saves the tokenizer it was given
   assert {t: rl_tok.token_to_id(t) for t in added["added"]} == added["added"] and rl_tok.get_vocab_size() == 519
   rows = [json.loads(line) for line in open(rl / "metrics.jsonl")]

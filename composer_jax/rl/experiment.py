@@ -65,18 +65,26 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     raise ValueError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on (raise "
                      "tasks.heldout_percent or use a bigger set)")
   envs = setup.make_envs(cfg)
+  phases = {"sft_start": t_sft, "rl": rl_seconds}   # wall-clock seconds of each phase (a resumed one: its rest)
+
+  def timed(name, fn, *args, **kwargs):
+    t = time.perf_counter()
+    value = fn(*args, **kwargs)
+    phases[name] = time.perf_counter() - t
+    return value
   try:
-    result = {"sft": evaluate_policy(cfg, start, tok, tasks, envs, "sft"),
-              "rl": evaluate_policy(cfg, out["params"], tok, tasks, envs, "rl")}
+    result = {"sft": timed("eval_sft", evaluate_policy, cfg, start, tok, tasks, envs, "sft"),
+              "rl": timed("eval_rl", evaluate_policy, cfg, out["params"], tok, tasks, envs, "rl")}
     if cfg.eval.control and cfg.sft.steps:
-      ctrl = sft_control(cfg, tok, start, rl_seconds, log_fn)
-      result["sft_control"] = evaluate_policy(cfg, ctrl, tok, tasks, envs, "sft_control")
+      ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
+      result["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs, "sft_control")
     if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
-      result["rl_start_summaries"] = evaluate_policy(cfg, out["params"], tok, tasks, envs, "rl_start_summaries",
-                                                     summarizer_params=start)
+      result["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, out["params"], tok,
+                                           tasks, envs, "rl_start_summaries", summarizer_params=start)
   finally:
     envs.factory.close()
-  result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, eval_tasks=len(tasks),
+  phases["total"] = time.perf_counter() - t0
+  result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, eval_tasks=len(tasks), phase_seconds=phases,
                 last={k: v for k, v in out["last"].items() if isinstance(v, float)})
   with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
     json.dump(result, f, indent=2)
