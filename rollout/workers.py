@@ -92,7 +92,7 @@ def run_worker(engine: Engine, tokenizer, pool: Sequence[Task], envs: Environmen
     trajs = rollout_group(engine, tokenizer, task, envs, hcfg, cfg.samples_per_prompt,
                           seed=index * cfg.n_workers + cfg.worker_index)
     key = producer.append_group([t.to_dict() for t in trajs], task_id=task.id, stream_index=index,
-                                rollout_s=time.perf_counter() - t0)
+                                rollout_s=time.perf_counter() - t0, level=task.metadata.get("level"))
     index += 1
     _write_index(state_path, index)
     done += 1

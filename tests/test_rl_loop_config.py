@@ -215,3 +215,23 @@ def test_a_step_takes_whole_groups_until_the_next_does_not_fit(tmp_path):
   consumer = QueueConsumer(url, StalenessConfig(max_staleness=5))
   steps = [[g.key.n_rows for g in sources.take_groups(consumer, cfg, 0)] for _ in range(3)]
   assert steps == [[4, 2], [3, 4], [2, 2, 2, 2]]   # within 8 rows, in queue order; then 4 groups of 2
+
+
+def test_level_pass_rates_per_step(tmp_path):
+  """metrics.jsonl's per-level learning curve: the solved share of a step's trajectories, per task level."""
+  from composer_jax.rl import trainer
+  from rollout.queue import QueueConsumer, QueueProducer
+  url = f"file://{tmp_path}/q"
+  producer = QueueProducer(url, "w")
+
+  def traj(solved):
+    seg = {"tokens_T": np.arange(4, dtype=np.int32), "gen_mask_T": np.ones(4, np.int8),
+           "logprobs_T": np.zeros(4, np.float32), "versions_T": np.zeros(4, np.int32), "prompt_len": 0, "turns": []}
+    return {"task_id": "t", "segments": [seg], "reward": float(solved), "metrics": {"solved": float(solved)},
+            "breakdown": {}}
+  producer.append_group([traj(1), traj(0)], level=1)
+  producer.append_group([traj(1), traj(1)], level=1)
+  producer.append_group([traj(0), traj(1), traj(0), traj(0)], level=3)
+  producer.append_group([traj(1), traj(1)], level=None)      # a task without a level: not in any curve
+  groups = QueueConsumer(url).poll(0)
+  assert trainer.level_pass_rates(groups) == {"pass/level_1": 0.75, "pass/level_3": 0.25}

@@ -43,7 +43,7 @@ class BatchConfig:
       raise ValueError(f"need rows >= 1 and length >= 2, got {self.rows=} {self.length=}")
 
 
-def _passed(traj: dict[str, Any]) -> float:
+def passed(traj: dict[str, Any]) -> float:
   """1.0 if the task was solved: `metrics['solved']` (the harness's field), else reward > 0."""
   m = traj.get("metrics") or {}
   return float(m["solved"]) if "solved" in m else float(traj["reward"] > 0)
@@ -96,7 +96,7 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
                              f"token, the model has {(Lm, K)}")
           out["routing"][:, i, :T] = routed.transpose(1, 0, 2)
         out["reward"][i] = traj["reward"]
-        out["passed"][i] = _passed(traj)
+        out["passed"][i] = passed(traj)
         out["group"][i] = gi
         out["first"][i] = float(si == 0)
         out["valid"][i] = 1.0

@@ -90,9 +90,12 @@ def _export_final(cfg: RunConfig, trainer: Trainer) -> None:
 
 
 def _plot(workdir: str) -> None:
+  """workdir/reward.png: reward and pass rate per step, and the pass rate per level of a procedural mix."""
+  path = os.path.join(workdir, "metrics.jsonl")
   try:
-    metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "reward.png"),
-                             ("reward", "pass_rate"), title="RL reward and pass rate per step", smooth=10)
+    levels = sorted({k for row in metrics_lib.read_metrics(path) for k in row if k.startswith("pass/level_")})
+    metrics_lib.plot_metrics(path, os.path.join(workdir, "reward.png"), ("reward", "pass_rate", *levels),
+                             title="RL reward and pass rate per step", smooth=10)
   except Exception as e:  # noqa: BLE001 - a missing matplotlib must not fail a finished run
     print(f"(no reward plot: {e})")
 

@@ -46,6 +46,17 @@ def reward_terms(trajectories: list[dict]) -> dict[str, float]:
   return {f"reward/{k}": float(np.mean([t["breakdown"].get(k, 0.0) for t in trajectories])) for k in keys}
 
 
+def level_pass_rates(groups: list) -> dict[str, float]:
+  """`pass/level_<n>`: the solved share of a step's trajectories per procedural level (groups whose task has a
+  level), so metrics.jsonl holds a learning curve per level of a mix."""
+  by_level: dict[int, list[float]] = {}
+  for g in groups:
+    level = g.tree()["meta"].get("level")
+    if level is not None:
+      by_level.setdefault(level, []).extend(rl_batch.passed(t) for t in g.trajectories())
+  return {f"pass/level_{lv}": float(np.mean(v)) for lv, v in sorted(by_level.items())}
+
+
 class Trainer:
   """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference."""
 
@@ -88,6 +99,7 @@ class Trainer:
     self.state, m = self.step_fn(self.state, batch, self.ref_params)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     m.update(reward_terms([t for g in groups for t in g.trajectories()]))
+    m.update(level_pass_rates(groups))
     if not np.isfinite(m["loss"]):
       raise train_loop.NonFiniteLossError(f"non-finite RL loss at step {step_no}; last good checkpoint "
                                           f"{self.ckpts.latest_step()}")
