@@ -1,0 +1,179 @@
+"""Tables and plots of `rl_main` runs, generated from their `results.json` (numbers are written once: here).
+
+A run's results.json (`rl.experiment.run_experiment`) holds, per policy (`POLICIES`) and temperature ("T0" greedy,
+"T1"), the held-out solve rate with its Wilson 95% CI, the mean generated tokens per solved task and, for a
+procedural mix, the same per level. `render` turns a sweep (labelled runs, e.g. the rows of `get_sweep("recipe")`)
+into `<name>.md` with its plots beside it, and the README's short table between two marker lines:
+
+  python experiments/report_main.py --name=recipe --runs=seed0=runs/recipe_s0,seed1=runs/recipe_s1,... \
+      --out=experiments/results --readme=README.md
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+
+POLICIES = {"sft": "SFT start", "rl": "RL", "sft_control": "SFT control (same wall-clock)",
+            "rl_start_summaries": "RL with the start's summaries"}
+TEMPERATURES = {"T0": "greedy", "T1": "T=1"}
+
+
+def load(path: str) -> dict:
+  """A run's results: `path` is its results.json or the workdir holding it."""
+  if os.path.isdir(path):
+    path = os.path.join(path, "results.json")
+  with open(path) as f:
+    return json.load(f)
+
+
+def cell(fig: dict | None) -> str:
+  """'50.0% [45.6, 54.4]' (solve rate, Wilson 95% CI); '—' where the figure was not measured."""
+  if not fig:
+    return "—"
+  return f"{100 * fig['success']:.1f}% [{100 * fig['ci_low']:.1f}, {100 * fig['ci_high']:.1f}]"
+
+
+def levels_of(result: dict) -> list[str]:
+  """The procedural levels a run was evaluated on ([] for a source without levels)."""
+  found = {lv for p in POLICIES if p in result for t in result[p].values() for lv in t.get("levels", {})}
+  return sorted(found, key=int)
+
+
+def _fig(result: dict, policy: str, temp: str, level: str | None) -> dict | None:
+  fig = result.get(policy, {}).get(temp)
+  if fig is None or level is None:
+    return fig
+  return fig.get("levels", {}).get(level)
+
+
+def policy_table(result: dict) -> str:
+  """One run: a row per evaluated policy, a column per (level, temperature)."""
+  levels = levels_of(result) or [None]
+  cols = [(lv, t) for lv in levels for t in TEMPERATURES]
+  head = [f"{'L' + lv + ' ' if lv else ''}{TEMPERATURES[t]}" for lv, t in cols]
+  n = {_fig(result, "sft", "T1", lv)["n"] for lv in levels if _fig(result, "sft", "T1", lv)}
+  lines = [f"| policy (n = {', '.join(map(str, sorted(n)))} per level) | " + " | ".join(head) + " |",
+           "|---" * (len(cols) + 1) + "|"]
+  for p, name in POLICIES.items():
+    if p in result:
+      lines.append(f"| {name} | " + " | ".join(cell(_fig(result, p, t, lv)) for lv, t in cols) + " |")
+  return "\n".join(lines)
+
+
+def gains(result: dict, temp: str = "T1") -> dict[str, dict[str, float]]:
+  """Per level (or "all"): RL minus its start and minus the control, in points."""
+  out = {}
+  for lv in levels_of(result) or [None]:
+    rl, start, ctrl = (_fig(result, p, temp, lv) for p in ("rl", "sft", "sft_control"))
+    if rl and start:
+      out[lv or "all"] = {"over_start": 100 * (rl["success"] - start["success"]),
+                          **({"over_control": 100 * (rl["success"] - ctrl["success"])} if ctrl else {})}
+  return out
+
+
+def sweep_table(runs: Sequence[tuple[str, dict]], policy: str = "rl", temp: str = "T1") -> str:
+  """Many runs: a row per run, per level the policy's solve rate and its mean generated tokens per solved task."""
+  levels = sorted({lv for _, r in runs for lv in levels_of(r)}, key=int) or [None]
+  head = [h for lv in levels for h in (f"{'L' + lv + ' ' if lv else ''}{TEMPERATURES[temp]}",
+                                       f"{'L' + lv + ' ' if lv else ''}tokens/solved")]
+  lines = [f"| run ({POLICIES[policy]}) | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+  for label, r in runs:
+    row = []
+    for lv in levels:
+      fig = _fig(r, policy, temp, lv)
+      tps = fig.get("tokens_per_solved") if fig else None
+      row += [cell(fig), "—" if tps is None else f"{tps:.0f}"]
+    lines.append(f"| {label} | " + " | ".join(row) + " |")
+  return "\n".join(lines)
+
+
+def plot_levels(result: dict, out_png: str, title: str = "") -> None:
+  """Solve rate per level for each policy, greedy and T=1, with the Wilson 95% CIs as error bars."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  levels = levels_of(result) or [None]
+  pols = [p for p in POLICIES if p in result]
+  fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(5 * len(TEMPERATURES), 3.5), squeeze=False)
+  width = 0.8 / max(len(pols), 1)
+  for ax, temp in zip(axes[0], TEMPERATURES, strict=True):
+    for i, p in enumerate(pols):
+      figs = [_fig(result, p, temp, lv) or {"success": 0, "ci_low": 0, "ci_high": 0} for lv in levels]
+      xs = [j + (i - (len(pols) - 1) / 2) * width for j in range(len(levels))]
+      ys = [100 * f["success"] for f in figs]
+      err = [[y - 100 * f["ci_low"] for y, f in zip(ys, figs, strict=True)],
+             [100 * f["ci_high"] - y for y, f in zip(ys, figs, strict=True)]]
+      ax.bar(xs, ys, width, yerr=err, capsize=2, label=POLICIES[p])
+    ax.set_xticks(range(len(levels)), [f"level {lv}" if lv else "all" for lv in levels])
+    ax.set_ylabel("held-out solved (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(TEMPERATURES[temp])
+    ax.grid(alpha=0.3, axis="y")
+  axes[0][0].legend(fontsize="small", loc="upper right")
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+
+
+def plot_tokens(runs: Sequence[tuple[str, dict]], out_png: str, policy: str = "rl", temp: str = "T1") -> None:
+  """Mean generated tokens per solved task, per level, one line per run (the length-penalty rows)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  levels = sorted({lv for _, r in runs for lv in levels_of(r)}, key=int) or [None]
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  for label, r in runs:
+    pts = [(j, _fig(r, policy, temp, lv)) for j, lv in enumerate(levels)]
+    pts = [(j, f["tokens_per_solved"]) for j, f in pts if f and f.get("tokens_per_solved") is not None]
+    if pts:
+      ax.plot(*zip(*pts), marker="o", label=label)
+  ax.set_xticks(range(len(levels)), [f"level {lv}" if lv else "all" for lv in levels])
+  ax.set_ylabel(f"generated tokens per solved task ({TEMPERATURES[temp]})")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+
+
+def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs: Sequence[str] = ()) -> str:
+  """Writes `out_dir/<name>.md` (each run's policy table and plot, the sweep table) and `<name>_levels.png` /
+  `<name>_tokens.png`; returns the short table (the first run's) for the README."""
+  loaded = [(label, load(path)) for label, path in runs]
+  if not loaded:
+    raise ValueError("render needs at least one run (label=results.json or workdir)")
+  os.makedirs(out_dir, exist_ok=True)
+  parts = [f"# {name}: generated from the runs' results.json by `experiments/report_main.py`", ""]
+  for i, (label, r) in enumerate(loaded):
+    png = f"{name}_levels{'' if i == 0 else '_' + re.sub(r'[^A-Za-z0-9]+', '_', label)}.png"
+    plot_levels(r, os.path.join(out_dir, png), title=f"{name}: {label}")
+    phases = r.get("phase_seconds", {})
+    timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()) or "not recorded"
+    parts += [f"## {label}", "", policy_table(r), "", f"Phases: {timing}.", "", f"![{label}]({png})", ""]
+  if len(loaded) > 1:
+    parts += ["## All runs (RL policy, T=1)", "", sweep_table(loaded), ""]
+  chosen = [(label, r) for label, r in loaded if label in length_runs]
+  if chosen:
+    plot_tokens(chosen, os.path.join(out_dir, f"{name}_tokens.png"))
+    parts += ["## Length penalty: tokens per solved task", "", sweep_table(chosen), "",
+              f"![tokens per solved]({name}_tokens.png)", ""]
+  with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+    f.write("\n".join(parts))
+  return policy_table(loaded[0][1])
+
+
+def replace_block(path: str, name: str, text: str) -> None:
+  """Replaces the text between `<!-- results:<name> -->` and `<!-- /results:<name> -->` in `path` (the README)."""
+  begin, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
+  with open(path) as f:
+    doc = f.read()
+  if begin not in doc or end not in doc:
+    raise ValueError(f"{path} has no '{begin}' ... '{end}' block to fill")
+  head, rest = doc.split(begin, 1)
+  _, tail = rest.split(end, 1)
+  with open(path, "w") as f:
+    f.write(f"{head}{begin}\n{text}\n{end}{tail}")

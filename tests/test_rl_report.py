@@ -1,0 +1,84 @@
+"""rl.report: tables and plots from results.json, every figure traced to its input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from composer_jax.rl import report
+from rollout.evaluation.metrics import wilson
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fig(solved, n, tokens):
+  lo, hi = wilson(solved, n)
+  return {"success": solved / n, "ci_low": lo, "ci_high": hi, "n": n, "tokens_per_solved": tokens}
+
+
+def _result(rl_l2_solved=30):
+  """A results.json as run_experiment writes it: per policy and temperature, overall and per level (n = 40)."""
+  def policy(l1, l2, tokens):
+    levels = {"1": _fig(l1, 40, tokens), "2": _fig(l2, 40, None if l2 == 0 else 2 * tokens)}
+    return {"success": (l1 + l2) / 80, "ci_low": 0.0, "ci_high": 1.0, "n": 80, "tokens_per_solved": tokens,
+            "levels": levels}
+  return {"sft": {"T0": policy(20, 4, 100), "T1": policy(16, 2, 110)},
+          "rl": {"T0": policy(30, 20, 90), "T1": policy(32, rl_l2_solved, 80)},
+          "sft_control": {"T0": policy(22, 5, 100), "T1": policy(18, 0, 105)},
+          "phase_seconds": {"sft_start": 120.0, "rl": 600.0, "total": 900.0}, "rl_steps": 100}
+
+
+def test_cells_tables_and_gains_by_hand():
+  r = _result()
+  lo, hi = wilson(32, 40)
+  assert report.cell(r["rl"]["T1"]["levels"]["1"]) == f"80.0% [{100 * lo:.1f}, {100 * hi:.1f}]"
+  assert report.cell(None) == "—"
+  assert report.levels_of(r) == ["1", "2"]
+  table = report.policy_table(r).splitlines()
+  assert table[0] == "| policy (n = 40 per level) | L1 greedy | L1 T=1 | L2 greedy | L2 T=1 |"
+  assert table[2].startswith("| SFT start | 50.0% [") and table[3].startswith("| RL | 75.0% [")
+  assert len(table) == 5   # start, RL, control: no row for the unevaluated summaries policy
+  g = report.gains(r)
+  assert g["1"] == pytest.approx({"over_start": 40.0, "over_control": 35.0})
+  assert g["2"] == pytest.approx({"over_start": 70.0, "over_control": 75.0})
+  sweep = report.sweep_table([("a", r), ("b", _result(rl_l2_solved=0))]).splitlines()
+  assert sweep[0] == "| run (RL) | L1 T=1 | L1 tokens/solved | L2 T=1 | L2 tokens/solved |"
+  assert sweep[2].endswith("| 80 | 75.0% [" + sweep[2].split("75.0% [")[1].split("]")[0] + "] | 160 |")
+  assert sweep[3].endswith("| 0.0% [0.0, 8.8] | — |")   # nothing solved: no tokens per solved task
+
+
+def test_render_writes_tables_plots_and_the_readme_block(tmp_path):
+  for name, r in (("s0", _result()), ("s1", _result(rl_l2_solved=10))):
+    os.makedirs(tmp_path / name)
+    (tmp_path / name / "results.json").write_text(json.dumps(r))
+  readme = tmp_path / "README.md"
+  readme.write_text("intro\n<!-- results:recipe -->\nold table\n<!-- /results:recipe -->\nafter\n")
+  out = tmp_path / "results"
+  cmd = [sys.executable, os.path.join(ROOT, "experiments/report_main.py"), "--name=recipe",
+         f"--runs=seed0={tmp_path / 's0'},seed1={tmp_path / 's1' / 'results.json'}", "--length_runs=seed0,seed1",
+         f"--out={out}", f"--readme={readme}"]
+  subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+  md = (out / "recipe.md").read_text()
+  assert report.policy_table(_result()) in md and "## All runs (RL policy, T=1)" in md
+  assert "Phases: sft_start 2.0 min, rl 10.0 min, total 15.0 min." in md
+  for png in ("recipe_levels.png", "recipe_levels_seed1.png", "recipe_tokens.png"):
+    assert (out / png).stat().st_size > 1000 and f"]({png})" in md
+  doc = readme.read_text()
+  assert doc.startswith("intro\n<!-- results:recipe -->\n| policy")
+  assert doc.endswith("<!-- /results:recipe -->\nafter\n")
+  assert "old table" not in doc
+  subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+  assert readme.read_text() == doc   # regenerating is idempotent
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="no '<!-- results:recipe -->'"):
+    (tmp_path / "R.md").write_text("no markers")
+    report.replace_block(str(tmp_path / "R.md"), "recipe", "x")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/report_main.py"), "--runs=seed0"],
+                     capture_output=True, text=True, cwd=ROOT)
+  assert r.returncode != 0 and "is not label=path" in r.stderr
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/report_main.py"),
+                      f"--runs=a={tmp_path / 'missing'}"], capture_output=True, text=True, cwd=ROOT)
+  assert r.returncode != 0 and "does not exist" in r.stderr
