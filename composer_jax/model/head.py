@@ -67,37 +67,41 @@ def _chunk_logits(h_TcxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
 
 # ---------------------------------------------------------------------------------- token log-probs and entropy
 
-def _stats(z_TcxV: jax.Array, t_Tc: jax.Array):
-  """(log p(target), entropy, logsumexp) per row of float32 logits."""
+def _stats(z_TcxV: jax.Array, t_Tc: jax.Array, with_entropy: bool):
+  """(log p(target), entropy or None, logsumexp) per row of float32 logits."""
   lse_Tc = jax.nn.logsumexp(z_TcxV, axis=-1)
+  logp_t_Tc = jnp.take_along_axis(z_TcxV, t_Tc[:, None], axis=-1)[:, 0] - lse_Tc
+  if not with_entropy:   # the LM loss: two passes over the logits (max, sum of exp), not four
+    return logp_t_Tc, None, lse_Tc
   logp_TcxV = z_TcxV - lse_Tc[:, None]
-  p_TcxV = jnp.exp(logp_TcxV)
-  ent_Tc = -jnp.sum(p_TcxV * logp_TcxV, axis=-1)
-  return jnp.take_along_axis(logp_TcxV, t_Tc[:, None], axis=-1)[:, 0], ent_Tc, lse_Tc
+  ent_Tc = -jnp.sum(jnp.exp(logp_TcxV) * logp_TcxV, axis=-1)
+  return logp_t_Tc, ent_Tc, lse_Tc
 
 
-def _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc):
+def _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc, with_entropy):
   def one(args):
     h_TcxD, t_Tc = args
-    return _stats(_chunk_logits(h_TcxD, w_DxV), t_Tc)
+    logp, ent, lse = _stats(_chunk_logits(h_TcxD, w_DxV), t_Tc, with_entropy)
+    return logp, jnp.zeros_like(logp) if ent is None else ent, lse
   logp, ent, lse = jax.lax.map(one, (_chunks(h_TxD, Tc), _chunks(t_T, Tc)))
   T = h_TxD.shape[0]
   return _unchunk(logp, T), _unchunk(ent, T), _unchunk(lse, T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _token_stats(h_TxD, w_DxV, t_T, Tc):
-  logp_T, ent_T, _ = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _token_stats(h_TxD, w_DxV, t_T, Tc, with_entropy):
+  logp_T, ent_T, _ = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc, with_entropy)
   return logp_T, ent_T
 
 
-def _token_stats_fwd(h_TxD, w_DxV, t_T, Tc):
-  logp_T, ent_T, lse_T = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc)
+def _token_stats_fwd(h_TxD, w_DxV, t_T, Tc, with_entropy):
+  logp_T, ent_T, lse_T = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc, with_entropy)
   return (logp_T, ent_T), (h_TxD, w_DxV, t_T, lse_T, ent_T)
 
 
-def _token_stats_bwd(Tc, res, g):
-  """d logp_t/dz = onehot(t) − p;  dH/dz = −p ⊙ (log p + H). Per chunk: dz → dh = dz wᵀ, dw += hᵀ dz."""
+def _token_stats_bwd(Tc, with_entropy, res, g):
+  """d logp_t/dz = onehot(t) − p;  dH/dz = −p ⊙ (log p + H). Per chunk: dz → dh = dz wᵀ, dw += hᵀ dz.
+  Without `with_entropy` the entropy output is zeros and its cotangent is ignored."""
   h_TxD, w_DxV, t_T, lse_T, ent_T = res
   g_logp_T, g_ent_T = g
   T, V = h_TxD.shape[0], w_DxV.shape[1]
@@ -108,7 +112,9 @@ def _token_stats_bwd(Tc, res, g):
     logp_TcxV = _chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None]
     p_TcxV = jnp.exp(logp_TcxV)
     onehot_TcxV = jax.nn.one_hot(t_Tc, V, dtype=jnp.float32)
-    dz_TcxV = gl_Tc[:, None] * (onehot_TcxV - p_TcxV) - ge_Tc[:, None] * p_TcxV * (logp_TcxV + ent_Tc[:, None])
+    dz_TcxV = gl_Tc[:, None] * (onehot_TcxV - p_TcxV)
+    if with_entropy:
+      dz_TcxV = dz_TcxV - ge_Tc[:, None] * p_TcxV * (logp_TcxV + ent_Tc[:, None])
     dh_TcxD = jnp.dot(dz_TcxV.astype(h_TcxD.dtype), w_c.T, preferred_element_type=jnp.float32)
     dw_DxV = dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
     return dw_DxV, dh_TcxD.astype(h_TcxD.dtype)
@@ -142,7 +148,8 @@ def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array,
   if w_DxV.shape[0] != D:
     raise ValueError(f"w has shape {w_DxV.shape}, expected [D={D}, V]")
   Tc = _chunk_size(chunk_size, B * L)
-  logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32), Tc)
+  logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32), Tc,
+                               with_entropy)
   if with_entropy:
     return logp_T.reshape(B, L), ent_T.reshape(B, L)
   return logp_T.reshape(B, L)
