@@ -162,3 +162,20 @@ def test_lm_loss_and_cached_decode_lower_for_cuda(scan):
   step = jax.jit(lambda p, t, c: cm.forward_cached(p, t, c, jnp.full((2,), 8, jnp.int32), jnp.zeros(2, jnp.int32),
                                                    cfg))
   step.trace(params, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).lower(lowering_platforms=("cuda",))
+
+
+def test_an_undifferentiated_entropy_adds_nothing_to_the_gradient():
+  """The RL step reads the entropy as a stop-gradient metric: the gradient through logp alone equals the logp-only
+  path's (the backward then skips the entropy term), and a differentiated entropy still changes it."""
+  h, w, t = _inputs(4)
+  a = jnp.asarray(np.random.default_rng(5).normal(size=(B, L)), jnp.float32)
+
+  def with_metric(h, w):
+    logp, ent = head.token_logprobs(h, w, t, chunk_size=3, with_entropy=True)
+    return jnp.sum(a * logp) + 0.0 * jnp.sum(jax.lax.stop_gradient(ent))
+  g = jax.jit(jax.grad(with_metric, argnums=(0, 1)))(h, w)
+  g_plain = jax.grad(lambda h, w: jnp.sum(a * head.token_logprobs(h, w, t, chunk_size=3)), argnums=(0, 1))(h, w)
+  for got, want in zip(g, g_plain, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  g_ent = jax.grad(lambda h: jnp.sum(head.token_logprobs(h, w, t, chunk_size=3, with_entropy=True)[1]))(h)
+  assert float(jnp.abs(g_ent).max()) > 1e-3

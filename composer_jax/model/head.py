@@ -95,15 +95,20 @@ def _token_stats(h_TxD, w_DxV, t_T, Tc, with_entropy):
 
 
 def _token_stats_fwd(h_TxD, w_DxV, t_T, Tc, with_entropy):
+  # symbolic_zeros=True: the primals come wrapped (CustomVJPPrimal), and unused outputs' cotangents as SymbolicZero.
+  h_TxD, w_DxV, t_T = h_TxD.value, w_DxV.value, t_T.value
   logp_T, ent_T, lse_T = _logprobs_fwd_chunks(h_TxD, w_DxV, t_T, Tc, with_entropy)
   return (logp_T, ent_T), (h_TxD, w_DxV, t_T, lse_T, ent_T)
 
 
 def _token_stats_bwd(Tc, with_entropy, res, g):
   """d logp_t/dz = onehot(t) − p;  dH/dz = −p ⊙ (log p + H). Per chunk: dz → dh = dz wᵀ, dw += hᵀ dz.
-  Without `with_entropy` the entropy output is zeros and its cotangent is ignored."""
+  The entropy term runs only if the entropy is differentiated (the RL step's entropy is a stop-gradient metric:
+  its cotangent is a symbolic zero); without `with_entropy` the entropy output is zeros and never differentiated."""
   h_TxD, w_DxV, t_T, lse_T, ent_T = res
-  g_logp_T, g_ent_T = g
+  g_logp_T, g_ent_T = (jnp.zeros(ent_T.shape, jnp.float32) if isinstance(x, jax.custom_derivatives.SymbolicZero)
+                       else x for x in g)
+  with_entropy = with_entropy and not isinstance(g[1], jax.custom_derivatives.SymbolicZero)
   T, V = h_TxD.shape[0], w_DxV.shape[1]
   w_c = w_DxV.astype(h_TxD.dtype)
 
@@ -125,7 +130,7 @@ def _token_stats_bwd(Tc, with_entropy, res, g):
   return _unchunk(dh, T), dw_DxV.astype(w_DxV.dtype), None
 
 
-_token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
+_token_stats.defvjp(_token_stats_fwd, _token_stats_bwd, symbolic_zeros=True)
 
 
 def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, *, chunk_size: int = DEFAULT_CHUNK,
