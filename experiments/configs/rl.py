@@ -199,7 +199,8 @@ def _recipe_sweep():
   return ([{"seed": s} for s in (0, 1)]                                              # the default comparison
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
           + [{"harness.sampling.temperature": 0.7}]                                  # greedy: rollout temperature
-          + [{f"harness.{k}": v for k, v in DROP_OLDEST.items()}]    # summaries vs dropped oldest turns (the SFT
+          + [{**{f"harness.{k}": v for k, v in DROP_OLDEST.items()},   # summaries vs dropped oldest turns (the SFT
+              "train.rows_per_step": 8 * DROP_OLDEST["max_segments"]}]      # a group of 8 chains of up to 8 rows
           # start's summaries are in every run: eval.summaries_from_start)
           + [{"harness.rewards.length_weight": 0.0}]                                 # λ = 0
           + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q}
