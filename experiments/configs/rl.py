@@ -1,34 +1,33 @@
 r"""RL on a task source (procedural repair tasks by default): SFT warm start on oracle trajectories, then
 (a)synchronous RL with workers.
 
-  python experiments/rl_main.py                                              # = rl.py:colab, runs/rl_colab
-  python experiments/rl_main.py --config=experiments/configs/rl.py:colab,mode=sync --workdir=runs/rl_sync
+  python experiments/rl_main.py                                              # = rl.py:recipe, runs/rl_recipe
+  python experiments/rl_main.py --config=experiments/configs/rl.py:colab --workdir=runs/rl_colab   # level 1 only
   python experiments/rl_main.py --config=experiments/configs/rl.py:test --workdir=/tmp/rl_test   # seconds-scale
 
 Does: SFT warm start on oracle transcripts, RL for `train.steps`, then held-out evaluation of the SFT start, the RL
-policy and an equal-wall-clock SFT control on `eval.tasks` held-out tasks, greedy and at T=1 (Wilson 95% CIs); the
-last line is JSON. Measured (idle 2-core CPU, experiments/results/README.md): 24.5 min in all — SFT 8 min, 100 RL
-steps 6 min (3.5 s/step), control 6 min, evaluations 3 min; at T=1 the SFT start solves 45%, RL 72%, the SFT control
-60% of 500 held-out tasks (a rerun: RL 65%, control 60% — async RL varies from run to run).
+policy and an equal-wall-clock SFT control on `eval.tasks` held-out tasks (per level for a procedural mix), greedy
+and at T=1 (Wilson 95% CIs); the last line is JSON, also in workdir/results.json with each phase's time
+(experiments/results/README.md has the measured runs; `experiments/report_main.py` renders them).
 
 The sections mirror `composer_jax.rl.config.RunConfig` (one converter, `composer_jax.configs.from_dict`; a typo
 is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.HarnessConfig`: prompt, budgets,
-sampling, tools, rewards), sft, train (steps, groups per step, checkpoints, optim), rl (`rl.step.RLConfig`: loss,
-router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
-Variants: `colab` (default), `colab_level1` (the level-1 recipe the measurements above were taken with; today the
-same as colab, kept by name so its end-to-end time stays measurable), `colab_pretrained` (SFT from the colab
-pretraining run, `make pretrain`, and its tokenizer), `recipe` (the report's RL recipe at Colab scale: levels 1-3,
-self-summary chains, length penalty and behavioural terms on; see `_recipe` for how its budget and weights were
-chosen; not yet the default: its 30-minute fit is unmeasured), `test` (tiny model, few tasks, local workspaces).
+sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoints, optim), rl
+(`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
+Variants: `recipe` (default: the report's RL recipe at Colab scale, procedural levels 1-3, self-summary chains,
+length penalty and behavioural terms on; `_recipe` says how its budget, weights and SFT start were chosen), `colab`
+(level-1 tasks only: read, edit, finish; the run the earlier measurements were taken with), `colab_level1` (the same
+as colab, kept by that name so its end-to-end time stays measurable), `colab_pretrained` (colab with SFT from the
+colab pretraining run, `make pretrain`, and its tokenizer), `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
 test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
 `levels=1+2+3`, `tasks=mined,repos=/src/a:/src/b`, `tasks=swe,jsonl=x.jsonl,repos_dir=/src`,
 `tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
 `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
-Ablations: `get_sweep()` (router replay, length penalty q, KL β, max_staleness, samples per prompt);
-`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, summaries vs dropped oldest turns,
-λ = 0 vs λ > 0 at q = 0, 0.5, 1).
+Ablations: `get_sweep()` = `get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature,
+summaries vs dropped oldest turns, λ = 0 vs λ > 0 at q = 0, 0.5, 1); `get_sweep("colab")`: router replay, length
+penalty q, KL β, max_staleness, samples per prompt.
 """
 import ml_collections
 
@@ -40,7 +39,7 @@ VARIANTS = ("colab", "colab_level1", "colab_pretrained", "recipe", "test")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
+  arg = common.parse_arg(arg, variant="recipe", mode="async", steps=0, workers=1, staleness=-1, samples=0,
                          backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="", repos="",
                          jsonl="", repos_dir="", set_file="")
   recipe = arg.variant == "recipe"
@@ -89,7 +88,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # colab_pretrained: SFT (then RL) starts from the colab pretraining run and uses its tokenizer.
       init_checkpoint="runs/pretrain_colab" if pretrained else ""))
   c.train = ml_collections.ConfigDict(dict(
-      steps=arg.steps or (4 if test else 100), groups_per_step=2 if test else 4, ckpt_every=2 if test else 20,
+      steps=arg.steps or (4 if test else 80 if recipe else 100), groups_per_step=2 if test else 4,
+      ckpt_every=2 if test else 20,
       # 1e-3 collapsed (pass rate 0.06, KL 0.4 by step 12). Constant after one warm-up step, no weight decay.
       optim=dict(learning_rate=3e-4, warmup_steps=1, decay_steps=1000, final_lr_fraction=1.0, weight_decay=0.0,
                  grad_clip=1.0)))
@@ -129,17 +129,19 @@ def _length_weight(q: float) -> float:
 
 
 def _recipe(c: ml_collections.ConfigDict) -> None:
-  r"""`rl.py:recipe`: the report's RL recipe at Colab scale (procedural levels 1-3, self-summary chains, C(x) and
-  behavioural terms on). Not yet the default: its 30-minute fit is unmeasured and its SFT start is not yet good
-  enough on levels 2-3.
+  r"""`rl.py:recipe`, the default: the report's RL recipe at Colab scale (procedural levels 1-3, self-summary chains,
+  C(x) and behavioural terms on).
 
-  Calibration so far (2-core CPU under load 6-17, so the times are upper bounds; SFT on 512 of the tasks, not
-  1024; 40 held-out tasks per level, Wilson 95% CIs): after 300 SFT steps the start solves 0% at every level,
-  greedy and T=1 (it loops to max_turns); after 600 more (900 in all, two LR schedules) at T=1 level 1 22.5%
-  [12.3, 37.5], level 2 2.5% [0.4, 12.9], level 3 0% [0, 8.8]; greedy 22.5%, 7.5% [2.6, 19.9], 0%. A start needs
-  ~20% at T=1 for its groups to hold successes: only level 1 is there. Levers still to measure: all-correct
-  demonstrations for levels 2-3 (sft.demo_accuracy=0.5 makes half of them near misses), 1024+ SFT tasks, more
-  steps; else keep only the levels that reach it.
+  The SFT start, calibrated (a start needs ~20% at T=1 for its groups of 8 to hold successes; 60 held-out tasks per
+  level, the 2-core CPU under load 3-6):
+    | SFT tasks, demonstrations, steps      | greedy L1 / L2 / L3 | T=1 L1 / L2 / L3 |
+    | 512, half near misses, 900            | 22.5 / 7.5 / 0 %    | 22.5 / 2.5 / 0 % (n = 40) |
+    | 1024, all correct, 1200               | 41.7 / 11.7 / 1.7 % | 50.0 / 10.0 / 1.7 % |
+    | 2048, all correct, 1800 (the recipe)  | 90.0 / 36.7 / 13.3 %| 75.0 / 20.0 / 6.7 % |
+  Levels 1-2 reach it; level 3 does not (6.7% at T=1: about 2 groups in 5 hold a success). Its failures, like
+  level 2's, are finished episodes with a wrong edit (a constant copied wrong; partial test passes), not lost
+  places in the summary chain. More SFT would not fit the run's time on 2 cores; level 3 stays in the mix because
+  it is the only level that needs a summary.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
@@ -185,9 +187,13 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
                            todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
                            lint_weight=0.0, penalty_cap=0.5)
   c.train.update(rows_per_step=48)
-  c.sft.update(seq_len=512, batch=8)   # the same tokens per step as 16 x 256, a whole segment per row
-  c.eval.update(tasks=1500,            # 500 held-out tasks per level (the mix is spread evenly)
-                summaries_from_start=True)   # RL acting with the SFT start's summaries: do trained ones help?
+  # 2048 all-correct demonstrations (3,177 segment transcripts), 1800 steps of 8 x 512 tokens, a whole segment per
+  # row: the calibrated start (see above).
+  c.sft.update(tasks=2048, steps=1800, demo_accuracy=1.0, seq_len=512, batch=8)
+  # 200 held-out tasks per level (the mix is spread evenly): 500 per level would triple the evaluation time.
+  # eval.summaries_from_start=True on a finished run adds "RL acting with the SFT start's summaries" (a rerun resumes:
+  # only that evaluation runs).
+  c.eval.update(tasks=600, summaries_from_start=False)
 
 
 def _recipe_sweep():
@@ -208,9 +214,10 @@ def _recipe_sweep():
 
 
 def get_sweep(arg: str | None = None):
-  """Ablations of the variant `arg` names (default colab), each one command (`--config.<key>=<value>` per pair):
-  for `recipe` its measurement rows, for the others router replay, length penalty q, KL β, staleness, group size."""
-  if arg == "recipe":
+  """Ablations of the variant `arg` names (default: the recipe), each one command (`--config.<key>=<value>` per
+  pair): for `recipe` its measurement rows, for the others router replay, length penalty q, KL β, staleness, group
+  size."""
+  if arg in (None, "", "recipe"):
     return _recipe_sweep()
   return ([{"rl.router_replay": r} for r in (True, False)]
           + [{"harness.rewards.length_weight": 0.001, "harness.rewards.length_q": q} for q in (0.0, 0.5, 1.0)]
