@@ -153,8 +153,9 @@ def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array,
   if w_DxV.shape[0] != D:
     raise ValueError(f"w has shape {w_DxV.shape}, expected [D={D}, V]")
   Tc = _chunk_size(chunk_size, B * L)
-  logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32), Tc,
-                               with_entropy)
+  with jax.named_scope("lm_head"):
+    logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32),
+                                 Tc, with_entropy)
   if with_entropy:
     return logp_T.reshape(B, L), ent_T.reshape(B, L)
   return logp_T.reshape(B, L)

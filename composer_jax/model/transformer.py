@@ -51,13 +51,18 @@ def block(p: dict, x_BxLxD: jax.Array, rope: tuple[jax.Array, jax.Array], mask, 
   Returns:
     (output, aux ({} for dense layers; see `moe.moe_block`), the updated cache or None).
   """
-  a, cache = _self_attention(p["attn"], rms_norm(x_BxLxD, p["attn_norm"], cfg.rms_norm_eps), rope, mask, cfg, cache)
+  # The named scopes label the ops in profiles and HLO dumps (`jit(train_step)/.../attention/...`).
+  with jax.named_scope("attention"):
+    a, cache = _self_attention(p["attn"], rms_norm(x_BxLxD, p["attn_norm"], cfg.rms_norm_eps), rope, mask, cfg,
+                               cache)
   h = x_BxLxD + a
   y = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
   if "moe" in p:
-    out, aux = moe_block(p["moe"], y, valid_BxL, cfg, routing_BxLxK)
+    with jax.named_scope("moe"):
+      out, aux = moe_block(p["moe"], y, valid_BxL, cfg, routing_BxLxK)
   else:
-    out, aux = mlp(p["mlp"], y), {}
+    with jax.named_scope("mlp"):
+      out, aux = mlp(p["mlp"], y), {}
   return h + out, aux, cache
 
 
