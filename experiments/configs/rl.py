@@ -138,10 +138,11 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
     | 512, half near misses, 900            | 22.5 / 7.5 / 0 %    | 22.5 / 2.5 / 0 % (n = 40) |
     | 1024, all correct, 1200               | 41.7 / 11.7 / 1.7 % | 50.0 / 10.0 / 1.7 % |
     | 2048, all correct, 1800 (the recipe)  | 90.0 / 36.7 / 13.3 %| 75.0 / 20.0 / 6.7 % |
-  Levels 1-2 reach it; level 3 does not (6.7% at T=1: about 2 groups in 5 hold a success). Its failures, like
-  level 2's, are finished episodes with a wrong edit (a constant copied wrong; partial test passes), not lost
-  places in the summary chain. More SFT would not fit the run's time on 2 cores; level 3 stays in the mix because
-  it is the only level that needs a summary.
+  Levels 1-2 reach it; level 3 does not (6.7% at T=1: about 2 groups in 5 hold a success). Its failures are
+  finished episodes (54 of 56 unsolved at T=1; ~10 turns across the summary chain) that pass 65% of the hidden tests
+  on average: one of the two fixes is wrong (a constant copied wrong), not a place lost between segments. More SFT
+  would not fit the run's time on 2 cores; level 3 stays in the mix because it is the only level that needs a
+  summary.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
