@@ -21,7 +21,7 @@ install: $(STAMP)
 
 # The main job: the Colab-scale RL run on the embedded defaults (SFT warm start, asynchronous RL, held-out eval).
 run: $(STAMP)
-	$(BIN)/python experiments/rl_main.py --workdir=runs/rl_recipe
+	$(BIN)/python experiments/rl_main.py --workdir=runs/rl_colab
 
 # Colab-scale continued pretraining (the LM stages; not needed by `run`).
 pretrain: $(STAMP)

@@ -97,7 +97,7 @@ def test_rl_main_config_converts_and_typos_fail():
 @pytest.mark.parametrize("variant", ["recipe", "colab"])
 def test_every_sweep_entry_builds_a_valid_run_config(variant):
   base = configs.from_dict(RunConfig, rl_configs.get_config(variant), workdir="/tmp/x")
-  assert rl_configs.get_sweep() == rl_configs.get_sweep("recipe")   # the default variant's rows
+  assert rl_configs.get_sweep() == rl_configs.get_sweep("colab")   # the default variant's rows
   for overrides in rl_configs.get_sweep(variant):
     cfg = configs.replace(base, **overrides)          # the same dotted keys as --config.<key>=<value>
     for k, v in overrides.items():

@@ -55,8 +55,7 @@ def test_recipe_config_and_its_sweep_rows_build():
   c = configs.from_dict(RunConfig, rl_configs.get_config("recipe"), workdir="/tmp/x")
   assert c.tasks.levels == (1, 2, 3) and c.harness.max_segments >= 2 and c.harness.rewards.length_weight > 0
   assert c.harness.rewards.penalty_cap and c.harness.rewards.todo_weight and c.harness.rewards.malformed_weight
-  assert rl_configs.get_config().tasks.levels == (1, 2, 3)   # the default run is the recipe ...
-  assert rl_configs.get_config("colab").tasks.levels == (1,)   # ... and colab the level-1 run
+  assert rl_configs.get_config().tasks.levels == (1,)   # the default run is colab, level 1 (see `_recipe`)
   rows = rl_configs.get_sweep("recipe")
   assert {"seed": 1} in rows and {"harness.rewards.length_weight": 0.0} in rows
   assert {r.get("harness.rewards.length_q") for r in rows} >= {0.0, 1.0}

@@ -1,8 +1,8 @@
 r"""RL on a task source (procedural repair tasks by default): SFT warm start on oracle trajectories, then
 (a)synchronous RL with workers.
 
-  python experiments/rl_main.py                                              # = rl.py:recipe, runs/rl_recipe
-  python experiments/rl_main.py --config=experiments/configs/rl.py:colab --workdir=runs/rl_colab   # level 1 only
+  python experiments/rl_main.py                                              # = rl.py:colab, runs/rl_colab
+  python experiments/rl_main.py --config=experiments/configs/rl.py:recipe --workdir=runs/rl_recipe   # levels 1-3
   python experiments/rl_main.py --config=experiments/configs/rl.py:test --workdir=/tmp/rl_test   # seconds-scale
 
 Does: SFT warm start on oracle transcripts, RL for `train.steps`, then held-out evaluation of the SFT start, the RL
@@ -14,10 +14,11 @@ The sections mirror `composer_jax.rl.config.RunConfig` (one converter, `composer
 is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.HarnessConfig`: prompt, budgets,
 sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoints, optim), rl
 (`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
-Variants: `recipe` (default: the report's RL recipe at Colab scale, procedural levels 1-3, self-summary chains,
-length penalty and behavioural terms on; `_recipe` says how its budget, weights and SFT start were chosen), `colab`
-(level-1 tasks only: read, edit, finish; the run the earlier measurements were taken with), `colab_level1` (the same
-as colab, kept by that name so its end-to-end time stays measurable), `colab_pretrained` (colab with SFT from the
+Variants: `colab` (default: level-1 tasks, read, edit, finish; ~25 min on 2 idle cores), `colab_level1` (the same
+as colab, kept by that name so its end-to-end time stays measurable), `recipe` (the report's RL recipe at Colab
+scale: procedural levels 1-3, self-summary chains, length penalty and behavioural terms on; `_recipe` says how its
+budget, weights and SFT start were chosen, and why it is not the default: ~55 min, and its RL did not beat its
+start in the measured run), `colab_pretrained` (colab with SFT from the
 colab pretraining run, `make pretrain`, and its tokenizer), `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
@@ -25,9 +26,9 @@ test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedu
 `levels=1+2+3`, `tasks=mined,repos=/src/a:/src/b`, `tasks=swe,jsonl=x.jsonl,repos_dir=/src`,
 `tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
 `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
-Ablations: `get_sweep()` = `get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature,
-summaries vs dropped oldest turns, λ = 0 vs λ > 0 at q = 0, 0.5, 1); `get_sweep("colab")`: router replay, length
-penalty q, KL β, max_staleness, samples per prompt.
+Ablations: `get_sweep()`: router replay, length penalty q, KL β, max_staleness, samples per prompt;
+`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, summaries vs dropped oldest turns,
+λ = 0 vs λ > 0 at q = 0, 0.5, 1).
 """
 import ml_collections
 
@@ -39,7 +40,7 @@ VARIANTS = ("colab", "colab_level1", "colab_pretrained", "recipe", "test")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, variant="recipe", mode="async", steps=0, workers=1, staleness=-1, samples=0,
+  arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
                          backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="", repos="",
                          jsonl="", repos_dir="", set_file="")
   recipe = arg.variant == "recipe"
@@ -129,7 +130,7 @@ def _length_weight(q: float) -> float:
 
 
 def _recipe(c: ml_collections.ConfigDict) -> None:
-  r"""`rl.py:recipe`, the default: the report's RL recipe at Colab scale (procedural levels 1-3, self-summary chains,
+  r"""`rl.py:recipe`: the report's RL recipe at Colab scale (procedural levels 1-3, self-summary chains,
   C(x) and behavioural terms on).
 
   The SFT start, calibrated (a start needs ~20% at T=1 for its groups of 8 to hold successes; 60 held-out tasks per
@@ -215,10 +216,9 @@ def _recipe_sweep():
 
 
 def get_sweep(arg: str | None = None):
-  """Ablations of the variant `arg` names (default: the recipe), each one command (`--config.<key>=<value>` per
-  pair): for `recipe` its measurement rows, for the others router replay, length penalty q, KL β, staleness, group
-  size."""
-  if arg in (None, "", "recipe"):
+  """Ablations of the variant `arg` names (default colab), each one command (`--config.<key>=<value>` per pair):
+  for `recipe` its measurement rows, for the others router replay, length penalty q, KL β, staleness, group size."""
+  if arg == "recipe":
     return _recipe_sweep()
   return ([{"rl.router_replay": r} for r in (True, False)]
           + [{"harness.rewards.length_weight": 0.001, "harness.rewards.length_q": q} for q in (0.0, 0.5, 1.0)]
