@@ -1,5 +1,6 @@
 """RL run configuration errors, the Wilson interval, weight publishing and the rl_main config conversion."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -237,3 +238,22 @@ def test_level_pass_rates_per_step(tmp_path):
   producer.append_group([traj(1), traj(1)], level=None)      # a task without a level: not in any curve
   groups = QueueConsumer(url).poll(0)
   assert trainer.level_pass_rates(groups) == {"pass/level_1": 0.75, "pass/level_3": 0.25}
+
+
+def test_the_sft_control_reuses_the_warm_starts_transcripts(tmp_path, monkeypatch):
+  """The control trains on the warm start's demonstrations as written in workdir/sft, without re-running the
+  oracle; the warm start itself (no saved transcripts yet) produces them."""
+  cfg = _cfg(workdir=str(tmp_path))
+  os.makedirs(tmp_path / "sft")
+  train, dev = [[{"role": "user", "content": "a"}]], [[{"role": "user", "content": "b"}]]
+  seen = {}
+  monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: seen.setdefault("args", a) and (None, {}))
+  monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: (train, dev))
+  monkeypatch.setattr(warmstart.setup, "train_pool", lambda cfg: [])
+  warmstart.sft(cfg, None, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
+  assert seen.pop("args")[2:4] == (train, dev)
+  warmstart.write_jsonl(str(tmp_path / "sft" / "sft_train.jsonl"), [[{"role": "user", "content": "saved"}]])
+  warmstart.write_jsonl(str(tmp_path / "sft" / "sft_eval.jsonl"), dev)
+  monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: pytest.fail("the control re-ran the oracle"))
+  warmstart.sft(cfg, None, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
+  assert seen["args"][2:4] == ([[{"role": "user", "content": "saved"}]], dev)

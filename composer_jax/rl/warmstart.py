@@ -75,6 +75,12 @@ def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:
       f.write(json.dumps({"messages": list(m)}) + "\n")
 
 
+def read_jsonl(path: str) -> list[list[dict]]:
+  """The transcripts `write_jsonl` wrote."""
+  with open(path) as f:
+    return [json.loads(line)["messages"] for line in f if line.strip()]
+
+
 def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequence, workdir: str, *, steps: int,
             seq_len: int, batch_size: int, learning_rate: float, seed: int = 0, init_params=None,
             log_fn: Callable[[str], None] = print):
@@ -125,8 +131,15 @@ def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
 
 def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
         log_fn: Callable[[str], None] = print):
-  """SFT of the run's model on its demonstrations (the warm start, and the equal-time SFT control)."""
-  train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg))
+  """SFT of the run's model on its demonstrations (the warm start, and the equal-time SFT control). The control
+  reads the warm start's transcripts from `workdir/sft` (the same tasks through the same oracle: re-running
+  thousands of sandboxed episodes would only cost time)."""
+  warm = os.path.join(cfg.workdir, "sft")
+  saved = [os.path.join(warm, f) for f in ("sft_train.jsonl", "sft_eval.jsonl")]
+  if os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, saved)):
+    train, dev = map(read_jsonl, saved)
+  else:
+    train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg))
   log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
   return run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len,
                  batch_size=cfg.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
