@@ -145,6 +145,10 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   would not fit the run's time on 2 cores; level 3 stays in the mix because it is the only level that needs a
   summary.
 
+  Not the default run: measured (experiments/results/README.md, seed 0, 200 held-out tasks per level) it takes ~55
+  min on 2 idle cores (the SFT start ~29: 8 x 512-token steps are attention-bound), and its 80 RL steps did not beat
+  the start on any level while the equal-wall-clock SFT control did.
+
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
 
