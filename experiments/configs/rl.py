@@ -14,7 +14,7 @@ The sections mirror `composer_jax.rl.config.RunConfig` (one converter, `composer
 is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.HarnessConfig`: prompt, budgets,
 sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoints, optim), rl
 (`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
-Variants: `colab` (default: level-1 tasks, read, edit, finish; ~25 min on 2 idle cores), `colab_level1` (the same
+Variants: `colab` (default: level-1 tasks, read, edit, finish; ~15 min on 2 idle cores), `colab_level1` (the same
 as colab, kept by that name so its end-to-end time stays measurable), `recipe` (the report's RL recipe at Colab
 scale: procedural levels 1-3, self-summary chains, length penalty and behavioural terms on; `_recipe` says how its
 budget, weights and SFT start were chosen, and why it is not the default: ~55 min, and its RL did not beat its
