@@ -16,7 +16,8 @@ import re
 from collections.abc import Sequence
 
 POLICIES = {"sft": "SFT start", "rl": "RL", "sft_control": "SFT control (same wall-clock)",
-            "rl_start_summaries": "RL with the start's summaries"}
+            "rl_start_summaries": "RL with the start's summaries",
+            "rl_drop_oldest": "RL without summaries (oldest turns dropped)"}
 TEMPERATURES = {"T0": "greedy", "T1": "T=1"}
 
 
