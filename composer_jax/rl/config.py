@@ -161,11 +161,11 @@ class RunConfig:
     if self.sft.demo_accuracy < 1.0 and self.tasks.kind != "procedural":
       raise ValueError(f"sft.demo_accuracy < 1 makes near-miss demonstrations of procedural tasks; the "
                        f"{self.tasks.kind!r} source has none (set it to 1.0)")
-    if self.batch_rows < self.rollout.samples_per_prompt * self.harness.max_segments:
+    group_rows = self.rollout.samples_per_prompt * self.harness.max_segments   # the largest group: a row a segment
+    if self.batch_rows < group_rows:
       raise ValueError(f"a step's {self.batch_rows} rows cannot hold a group of {self.rollout.samples_per_prompt} "
                        f"trajectories of up to harness.max_segments={self.harness.max_segments} segments (a row "
-                       f"each): set train.rows_per_step >= "
-                       f"{self.rollout.samples_per_prompt * self.harness.max_segments}")
+                       f"each): set train.rows_per_step >= {group_rows}")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

@@ -51,9 +51,10 @@ def level_pass_rates(groups: list) -> dict[str, float]:
   level), so metrics.jsonl holds a learning curve per level of a mix."""
   by_level: dict[int, list[float]] = {}
   for g in groups:
-    level = g.tree()["meta"].get("level")
+    tree = g.tree()   # decoded once: the meta and the trajectories
+    level = tree["meta"].get("level")
     if level is not None:
-      by_level.setdefault(level, []).extend(rl_batch.passed(t) for t in g.trajectories())
+      by_level.setdefault(level, []).extend(rl_batch.passed(t) for t in tree["trajectories"])
   return {f"pass/level_{lv}": float(np.mean(v)) for lv, v in sorted(by_level.items())}
 
 
