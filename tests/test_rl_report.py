@@ -82,3 +82,12 @@ def test_bad_input_is_a_clear_error(tmp_path):
   r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/report_main.py"),
                       f"--runs=a={tmp_path / 'missing'}"], capture_output=True, text=True, cwd=ROOT)
   assert r.returncode != 0 and "does not exist" in r.stderr
+
+
+def test_render_states_rl_gains_per_level(tmp_path):
+  (tmp_path / "results.json").write_text(json.dumps(_result()))
+  report.render("r", [("s0", str(tmp_path))], str(tmp_path / "out"))
+  md = (tmp_path / "out" / "r.md").read_text()
+  # T=1, by hand from _result(): L1 32/40 vs 16/40 (start) and 18/40 (control); L2 30/40 vs 2/40 and 0/40.
+  assert ("RL at T=1, in points: level 1 +40.0 over the start, +35.0 over the control; "
+          "level 2 +70.0 over the start, +75.0 over the control.") in md

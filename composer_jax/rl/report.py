@@ -42,6 +42,19 @@ def levels_of(result: dict) -> list[str]:
   return sorted(found, key=int)
 
 
+def _levels_of_runs(runs: Sequence[tuple[str, dict]]) -> list[str | None]:
+  """The levels any of the runs was evaluated on, or [None] (one overall column) for sources without levels."""
+  return sorted({lv for _, r in runs for lv in levels_of(r)}, key=int) or [None]
+
+
+def _prefix(level: str | None) -> str:
+  return f"L{level} " if level else ""
+
+
+def _tick(level: str | None) -> str:
+  return "all" if level in (None, "all") else f"level {level}"
+
+
 def _fig(result: dict, policy: str, temp: str, level: str | None) -> dict | None:
   fig = result.get(policy, {}).get(temp)
   if fig is None or level is None:
@@ -53,7 +66,7 @@ def policy_table(result: dict) -> str:
   """One run: a row per evaluated policy, a column per (level, temperature)."""
   levels = levels_of(result) or [None]
   cols = [(lv, t) for lv in levels for t in TEMPERATURES]
-  head = [f"{'L' + lv + ' ' if lv else ''}{TEMPERATURES[t]}" for lv, t in cols]
+  head = [f"{_prefix(lv)}{TEMPERATURES[t]}" for lv, t in cols]
   n = {_fig(result, "sft", "T1", lv)["n"] for lv in levels if _fig(result, "sft", "T1", lv)}
   lines = [f"| policy (n = {', '.join(map(str, sorted(n)))} per level) | " + " | ".join(head) + " |",
            "|---" * (len(cols) + 1) + "|"]
@@ -76,9 +89,8 @@ def gains(result: dict, temp: str = "T1") -> dict[str, dict[str, float]]:
 
 def sweep_table(runs: Sequence[tuple[str, dict]], policy: str = "rl", temp: str = "T1") -> str:
   """Many runs: a row per run, per level the policy's solve rate and its mean generated tokens per solved task."""
-  levels = sorted({lv for _, r in runs for lv in levels_of(r)}, key=int) or [None]
-  head = [h for lv in levels for h in (f"{'L' + lv + ' ' if lv else ''}{TEMPERATURES[temp]}",
-                                       f"{'L' + lv + ' ' if lv else ''}tokens/solved")]
+  levels = _levels_of_runs(runs)
+  head = [h for lv in levels for h in (f"{_prefix(lv)}{TEMPERATURES[temp]}", f"{_prefix(lv)}tokens/solved")]
   lines = [f"| run ({POLICIES[policy]}) | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
   for label, r in runs:
     row = []
@@ -107,7 +119,7 @@ def plot_levels(result: dict, out_png: str, title: str = "") -> None:
       err = [[y - 100 * f["ci_low"] for y, f in zip(ys, figs, strict=True)],
              [100 * f["ci_high"] - y for y, f in zip(ys, figs, strict=True)]]
       ax.bar(xs, ys, width, yerr=err, capsize=2, label=POLICIES[p])
-    ax.set_xticks(range(len(levels)), [f"level {lv}" if lv else "all" for lv in levels])
+    ax.set_xticks(range(len(levels)), [_tick(lv) for lv in levels])
     ax.set_ylabel("held-out solved (%)")
     ax.set_ylim(0, 100)
     ax.set_title(TEMPERATURES[temp])
@@ -125,14 +137,14 @@ def plot_tokens(runs: Sequence[tuple[str, dict]], out_png: str, policy: str = "r
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  levels = sorted({lv for _, r in runs for lv in levels_of(r)}, key=int) or [None]
+  levels = _levels_of_runs(runs)
   fig, ax = plt.subplots(figsize=(5, 3.5))
   for label, r in runs:
     pts = [(j, _fig(r, policy, temp, lv)) for j, lv in enumerate(levels)]
     pts = [(j, f["tokens_per_solved"]) for j, f in pts if f and f.get("tokens_per_solved") is not None]
     if pts:
       ax.plot(*zip(*pts), marker="o", label=label)
-  ax.set_xticks(range(len(levels)), [f"level {lv}" if lv else "all" for lv in levels])
+  ax.set_xticks(range(len(levels)), [_tick(lv) for lv in levels])
   ax.set_ylabel(f"generated tokens per solved task ({TEMPERATURES[temp]})")
   ax.grid(alpha=0.3)
   ax.legend(fontsize="small")
@@ -154,7 +166,11 @@ def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs
     plot_levels(r, os.path.join(out_dir, png), title=f"{name}: {label}")
     phases = r.get("phase_seconds", {})
     timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()) or "not recorded"
-    parts += [f"## {label}", "", policy_table(r), "", f"Phases: {timing}.", "", f"![{label}]({png})", ""]
+    gain = "; ".join(f"{_tick(lv)} {g['over_start']:+.1f} over the start"
+                     + (f", {g['over_control']:+.1f} over the control" if "over_control" in g else "")
+                     for lv, g in gains(r).items()) or "not measured"
+    parts += [f"## {label}", "", policy_table(r), "", f"RL at T=1, in points: {gain}.", "", f"Phases: {timing}.",
+              "", f"![{label}]({png})", ""]
   if len(loaded) > 1:
     parts += ["## All runs (RL policy, T=1)", "", sweep_table(loaded), ""]
   chosen = [(label, r) for label, r in loaded if label in length_runs]
