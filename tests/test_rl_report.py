@@ -44,7 +44,8 @@ def test_cells_tables_and_gains_by_hand():
   assert g["2"] == pytest.approx({"over_start": 70.0, "over_control": 75.0})
   sweep = report.sweep_table([("a", r), ("b", _result(rl_l2_solved=0))]).splitlines()
   assert sweep[0] == "| run (RL) | L1 T=1 | L1 tokens/solved | L2 T=1 | L2 tokens/solved |"
-  assert sweep[2].endswith("| 80 | 75.0% [" + sweep[2].split("75.0% [")[1].split("]")[0] + "] | 160 |")
+  l2 = report.cell(_fig(30, 40, None))   # RL at T=1 on level 2: 30/40, tokens per solved 2 × 80
+  assert sweep[2].endswith(f"| 80 | {l2} | 160 |")
   assert sweep[3].endswith("| 0.0% [0.0, 8.8] | — |")   # nothing solved: no tokens per solved task
 
 
