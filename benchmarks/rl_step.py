@@ -58,6 +58,7 @@ def rl_batch(cfg, params, lm, prompt: int, group: int = 4, seed: int = 0) -> dic
   reward = np.random.default_rng(seed).integers(0, 2, B).astype(np.float32)
   gen = (np.arange(L) >= prompt).astype(np.float32)
   return {"tokens": lm["tokens"], "segment_ids": lm["segment_ids"], "positions": lm["positions"],
+          "seq": np.broadcast_to(np.arange(B, dtype=np.int32)[:, None], (B, L)).copy(),
           "gen_mask": np.broadcast_to(gen, (B, L)).copy(), "inf_logprobs": np.asarray(logp),
           "routing": np.asarray(aux["experts"]), "reward": reward, "passed": reward,
           "group": (np.arange(B) // group).astype(np.int32), "first": np.ones(B, np.float32),

@@ -163,13 +163,13 @@ def _rl_batch(mesh, rules, rows, seq, cfg):
   row_spec = layout.batch_spec(mesh, rules)
   b_axes, l_axes = row_spec
   n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
-  fields = {k: ((rows, seq), jnp.int32) for k in ("tokens", "segment_ids", "positions")}
+  fields = {k: ((rows, seq), jnp.int32) for k in ("tokens", "segment_ids", "positions", "seq")}
   fields.update({k: ((rows, seq), jnp.float32) for k in ("gen_mask", "inf_logprobs")})
   fields.update({k: ((rows,), jnp.float32) for k in ("reward", "passed", "first", "valid", "is_cap",
                                                       "traj_gen_tokens")})
   fields.update({k: ((rows,), jnp.int32) for k in ("group", "staleness")})
   fields["routing"] = ((n_moe, rows, seq, cfg.num_experts_per_tok), jnp.int32)
-  shard = {k: NamedSharding(mesh, P(b_axes, l_axes) if len(s) == 2 else P(b_axes)) for k, (s, _) in fields.items()}
+  shard = {k: NamedSharding(mesh, P(b_axes, l_axes) if len(s) == 2 else P()) for k, (s, _) in fields.items()}
   shard["routing"] = NamedSharding(mesh, P(None, b_axes, l_axes, None))
   batch = {k: jax.ShapeDtypeStruct(s, d, sharding=shard[k]) for k, (s, d) in fields.items()}
   return batch, shard

@@ -85,6 +85,13 @@ class HarnessConfig:
   seed: int = 0
   grade_workers: int = 4
 
+  def without_summaries(self) -> HarnessConfig:
+    """The no-summary arm at the same context budget: a full context drops its oldest turns instead of asking for
+    a summary. A segment of kept recent turns fills again sooner than one that starts from a summary, so it gets
+    up to `DROP_OLDEST_MAX_SEGMENTS` segments (`max_turns` still bounds the episode)."""
+    return dataclasses.replace(self, overflow="drop_oldest",
+                               max_segments=max(self.max_segments, DROP_OLDEST_MAX_SEGMENTS))
+
   def __post_init__(self):
     if self.system_prompt in SYSTEM_PROMPTS:
       object.__setattr__(self, "system_prompt", SYSTEM_PROMPTS[self.system_prompt])
@@ -95,6 +102,9 @@ class HarnessConfig:
       raise ValueError(f"need max_segments >= 1 and max_turns >= 1, got {self.max_segments=} {self.max_turns=}")
     if self.overflow not in OVERFLOW:
       raise ValueError(f"unknown overflow {self.overflow!r}; valid: {', '.join(OVERFLOW)}")
+
+
+DROP_OLDEST_MAX_SEGMENTS = 8   # `HarnessConfig.without_summaries`
 
 
 def segment_head(system_prompt: str, task_prompt: str, summary: str | None) -> list[dict[str, Any]]:

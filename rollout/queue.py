@@ -33,6 +33,7 @@ import re
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -229,7 +230,8 @@ class QueueConsumer:
     return len(pending), sum(g.n_rows for g in pending)
 
   def poll(self, trainer_version: int, *, max_groups: int | None = None, max_rows: int | None = None,
-           batch_rows: int | None = None) -> list[ConsumedGroup]:
+           batch_rows: int | None = None,
+           fits: Callable[[ConsumedGroup], bool] | None = None) -> list[ConsumedGroup]:
     """Delivers the oldest pending groups (possibly none), advancing the cursor past them and past dropped ones.
 
     Args:
@@ -238,6 +240,8 @@ class QueueConsumer:
       max_rows: deliver whole groups while their rows sum to at most this (what is left of a fixed-size batch); a
         group that does not fit waits for the next poll.
       batch_rows: the whole batch's rows (default max_rows): a group larger than it can never be batched, an error.
+      fits: called with each group about to be delivered (decoded, after the checks above); False: it does not fit
+        (e.g. its tokens do not pack into what is left of the batch) and waits for the next poll, like max_rows.
     """
     out, rows = [], 0
     st = self._state
@@ -267,13 +271,16 @@ class QueueConsumer:
         st["cursor"][g.producer] = g.name
         continue
       s = trainer_version - g.version
+      group = ConsumedGroup(g, s, decision == "keep_stale", arrays, meta)
+      if fits is not None and not fits(group):
+        break
       st["cursor"][g.producer] = g.name
       st["consumed"] += 1
       st["consumed_rows"] += g.n_rows
       st["kept_stale"] += decision == "keep_stale"
       st["staleness_hist"][str(s)] = st["staleness_hist"].get(str(s), 0) + 1
       rows += g.n_rows
-      out.append(ConsumedGroup(g, s, decision == "keep_stale", arrays, meta))
+      out.append(group)
     return out
 
   def stats(self) -> dict[str, Any]:

@@ -153,6 +153,22 @@ class TestQueue:
     with pytest.raises(ValueError, match="3 rows, more than the batch's 2"):
       c.poll(5, max_rows=2)
 
+  def test_a_group_that_does_not_fit_waits_at_the_cursor(self, store):
+    """poll(fits=...): a group the caller rejects (e.g. its tokens do not pack) is not consumed; it comes next."""
+    kv, _ = store
+    p = QueueProducer(kv, "w")
+    for gid in ("g0", "g1", "g2"):
+      p.append_group([_traj(8, 0, 1.0)] * 2, group_id=gid)
+    c = QueueConsumer(kv, StalenessConfig(max_staleness=10))
+    seen = []
+
+    def fits(g):
+      seen.append(g.tree()["meta"]["group_id"])
+      return len(seen) == 1
+    assert [g.tree()["meta"]["group_id"] for g in c.poll(0, fits=fits)] == ["g0"]
+    assert seen == ["g0", "g1"] and c.stats()["consumed_groups"] == 1 and c.depth() == (2, 4)
+    assert [g.tree()["meta"]["group_id"] for g in c.poll(0, fits=lambda g: True)] == ["g1", "g2"]
+
   @pytest.mark.parametrize("policy", ["drop", "keep"])
   def test_staleness_policies(self, store, policy):
     kv, _ = store

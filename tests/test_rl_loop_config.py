@@ -1,4 +1,5 @@
 """RL run configuration errors, the Wilson interval, weight publishing and the rl_main config conversion."""
+import json
 import math
 import os
 
@@ -257,3 +258,37 @@ def test_the_sft_control_reuses_the_warm_starts_transcripts(tmp_path, monkeypatc
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: pytest.fail("the control re-ran the oracle"))
   warmstart.sft(cfg, None, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
   assert seen["args"][2:4] == ([[{"role": "user", "content": "saved"}]], dev)
+
+
+def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, monkeypatch):
+  """eval.summaries_from_start and eval.drop_oldest: RL is evaluated also with the start writing its summaries
+  and with no summaries (oldest turns dropped), on the same tasks and context budget; results.json has each row."""
+  from composer_jax.rl import experiment
+  cfg = configs.from_dict(RunConfig, rl_configs.get_config("recipe"), workdir=str(tmp_path))
+  (tmp_path / "sft").mkdir()
+  calls = []
+
+  def evaluate_policy(c, params, tok, tasks, envs, name, summarizer_params=None):
+    calls.append((name, params, summarizer_params, c.harness.overflow, c.harness.max_segments,
+                  c.harness.context_budget))
+    return {"T0": {"success": 0.5}}
+
+  class Envs:
+    class factory:
+      close = staticmethod(lambda: None)
+  monkeypatch.setattr(experiment, "evaluate_policy", evaluate_policy)
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}})
+  monkeypatch.setattr(experiment, "sft_control", lambda *a: "control")
+  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
+  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: ["task"])
+  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  result = experiment.run_experiment(cfg, log_fn=lambda s: None)
+  budget = cfg.harness.context_budget
+  assert calls == [("sft", "start", None, "summarize", 4, budget), ("rl", "rl", None, "summarize", 4, budget),
+                   ("sft_control", "control", None, "summarize", 4, budget),
+                   ("rl_start_summaries", "rl", "start", "summarize", 4, budget),
+                   ("rl_drop_oldest", "rl", None, "drop_oldest", 8, budget)]
+  saved = json.load(open(tmp_path / "results.json"))
+  assert {"rl_start_summaries", "rl_drop_oldest"} <= set(saved) and saved["rl_drop_oldest"] == result["rl_drop_oldest"]
+  assert {"eval_rl_start_summaries", "eval_rl_drop_oldest"} <= set(saved["phase_seconds"])

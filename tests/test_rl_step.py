@@ -34,7 +34,8 @@ def _tokens():
 def _batch(tokens, inf_logprobs, routing, reward=(1.0, 0.0, 0.5, 0.0), group=(0, 0, 1, 1)):
   gen = (jnp.arange(L) >= PROMPT).astype(jnp.float32)
   return {"tokens": tokens, "segment_ids": jnp.ones((B, L), jnp.int32),
-          "positions": jnp.broadcast_to(jnp.arange(L), (B, L)), "gen_mask": jnp.broadcast_to(gen, (B, L)),
+          "positions": jnp.broadcast_to(jnp.arange(L), (B, L)), "seq": jnp.broadcast_to(jnp.arange(B)[:, None], (B, L)),
+          "gen_mask": jnp.broadcast_to(gen, (B, L)),
           "inf_logprobs": inf_logprobs, "routing": routing, "reward": jnp.asarray(reward, jnp.float32),
           "passed": jnp.asarray(reward, jnp.float32) == 1.0, "group": jnp.asarray(group, jnp.int32),
           "first": jnp.ones(B), "valid": jnp.ones(B), "is_cap": jnp.full(B, 2.0), "staleness": jnp.zeros(B, jnp.int32),
@@ -125,6 +126,7 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   batch = {k: (jnp.concatenate([v, v], axis=1) if k == "routing" else jnp.concatenate([v, v])) for k, v in
            batch.items()}
   batch.update(tokens=tok, routing=own8, inf_logprobs=lp8, group=jnp.arange(rows) // 2,
+               seq=jnp.broadcast_to(jnp.arange(rows)[:, None], (rows, L)),
                reward=jnp.array([1.0, 0.0] * 4), passed=jnp.array([1.0, 0.0] * 4))
   bsh = rl_step_lib.batch_shardings(mesh)
   batch = jax.device_put(batch, bsh)

@@ -1,17 +1,24 @@
 """Consumed trajectory groups → one fixed-shape RL batch (numpy), so the jitted step compiles once.
 
-Letters: B rows, L length, Lm MoE layers, K experts per token.
+Letters: S sequences, R rows, L length, Lm MoE layers, K experts per token.
 
-One row per segment (context window) of a trajectory, right-padded to L; groups are never split (the queue's
-`poll(max_rows=B)` hands over whole groups that fit). Fields:
+A *sequence* is one segment (context window) of a trajectory; a step holds up to S of them (`BatchConfig.rows`).
+Unpacked (`pack_rows=0`), each sequence has a row of its own, right-padded to L (R = S). Packed (`pack_rows=R`),
+the sequences are laid end to end into R rows (first fit, each group's longest first; `Packer`), each with its own
+`segment_ids` value and positions from 0, so attention never crosses two sequences; this saves the padding of
+short segments (a level-1 episode is ~150 of a 496-token row). Groups are never split (the queue's
+`poll(max_rows=S, fits=...)` hands over whole groups that fit). Fields:
 
-  tokens         int32 [B, L]      segment_ids int32 [B, L] (1 on real tokens, 0 padding)   positions int32 [B, L]
-  gen_mask       f32   [B, L]      1 where the model generated the token (the loss mask; position 0 never)
-  inf_logprobs   f32   [B, L]      the engine's logprob of each generated token
-  routing        int32 [Lm, B, L, K]  experts the engine used at each position, −1 where not recorded
-  reward         f32 [B]   passed f32 [B]   group int32 [B]   first f32 [B] (first row of its trajectory)
-  valid          f32 [B]   is_cap f32 [B] (importance-ratio truncation)   staleness int32 [B]
-  traj_gen_tokens f32 [B]  generated tokens of the whole trajectory (for the length metric; counted on `first`)
+  tokens         int32 [R, L]   segment_ids int32 [R, L] (1, 2, ... per sequence of a row; 0 padding)
+  positions      int32 [R, L]   seq int32 [R, L] (the sequence each token belongs to, an index into the [S] fields)
+  gen_mask       f32   [R, L]   1 where the model generated the token (the loss mask; a sequence's first never)
+  inf_logprobs   f32   [R, L]   the engine's logprob of each generated token
+  routing        int32 [Lm, R, L, K]  experts the engine used at each position, −1 where not recorded
+  reward         f32 [S]   passed f32 [S]   group int32 [S]   first f32 [S] (first segment of its trajectory)
+  valid          f32 [S]   is_cap f32 [S] (importance-ratio truncation)   staleness int32 [S]
+  traj_gen_tokens f32 [S]  generated tokens of the whole trajectory (for the length metric; counted on `first`)
+
+A batch without `seq` (built by hand) is read as unpacked: sequence i is row i.
 
 Routing convention: `routing[:, i, p]` are the experts the engine used when token p was *input* at position p
 (what `model.hidden_states(routing=...)` replays, and SGLang's `routed_experts` layout). Engines that report prefill
@@ -31,16 +38,51 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
   """The fixed batch shape and how rows are weighted."""
-  rows: int                          # B
+  rows: int                          # S: sequences (segments) a step holds
   length: int                        # L
   n_moe_layers: int                  # Lm (routing rows); 0 for a dense model
   top_k: int                         # K
+  pack_rows: int = 0                 # R: pack the sequences into this many rows (0: a row each, R = S)
   is_cap: float = 2.0                # importance-ratio truncation for groups within the staleness bound
   stale_is_cap: float | None = None  # for groups kept beyond it (policy 'keep'); None: same as is_cap
 
   def __post_init__(self):
-    if self.rows < 1 or self.length < 2:
-      raise ValueError(f"need rows >= 1 and length >= 2, got {self.rows=} {self.length=}")
+    if self.rows < 1 or self.length < 2 or not 0 <= self.pack_rows <= self.rows:
+      raise ValueError(f"need rows >= 1, length >= 2 and 0 <= pack_rows <= rows, got {self.rows=} "
+                       f"{self.length=} {self.pack_rows=}")
+
+
+def segment_lengths(trajectories: Sequence[dict]) -> list[int]:
+  """Tokens of each segment of a group's trajectories, in batch order."""
+  return [len(seg["tokens_T"]) for t in trajectories for seg in t["segments"]]
+
+
+class Packer:
+  """First-fit packing of whole groups' segments into `n_rows` rows of `length` tokens, at most `max_sequences`.
+
+  Each group's segments are placed longest first into the first row with room; `add` either places all of a
+  group's segments or none. `make_batch` and the trainer's step assembly (`rl.sources.take_groups`) run the same
+  packer in the same group order, so a step that `add` accepted always builds.
+  """
+
+  def __init__(self, n_rows: int, length: int, max_sequences: int):
+    self.length, self.max_sequences = length, max_sequences
+    self.free = [length] * n_rows      # tokens left in each row
+    self.n_sequences = 0
+
+  def add(self, lengths: Sequence[int]) -> list[tuple[int, int]] | None:
+    """(row, offset) of each segment (in the given order), or None (nothing placed) if the group does not fit."""
+    if self.n_sequences + len(lengths) > self.max_sequences:
+      return None
+    free, out = list(self.free), [None] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+      row = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
+      if row is None:
+        return None
+      out[i] = (row, self.length - free[row])
+      free[row] -= lengths[i]
+    self.free, self.n_sequences = free, self.n_sequences + len(lengths)
+    return out
 
 
 def passed(traj: dict[str, Any]) -> float:
@@ -61,40 +103,52 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
   Returns:
     dict of numpy arrays described in the module docstring.
   """
-  B, L, Lm, K = cfg.rows, cfg.length, cfg.n_moe_layers, cfg.top_k
-  n_rows = sum(len(t["segments"]) for g in groups for t in g)
-  if n_rows > B:
-    raise ValueError(f"{len(groups)} groups need {n_rows} rows but the batch has {B}; poll with max_rows={B}")
-  out = {"tokens": np.zeros((B, L), np.int32), "segment_ids": np.zeros((B, L), np.int32),
-         "positions": np.zeros((B, L), np.int32), "gen_mask": np.zeros((B, L), np.float32),
-         "inf_logprobs": np.zeros((B, L), np.float32), "routing": np.full((Lm, B, L, K), -1, np.int32),
-         "reward": np.zeros(B, np.float32), "passed": np.zeros(B, np.float32), "group": np.zeros(B, np.int32),
-         "first": np.zeros(B, np.float32), "valid": np.zeros(B, np.float32),
-         "is_cap": np.full(B, cfg.is_cap, np.float32), "staleness": np.zeros(B, np.int32),
-         "traj_gen_tokens": np.zeros(B, np.float32)}
+  S, L, Lm, K = cfg.rows, cfg.length, cfg.n_moe_layers, cfg.top_k
+  n_seq = sum(len(t["segments"]) for g in groups for t in g)
+  if n_seq > S:
+    raise ValueError(f"{len(groups)} groups need {n_seq} rows but the batch has {S}; poll with max_rows={S}")
+  for g in groups:
+    for traj in g:
+      for si, seg in enumerate(traj["segments"]):
+        if len(seg["tokens_T"]) > L:
+          raise ValueError(f"task {traj.get('task_id')!r} segment {si} has {len(seg['tokens_T'])} tokens, more "
+                           f"than the batch length {L}: raise the length or cap rollout contexts")
+  places = _place(groups, cfg)
+  # R rows: pack_rows, or S for a lone group too large for them (the step's second compiled shape)
+  R = cfg.pack_rows if cfg.pack_rows and all(r < cfg.pack_rows for r, _ in places) else S
+  out = {"tokens": np.zeros((R, L), np.int32), "segment_ids": np.zeros((R, L), np.int32),
+         "positions": np.zeros((R, L), np.int32), "seq": np.zeros((R, L), np.int32),
+         "gen_mask": np.zeros((R, L), np.float32), "inf_logprobs": np.zeros((R, L), np.float32),
+         "routing": np.full((Lm, R, L, K), -1, np.int32),
+         "reward": np.zeros(S, np.float32), "passed": np.zeros(S, np.float32), "group": np.zeros(S, np.int32),
+         "first": np.zeros(S, np.float32), "valid": np.zeros(S, np.float32),
+         "is_cap": np.full(S, cfg.is_cap, np.float32), "staleness": np.zeros(S, np.int32),
+         "traj_gen_tokens": np.zeros(S, np.float32)}
   stale_cap = cfg.is_cap if cfg.stale_is_cap is None else cfg.stale_is_cap
+  seg_id = {place: n + 1 for r in range(R)   # a row's sequences are numbered left to right from 1
+            for n, place in enumerate(sorted(p for p in places if p[0] == r))}
   i = 0
   for gi, group in enumerate(groups):
     for traj in group:
       n_gen = sum(int(np.sum(s["gen_mask_T"])) for s in traj["segments"])
       for si, seg in enumerate(traj["segments"]):
         T = len(seg["tokens_T"])
-        if T > L:
-          raise ValueError(f"task {traj.get('task_id')!r} segment {si} has {T} tokens, more than the batch "
-                           f"length {L}: raise the length or cap rollout contexts")
-        out["tokens"][i, :T] = seg["tokens_T"]
-        out["segment_ids"][i, :T] = 1
-        out["positions"][i, :T] = np.arange(T)
-        out["gen_mask"][i, :T] = seg["gen_mask_T"]
-        out["gen_mask"][i, 0] = 0.0
-        out["inf_logprobs"][i, :T] = seg["logprobs_T"]
+        r, o = places[i]
+        span = slice(o, o + T)
+        out["tokens"][r, span] = seg["tokens_T"]
+        out["segment_ids"][r, span] = seg_id[(r, o)]
+        out["positions"][r, span] = np.arange(T)
+        out["seq"][r, span] = i
+        out["gen_mask"][r, span] = seg["gen_mask_T"]
+        out["gen_mask"][r, o] = 0.0
+        out["inf_logprobs"][r, span] = seg["logprobs_T"]
         routed = seg.get("routed_TxNxK")
         if routed is not None and Lm:
           routed = np.asarray(routed)
           if routed.shape[1:] != (Lm, K):
             raise ValueError(f"task {traj.get('task_id')!r} routing has {routed.shape[1:]} (layers, top_k) per "
                              f"token, the model has {(Lm, K)}")
-          out["routing"][:, i, :T] = routed.transpose(1, 0, 2)
+          out["routing"][:, r, span] = routed.transpose(1, 0, 2)
         out["reward"][i] = traj["reward"]
         out["passed"][i] = passed(traj)
         out["group"][i] = gi
@@ -108,6 +162,26 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
   if not math.isfinite(float(out["reward"].sum())):
     raise ValueError("non-finite reward in the batch")
   return out
+
+
+def _place(groups: Sequence[Sequence[dict]], cfg: BatchConfig) -> list[tuple[int, int]]:
+  """(row, offset) of every sequence: a row each unpacked; packed, `Packer` into `pack_rows` rows, or into S rows
+  when the step is one group too large for them (`take_groups` gives such a group a step of its own)."""
+  lengths = [segment_lengths(g) for g in groups]
+  n_seq = sum(map(len, lengths))
+  if not cfg.pack_rows:
+    return [(i, 0) for i in range(n_seq)]
+  for n_rows in (cfg.pack_rows, cfg.rows):
+    packer, places = Packer(n_rows, cfg.length, cfg.rows), []
+    for ls in lengths:
+      got = packer.add(ls)
+      if got is None:
+        break
+      places += got
+    else:
+      return places
+  raise ValueError(f"{len(groups)} groups do not pack into {cfg.pack_rows} rows of {cfg.length} tokens; take the "
+                   "step's groups with rl.sources.take_groups (it checks each group with the same Packer)")
 
 
 def from_consumed(consumed: Sequence[Any], cfg: BatchConfig) -> dict[str, np.ndarray]:

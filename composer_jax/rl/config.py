@@ -66,9 +66,14 @@ class TrainerConfig:
   do not fit in `rows_per_step`), checkpointed every `ckpt_every`."""
   steps: int = 60
   groups_per_step: int = 4          # prompts per RL step
-  # Rows in a step's batch (context_budget tokens each). 0: groups_per_step x samples_per_prompt, a row per
-  # trajectory; a self-summarising chain takes a row per segment, so multi-segment runs set it higher.
+  # Segments a step holds (a row of context_budget tokens each, unless packed). 0: groups_per_step x
+  # samples_per_prompt, one per trajectory; a self-summarising chain has a segment per context, so multi-segment
+  # runs set it higher.
   rows_per_step: int = 0
+  # > 0: pack the step's segments end to end into this many rows of context_budget tokens (`rl.batch.Packer`), so
+  # short segments do not pay a whole row of padding; a step takes fewer groups when the next does not pack. 0: a
+  # row per segment.
+  pack_rows: int = 0
   ckpt_every: int = 10
   optim: OptimConfig = dataclasses.field(default_factory=_rl_optimizer)
 
@@ -76,6 +81,8 @@ class TrainerConfig:
     _positive(self, "steps", "groups_per_step", "ckpt_every")
     if self.rows_per_step < 0:
       raise ValueError(f"train.rows_per_step={self.rows_per_step} must be >= 0 (0: one row per trajectory)")
+    if self.pack_rows < 0:
+      raise ValueError(f"train.pack_rows={self.pack_rows} must be >= 0 (0: a row per segment)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +135,14 @@ class RolloutConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   """Held-out evaluation after RL: `tasks` tasks at each temperature; `control`: also an equal-time SFT control;
-  `summaries_from_start`: also the RL policy with the SFT start writing its self-summaries."""
+  `summaries_from_start`: also the RL policy with the SFT start writing its self-summaries; `drop_oldest`: also
+  the RL policy without summaries, its oldest turns dropped (`HarnessConfig.without_summaries`). The last two
+  answer "do trained summaries help?" at the same context budget."""
   tasks: int = 500
   temperatures: tuple[float, ...] = (0.0, 1.0)
   control: bool = True
   summaries_from_start: bool = False
+  drop_oldest: bool = False
 
   def __post_init__(self):
     _positive(self, "tasks")
@@ -166,6 +176,9 @@ class RunConfig:
       raise ValueError(f"a step's {self.batch_rows} rows cannot hold a group of {self.rollout.samples_per_prompt} "
                        f"trajectories of up to harness.max_segments={self.harness.max_segments} segments (a row "
                        f"each): set train.rows_per_step >= {group_rows}")
+    if self.train.pack_rows > self.batch_rows:
+      raise ValueError(f"train.pack_rows={self.train.pack_rows} packs a step's {self.batch_rows} segments into "
+                       f"more rows than unpacked; set it <= {self.batch_rows} (or 0)")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

@@ -3,7 +3,8 @@
 Three policies are evaluated on the same held-out tasks, greedy and at T=1 (`eval.temperatures`), with Wilson 95%
 CIs: the SFT start, the RL policy, and a control that spends RL's wall-clock on more SFT from the same start (so a
 gain is RL's, not more supervised training); with `eval.summaries_from_start`, also the RL policy acting with the
-SFT start's self-summaries (does RL's summary training help, at the same context budget?).
+SFT start's self-summaries, and with `eval.drop_oldest` the RL policy without summaries (oldest turns dropped): do
+RL's trained summaries help, at the same context budget?
 """
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
   return params
 
 
+def without_summaries(cfg: RunConfig) -> RunConfig:
+  """`cfg` with `HarnessConfig.without_summaries()` (and a step that could hold its longer chains, which the
+  config checks; evaluation trains nothing)."""
+  harness = cfg.harness.without_summaries()
+  rows = max(cfg.batch_rows, cfg.rollout.samples_per_prompt * harness.max_segments)
+  return dataclasses.replace(cfg, harness=harness, train=dataclasses.replace(cfg.train, rows_per_step=rows))
+
+
 def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
   """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers."""
   t0 = time.perf_counter()
@@ -81,6 +90,9 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
       result["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, out["params"], tok,
                                            tasks, envs, "rl_start_summaries", summarizer_params=start)
+    if cfg.eval.drop_oldest:   # ... and against no summaries at all
+      result["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_policy, without_summaries(cfg),
+                                       out["params"], tok, tasks, envs, "rl_drop_oldest")
   finally:
     envs.factory.close()
   phases["total"] = time.perf_counter() - t0

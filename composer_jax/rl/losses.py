@@ -1,8 +1,9 @@
 """Policy-gradient RL losses: group advantages, truncated importance weights, k1 KL to a reference policy.
 
-Letters: B rows (one row = one context segment of a trajectory), L length, D hidden, V vocab.
+Letters: B rows, L length, D hidden, V vocab, S sequences (one sequence = one context segment of a trajectory; a
+row holds one, or several when packed: `rl.batch`).
 
-Per generated token t of a row i (mask m_t = 1 only on model-generated tokens):
+Per generated token t of a sequence i (mask m_t = 1 only on model-generated tokens):
 
   ρ_t   = π_θ(y_t) / μ(y_t)                 μ = the inference engine's recorded logprob (rollout policy)
   w_t   = sg(min(ρ_t, c_i))                  truncated importance weight (c_i = `is_cap_B[i]`; Yao et al. 2025 "TIS")
@@ -25,7 +26,7 @@ Normalisation (`LossConfig.normalize`):
               same weight, so a long trajectory's tokens are not down-weighted (per-sequence means favour
               short answers when A > 0 and long ones when A < 0; DAPO, Dr. GRPO). The denominator varies from
               batch to batch, which rescales the step a little.
-  'sequence'  mean over tokens of each row, then mean over rows with generated tokens (original GRPO).
+  'sequence'  mean over tokens of each sequence, then mean over sequences with generated tokens (original GRPO).
   'constant'  Σ_t ℓ_t / `norm_constant` (default B·L, fixed by the batch shape): an unbiased token sum with a
               constant scale (Dr. GRPO).
 """
@@ -101,18 +102,21 @@ def _masked_mean(x, m):
   return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.Array, adv_B: jax.Array,
-                mask_BxL: jax.Array, is_cap_B: jax.Array, cfg: LossConfig) -> tuple[jax.Array, dict]:
+def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.Array, adv: jax.Array,
+                mask_BxL: jax.Array, is_cap: jax.Array, cfg: LossConfig, seq_BxL: jax.Array | None = None,
+                num_seqs: int | None = None) -> tuple[jax.Array, dict]:
   """The token-level policy-gradient loss and its statistics.
 
   Args:
     logp_BxL: log π_θ of each token (differentiated).
     inf_logp_BxL: the rollout engine's logprobs μ (constants).
     ref_logp_BxL: the frozen reference policy's logprobs (constants).
-    adv_B: per-row advantage (constants).
+    adv: advantage (constants), per row [B] or per token [B, L].
     mask_BxL: 1 on model-generated tokens to train on.
-    is_cap_B: per-row truncation c of the importance ratio.
+    is_cap: truncation c of the importance ratio, per row [B] or per token [B, L].
     cfg: loss options.
+    seq_BxL, num_seqs: the sequence of each token, in [0, num_seqs), for 'sequence' normalisation of packed rows
+      (None: each row is one sequence).
   Returns:
     (loss, metrics): kl (mean k1), importance-ratio mean/min/max, clip_fraction (tokens with ρ > c),
     logprob_gap (mean |log π_θ − log μ|), generated_tokens.
@@ -120,22 +124,25 @@ def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.
   B, L = logp_BxL.shape
   m = mask_BxL.astype(jnp.float32)
   inf_logp, ref_logp = jax.lax.stop_gradient(inf_logp_BxL), jax.lax.stop_gradient(ref_logp_BxL)
-  adv_B = jax.lax.stop_gradient(adv_B)
+  per_token = lambda x: jnp.broadcast_to(x[:, None] if x.ndim == 1 else x, (B, L)).astype(jnp.float32)  # noqa: E731
+  adv_BxL = jax.lax.stop_gradient(per_token(adv))
   lp_sg = jax.lax.stop_gradient(logp_BxL)
   log_ratio = lp_sg - inf_logp
   ratio = jnp.exp(log_ratio)
-  cap = is_cap_B.astype(jnp.float32)[:, None]
+  cap = per_token(is_cap)
   w = jnp.minimum(ratio, cap) if cfg.importance == "truncate" else jnp.ones_like(ratio)
   k1 = lp_sg - ref_logp
-  a_tok = adv_B[:, None] - cfg.kl_coef * k1
+  a_tok = adv_BxL - cfg.kl_coef * k1
   per_tok = -w * a_tok * jnp.exp(logp_BxL - lp_sg)
   n_tok = jnp.sum(m)
   if cfg.normalize == "tokens":
     loss = jnp.sum(per_tok * m) / jnp.maximum(n_tok, 1.0)
   elif cfg.normalize == "sequence":
-    n_B = jnp.sum(m, axis=1)
-    row = jnp.sum(per_tok * m, axis=1) / jnp.maximum(n_B, 1.0)
-    loss = jnp.sum(row) / jnp.maximum(jnp.sum(n_B > 0), 1)
+    if seq_BxL is None:
+      seq_BxL, num_seqs = jnp.broadcast_to(jnp.arange(B)[:, None], (B, L)), B
+    n_S = jax.ops.segment_sum(m.ravel(), seq_BxL.ravel(), num_segments=num_seqs)
+    sums_S = jax.ops.segment_sum((per_tok * m).ravel(), seq_BxL.ravel(), num_segments=num_seqs)
+    loss = jnp.sum(sums_S / jnp.maximum(n_S, 1.0)) / jnp.maximum(jnp.sum(n_S > 0), 1)
   else:
     loss = jnp.sum(per_tok * m) / (cfg.norm_constant if cfg.norm_constant is not None else B * L)
   big = jnp.finfo(jnp.float32).max

@@ -13,6 +13,7 @@ import os
 import pickle
 
 from composer_jax import configs
+from composer_jax.rl import batch as rl_batch
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout.tasks import registry
@@ -63,6 +64,13 @@ def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list[Task]:
 
 def make_envs(cfg: RunConfig) -> EnvironmentCache:
   return EnvironmentCache(make_factory(cfg.rollout.backend))
+
+
+def batch_config(cfg: RunConfig) -> rl_batch.BatchConfig:
+  """A step's batch shape: `batch_rows` segments of up to context_budget tokens, packed into `train.pack_rows`."""
+  return rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget, pack_rows=cfg.train.pack_rows,
+                              n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
+                              top_k=cfg.model.num_experts_per_tok)
 
 
 def queue_url(cfg: RunConfig) -> str:

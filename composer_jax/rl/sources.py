@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Protocol
 
+from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import setup
 from composer_jax.rl.config import RunConfig
 from rollout import workers
@@ -31,12 +32,26 @@ class Source(Protocol):
 
 def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lambda: None) -> list:
   """Polls `consumer` for one step's whole groups (`wait()` between empty polls): `train.groups_per_step` of them,
-  or fewer when the next one does not fit in what is left of the step's `cfg.batch_rows` rows (a self-summarising
-  chain takes a row per segment); that group opens the next step."""
+  or fewer when the next one does not fit in what is left of the step's `cfg.batch_rows` segments (a
+  self-summarising chain has one per context) or, packed, does not pack into the `train.pack_rows` rows with the
+  ones before it; that group opens the next step. A group too large to pack alone gets a step of its own."""
   groups, rows = [], 0
+  bcfg = setup.batch_config(cfg)
+  packer = rl_batch.Packer(bcfg.pack_rows, bcfg.length, bcfg.rows)
+  packed = {"groups": 0, "alone": False}   # `alone`: the step is one group too large for pack_rows
+
+  def packs(g) -> bool:
+    if packed["alone"]:
+      return False
+    if packer.add(rl_batch.segment_lengths(g.trajectories())) is not None:
+      packed["groups"] += 1
+      return True
+    packed["alone"] = packed["groups"] == 0   # make_batch gives it batch_rows rows, a row per segment
+    return packed["alone"]
+
   while len(groups) < cfg.train.groups_per_step:
     got = consumer.poll(version, max_groups=cfg.train.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows,
-                        batch_rows=cfg.batch_rows)
+                        batch_rows=cfg.batch_rows, fits=packs if bcfg.pack_rows else None)
     groups += got
     rows += sum(g.key.n_rows for g in got)
     if groups and not got and consumer.depth()[0]:   # the oldest pending group waits for the next step

@@ -97,16 +97,28 @@ def _masked_mean(x, m):
   return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def routing_needed(batch: dict) -> jax.Array:
-  """[B, L] positions whose routing a trained token depends on: real tokens before each row's last generated one.
+def sequence_index(batch: dict) -> tuple[jax.Array, int]:
+  """([B, L] sequence of each token, S): the batch's `seq` (packed rows, `rl.batch`), or row i for a batch
+  without it (one sequence per row)."""
+  if "seq" in batch:
+    return batch["seq"], batch["reward"].shape[0]
+  B, L = batch["tokens"].shape
+  return jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, L)), B
 
-  Causal attention: the logprob of the token at p is computed at p − 1 from positions ≤ p − 1, so routing after
-  the last generated token (an engine's never-fed final token, trailing tool output) changes no loss term.
+
+def routing_needed(batch: dict) -> jax.Array:
+  """[B, L] positions whose routing a trained token depends on: real tokens before their sequence's last
+  generated one.
+
+  Causal attention within a sequence: the logprob of the token at p is computed at p − 1 from positions ≤ p − 1
+  of the same sequence, so routing after its last generated token (an engine's never-fed final token, trailing
+  tool output) changes no loss term. A sequence is contiguous in its row, so "before" is a flat-index compare.
   """
-  L = batch["tokens"].shape[1]
-  idx_L = jnp.arange(L)
-  last_B = jnp.max(jnp.where(batch["gen_mask"] > 0, idx_L[None], -1), axis=1)
-  return (idx_L[None] < last_B[:, None]) & (batch["segment_ids"] > 0)
+  B, L = batch["tokens"].shape
+  seq, S = sequence_index(batch)
+  flat = jnp.arange(B * L, dtype=jnp.int32).reshape(B, L)
+  last_S = jax.ops.segment_max(jnp.where(batch["gen_mask"] > 0, flat, -1).ravel(), seq.ravel(), num_segments=S)
+  return (flat < last_S[seq]) & (batch["segment_ids"] > 0)
 
 
 def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed) -> tuple[jax.Array, jax.Array]:
@@ -151,10 +163,11 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   logp, entropy = losses.token_logprobs(h, w, tokens, with_entropy=True)
   ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None)
 
-  adv_B = losses.group_advantages(batch["reward"], batch["group"], batch["first"], batch["valid"],
+  adv_S = losses.group_advantages(batch["reward"], batch["group"], batch["first"], batch["valid"],
                                   scale_by_std=rl_cfg.loss.adv_std, eps=rl_cfg.loss.adv_eps)
-  loss, loss_metrics = losses.policy_loss(logp, batch["inf_logprobs"], ref_logp, adv_B, mask, batch["is_cap"],
-                                          rl_cfg.loss)
+  seq, S = sequence_index(batch)
+  loss, loss_metrics = losses.policy_loss(logp, batch["inf_logprobs"], ref_logp, adv_S[seq], mask,
+                                          batch["is_cap"][seq], rl_cfg.loss, seq_BxL=seq, num_seqs=S)
   metrics.update(loss_metrics)
   metrics["pg_loss"] = loss
   if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:
@@ -175,7 +188,7 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   metrics.update(loss=loss, entropy=_masked_mean(jax.lax.stop_gradient(entropy), mask),
                  reward=jnp.sum(batch["reward"] * first) / n_traj, pass_rate=jnp.sum(batch["passed"] * first) / n_traj,
                  length=jnp.sum(batch["traj_gen_tokens"] * first) / n_traj, trajectories=jnp.sum(first),
-                 advantage_abs_mean=jnp.sum(jnp.abs(adv_B) * first) / n_traj,
+                 advantage_abs_mean=jnp.sum(jnp.abs(adv_S) * first) / n_traj,
                  staleness_mean=jnp.sum(batch["staleness"] * first) / n_traj)
   return loss, (metrics, aux)
 
@@ -212,12 +225,13 @@ def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shar
 
 def batch_shardings(mesh, rules: ShardingRules | None = None) -> dict:
   """NamedShardings for `make_batch`'s fields, laid out as the LM trainer's batch (`parallel.layout.batch_spec`):
-  rows over the `batch` mesh axes, length over the `seq` ones; routing [Lm, B, L, K] likewise on its B and L axes."""
+  rows over the `batch` mesh axes, length over the `seq` ones; routing [Lm, B, L, K] likewise on its B and L axes.
+  The per-sequence [S] fields are replicated: they are small, and a packed row's tokens index any of them."""
   rows_spec, seq_spec = layout.batch_spec(mesh, rules if rules is not None else ShardingRules())
-  per_token = ("tokens", "segment_ids", "positions", "gen_mask", "inf_logprobs")
-  per_row = ("reward", "passed", "group", "first", "valid", "is_cap", "staleness", "traj_gen_tokens")
+  per_token = ("tokens", "segment_ids", "positions", "seq", "gen_mask", "inf_logprobs")
+  per_seq = ("reward", "passed", "group", "first", "valid", "is_cap", "staleness", "traj_gen_tokens")
   out = {k: NamedSharding(mesh, P(rows_spec, seq_spec)) for k in per_token}
-  out |= {k: NamedSharding(mesh, P(rows_spec)) for k in per_row}
+  out |= {k: NamedSharding(mesh, P()) for k in per_seq}
   out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
   return out
 

@@ -83,9 +83,7 @@ class Trainer:
     _truncate_applied(self.applied_path, self.start)
     self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
                                                                        cfg.rollout.staleness_policy), state=qstate)
-    self.batch_cfg = rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget,
-                                          n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
-                                          top_k=cfg.model.num_experts_per_tok)
+    self.batch_cfg = setup.batch_config(cfg)
     self.batch_sh = rl_step.batch_shardings(mesh)
     self.step_fn = rl_step.make_rl_step(cfg.model, cfg.rl, optimizer, state_sh, self.batch_sh, params_sh)
 

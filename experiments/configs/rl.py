@@ -35,7 +35,7 @@ import ml_collections
 
 from experiments.configs import common
 from experiments.configs import model as model_configs
-from rollout import rewards
+from rollout import harness, rewards
 
 VARIANTS = ("colab", "colab_level1", "colab_pretrained", "recipe", "test")
 
@@ -108,7 +108,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
   c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test,
-                                          summaries_from_start=False))
+                                          summaries_from_start=False, drop_oldest=False))
   if recipe:
     _recipe(c)
   return c
@@ -121,7 +121,7 @@ RECIPE_LENGTH_K, RECIPE_LEVEL3_TOKENS, RECIPE_LEVEL3_COST = 0.01, 321, 0.1
 
 # The no-summary arm: the oldest turns are dropped instead. Segments are not the context budget (max_turns bounds
 # the episode); a segment of kept recent turns fills again sooner than one from a summary, so it may take more.
-DROP_OLDEST = {"overflow": "drop_oldest", "max_segments": 8}
+DROP_OLDEST = {"overflow": "drop_oldest", "max_segments": harness.DROP_OLDEST_MAX_SEGMENTS}
 
 
 def _length_weight(q: float) -> float:
@@ -193,14 +193,16 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   c.harness.rewards.update(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5,
                            todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
                            lint_weight=0.0, penalty_cap=0.5)
-  c.train.update(rows_per_step=48)
+  # Packed: the step's segments are laid end to end into 24 rows of 496 tokens (a level-1 episode fills ~1/3 of a
+  # row), half the unpacked rows for ~3 groups a step; a level-3-heavy step takes fewer groups.
+  c.train.update(rows_per_step=48, pack_rows=24)
   # 2048 all-correct demonstrations (3,177 segment transcripts), 1800 steps of 8 x 512 tokens, a whole segment per
   # row: the calibrated start (see above).
   c.sft.update(tasks=2048, steps=1800, demo_accuracy=1.0, seq_len=512, batch=8)
   # 200 held-out tasks per level (the mix is spread evenly): 500 per level would triple the evaluation time.
-  # eval.summaries_from_start=True on a finished run adds "RL acting with the SFT start's summaries" (a rerun resumes:
-  # only that evaluation runs).
-  c.eval.update(tasks=600, summaries_from_start=False)
+  # Do trained summaries help? RL is also evaluated with the SFT start's summaries and with none (oldest turns
+  # dropped), at the same budget; only level 3 summarises, so levels 1-2 of those rows equal RL's own.
+  c.eval.update(tasks=600, summaries_from_start=True, drop_oldest=True)
 
 
 def _recipe_sweep():
