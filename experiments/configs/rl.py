@@ -193,9 +193,11 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   c.harness.rewards.update(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5,
                            todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
                            lint_weight=0.0, penalty_cap=0.5)
-  # Packed: the step's segments are laid end to end into 24 rows of 496 tokens (a level-1 episode fills ~1/3 of a
-  # row), half the unpacked rows for ~3 groups a step; a level-3-heavy step takes fewer groups.
-  c.train.update(rows_per_step=48, pack_rows=24)
+  # Unpacked (train.pack_rows=0): packed into 24 rows (half the step's cost), a step held 1.7 groups instead of
+  # 2.7 (a level-3 group's 2-3 segments of 256-496 tokens rarely share a row), and from the near-miss start the
+  # training pass rate fell from 0.27 to 0.15 by step 50 with KL 0.22 and malformed calls x7: a smaller batch at the
+  # same learning rate. Packing that keeps the batch (pack_rows >= ~36) was not measured in a run.
+  c.train.update(rows_per_step=48)
   # 2048 all-correct demonstrations (3,177 segment transcripts), 1800 steps of 8 x 512 tokens, a whole segment per
   # row: the calibrated start (see above).
   c.sft.update(tasks=2048, steps=1800, demo_accuracy=1.0, seq_len=512, batch=8)
