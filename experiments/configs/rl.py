@@ -18,8 +18,8 @@ sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoi
 Variants: `colab` (default: level-1 tasks, read, edit, finish; ~15 min on 2 idle cores), `colab_level1` (the same
 as colab, kept by that name so its end-to-end time stays measurable), `recipe` (the report's RL recipe at Colab
 scale: procedural levels 1-3, self-summary chains, length penalty and behavioural terms on; `_recipe` says how its
-budget, weights and SFT start were chosen, and why it is not the default: ~55 min, and its RL did not beat its
-start in the measured run), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`,
+budget, weights and SFT start were chosen, and why it is not the default: ~50 min, and its RL did not beat its
+start in the measured runs), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`,
 and its tokenizer), `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
@@ -146,9 +146,11 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   would not fit the run's time on 2 cores; level 3 stays in the mix because it is the only level that needs a
   summary.
 
-  Not the default run: measured (experiments/results/README.md, seed 0, 200 held-out tasks per level) it takes ~55
-  min on 2 idle cores (the SFT start ~29: 8 x 512-token steps are attention-bound), and its 80 RL steps did not beat
-  the start on any level while the equal-wall-clock SFT control did.
+  Not the default run: measured (experiments/results/README.md, 200 held-out tasks per level) it takes ~50 min on 2
+  idle cores (the SFT start ~21-27: 8 x 512-token steps are attention-bound), and its 80 RL steps did not beat the
+  start on any level while the equal-wall-clock SFT control did; neither did 240 steps or KL beta 1e-2. From a start
+  taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1 (T=1) and nothing on
+  levels 2-3, where both starts are at or below ~20%.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
@@ -193,10 +195,10 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   c.harness.rewards.update(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5,
                            todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
                            lint_weight=0.0, penalty_cap=0.5)
-  # Unpacked (train.pack_rows=0): packed into 24 rows (half the step's cost), a step held 1.7 groups instead of
-  # 2.7 (a level-3 group's 2-3 segments of 256-496 tokens rarely share a row), and from the near-miss start the
-  # training pass rate fell from 0.27 to 0.15 by step 50 with KL 0.22 and malformed calls x7: a smaller batch at the
-  # same learning rate. Packing that keeps the batch (pack_rows >= ~36) was not measured in a run.
+  # Unpacked (train.pack_rows=0). Packed into 24 rows (half the step's rows), a step held 1.7 groups instead of 2.7:
+  # a level-3 group's 2-3 segments of 256-496 tokens rarely share a row. From the near-miss start RL's training pass
+  # rate then fell from 0.27 to 0.15 by step 50; unpacked it fell too, later (by steps 70-80). Packing that keeps
+  # the batch (pack_rows >= ~36) was not measured in a run.
   c.train.update(rows_per_step=48)
   # 2048 all-correct demonstrations (3,177 segment transcripts), 1800 steps of 8 x 512 tokens, a whole segment per
   # row: the calibrated start (see above).
@@ -214,6 +216,8 @@ def _recipe_sweep():
   first rows answer "does RL learn beyond copying" and "does greedy improve"); the others are one seed each.
   """
   return ([{"seed": s} for s in (0, 1)]                                              # the default comparison
+          + [{"train.steps": 240}]                                                   # 3x the RL steps
+          + [{"sft.demo_accuracy": 0.5}]               # a start that imitates near misses (as rl.py:colab's)
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
           + [{"harness.sampling.temperature": 0.7}]                                  # greedy: rollout temperature
           + [{**{f"harness.{k}": v for k, v in DROP_OLDEST.items()},   # summaries vs dropped oldest turns (the SFT
