@@ -93,13 +93,7 @@ def main():
   rl_cfg = rl_step.RLConfig(unreplayed_every=0)
   run = {"unpacked": rl_bench.rl_runner(cfg, params, unpacked, rl_cfg),
          "packed": rl_bench.rl_runner(cfg, params, packed, rl_cfg)}
-  times, loads = {k: [] for k in run}, []
-  for r in range(args.rounds):
-    loads.append(os.getloadavg()[0])
-    for k, f in run.items():
-      times[k].append(f(args.steps))
-    print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()) + f"  load {loads[-1]:.1f}")
-  med = {k: statistics.median(v) for k, v in times.items()}
+  med, loads = rl_bench.alternate(run, args.rounds, args.steps)
   lm_bench.report({"variant": args.variant, "groups": len(gs), "segments": int(unpacked["valid"].sum()), "tokens": real,
                    "unpacked_rows": int(unpacked["tokens"].shape[0]), "packed_rows": args.pack_rows,
                    "packed_fill": real / (args.pack_rows * args.length),

@@ -88,6 +88,18 @@ def rl_runner(cfg, params, batch, rl_cfg):
   return run
 
 
+def alternate(run: dict, rounds: int, steps: int) -> tuple[dict, list]:
+  """Runs each `run[name](steps)` (→ seconds per step) in turn for `rounds` rounds, printing each round with the
+  load average; returns (median seconds per name, the loads)."""
+  times, loads = {k: [] for k in run}, []
+  for r in range(rounds):
+    loads.append(os.getloadavg()[0])
+    for k, f in run.items():
+      times[k].append(f(steps))
+    print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()) + f"  load {loads[-1]:.1f}")
+  return {k: statistics.median(v) for k, v in times.items()}, loads
+
+
 def main():
   ap = lm_bench.step_args()
   ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per row (not trained on)")
@@ -102,13 +114,7 @@ def main():
   run = {"train_step": lm_bench.ours(cfg, params, lm)[0],
          "rl_step": rl_runner(cfg, params, batch, rl_step.RLConfig(unreplayed_every=0)),
          "rl_step_with_unreplayed": rl_runner(cfg, params, batch, rl_step.RLConfig(unreplayed_every=1))}
-  times, loads = {k: [] for k in run}, []
-  for r in range(args.rounds):
-    loads.append(os.getloadavg()[0])
-    for k, f in run.items():
-      times[k].append(f(args.steps))
-    print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()) + f"  load {loads[-1]:.1f}")
-  med = {k: statistics.median(v) for k, v in times.items()}
+  med, loads = alternate(run, args.rounds, args.steps)
   result = {"variant": args.variant, "batch": args.batch, "seq": args.seq, "prompt": args.prompt,
             "rounds": args.rounds, "steps_per_round": args.steps,
             "rl_step_vs_train_step": med["rl_step"] / med["train_step"],
