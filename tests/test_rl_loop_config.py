@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import types
 
 import numpy as np
 import pytest
@@ -270,7 +271,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
 
   def evaluate_policy(c, params, tok, tasks, envs, name, summarizer_params=None):
     calls.append((name, params, summarizer_params, c.harness.overflow, c.harness.max_segments,
-                  c.harness.context_budget))
+                  c.harness.context_budget, [t.id for t in tasks]))
     return {"T0": {"success": 0.5}}
 
   class Envs:
@@ -281,14 +282,29 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}})
   monkeypatch.setattr(experiment, "sft_control", lambda *a: "control")
   monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
-  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: ["task"])
+  tasks = [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)]
+  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: tasks)
   monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
   result = experiment.run_experiment(cfg, log_fn=lambda s: None)
-  budget = cfg.harness.context_budget
-  assert calls == [("sft", "start", None, "summarize", 4, budget), ("rl", "rl", None, "summarize", 4, budget),
-                   ("sft_control", "control", None, "summarize", 4, budget),
-                   ("rl_start_summaries", "rl", "start", "summarize", 4, budget),
-                   ("rl_drop_oldest", "rl", None, "drop_oldest", 8, budget)]
+  budget, every, level3 = cfg.harness.context_budget, ["L1", "L2", "L3"], ["L3"]   # only level 3 summarises
+  assert calls == [("sft", "start", None, "summarize", 4, budget, every),
+                   ("rl", "rl", None, "summarize", 4, budget, every),
+                   ("sft_control", "control", None, "summarize", 4, budget, every),
+                   ("rl_start_summaries", "rl", "start", "summarize", 4, budget, level3),
+                   ("rl_drop_oldest", "rl", None, "drop_oldest", 8, budget, level3)]
   saved = json.load(open(tmp_path / "results.json"))
   assert {"rl_start_summaries", "rl_drop_oldest"} <= set(saved) and saved["rl_drop_oldest"] == result["rl_drop_oldest"]
   assert {"eval_rl_start_summaries", "eval_rl_drop_oldest"} <= set(saved["phase_seconds"])
+  tasks[:] = tasks[:2]   # no held-out task of a summary level: an error before any summary row runs
+  calls.clear()
+  with pytest.raises(ValueError, match=r"eval.summary_levels=\(3,\) matches none of the 2 held-out tasks"):
+    experiment.run_experiment(cfg, log_fn=lambda s: None)
+  assert [c[0] for c in calls] == ["sft", "rl", "sft_control"]
+
+
+@pytest.mark.parametrize("kind, levels", [("procedural", (1, 2)), ("mined", (1, 2, 3))])
+def test_summary_levels_must_be_levels_of_the_task_source(kind, levels):
+  d = rl_configs.get_config("recipe")
+  d.tasks.update(kind=kind, levels=levels, repos=("/src/a",) if kind == "mined" else ())
+  with pytest.raises(ValueError, match="eval.summary_levels=.*does not have"):
+    configs.from_dict(RunConfig, d, workdir="/tmp/x")

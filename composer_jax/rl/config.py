@@ -137,12 +137,14 @@ class EvalConfig:
   """Held-out evaluation after RL: `tasks` tasks at each temperature; `control`: also an equal-time SFT control;
   `summaries_from_start`: also the RL policy with the SFT start writing its self-summaries; `drop_oldest`: also
   the RL policy without summaries, its oldest turns dropped (`HarnessConfig.without_summaries`). The last two
-  answer "do trained summaries help?" at the same context budget."""
+  answer "do trained summaries help?" at the same context budget, on the held-out tasks of `summary_levels` (the
+  procedural levels whose episodes need a summary; empty: every task)."""
   tasks: int = 500
   temperatures: tuple[float, ...] = (0.0, 1.0)
   control: bool = True
   summaries_from_start: bool = False
   drop_oldest: bool = False
+  summary_levels: tuple[int, ...] = ()
 
   def __post_init__(self):
     _positive(self, "tasks")
@@ -179,6 +181,11 @@ class RunConfig:
     if self.train.pack_rows > self.batch_rows:
       raise ValueError(f"train.pack_rows={self.train.pack_rows} packs a step's {self.batch_rows} segments into "
                        f"more rows than unpacked; set it <= {self.batch_rows} (or 0)")
+    if self.eval.summary_levels and (self.tasks.kind != "procedural"
+                                     or not set(self.eval.summary_levels) <= set(self.tasks.levels)):
+      raise ValueError(f"eval.summary_levels={self.eval.summary_levels} names procedural levels the task source "
+                       f"({self.tasks.kind!r}, levels {self.tasks.levels}) does not have; use a subset of "
+                       "tasks.levels, or () for every held-out task")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

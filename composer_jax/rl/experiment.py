@@ -4,7 +4,8 @@ Three policies are evaluated on the same held-out tasks, greedy and at T=1 (`eva
 CIs: the SFT start, the RL policy, and a control that spends RL's wall-clock on more SFT from the same start (so a
 gain is RL's, not more supervised training); with `eval.summaries_from_start`, also the RL policy acting with the
 SFT start's self-summaries, and with `eval.drop_oldest` the RL policy without summaries (oldest turns dropped): do
-RL's trained summaries help, at the same context budget?
+RL's trained summaries help, at the same context budget? Those two rows run on the tasks that need a summary
+(`eval.summary_levels`).
 """
 from __future__ import annotations
 
@@ -56,6 +57,18 @@ def without_summaries(cfg: RunConfig) -> RunConfig:
   return dataclasses.replace(cfg, harness=harness, train=dataclasses.replace(cfg.train, rows_per_step=rows))
 
 
+def summary_tasks(cfg: RunConfig, tasks: list) -> list:
+  """The held-out tasks of the summary rows: those of a level in `eval.summary_levels`, or all when it is empty."""
+  if not cfg.eval.summary_levels:
+    return tasks
+  chosen = [t for t in tasks if t.metadata.get("level") in cfg.eval.summary_levels]
+  if not chosen:
+    found = sorted({t.metadata.get("level") for t in tasks}, key=str)
+    raise ValueError(f"eval.summary_levels={cfg.eval.summary_levels} matches none of the {len(tasks)} held-out "
+                     f"tasks (their levels: {found})")
+  return chosen
+
+
 def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
   """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers."""
   t0 = time.perf_counter()
@@ -89,10 +102,11 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
       result["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs, "sft_control")
     if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
       result["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, out["params"], tok,
-                                           tasks, envs, "rl_start_summaries", summarizer_params=start)
+                                           summary_tasks(cfg, tasks), envs, "rl_start_summaries",
+                                           summarizer_params=start)
     if cfg.eval.drop_oldest:   # ... and against no summaries at all
       result["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_policy, without_summaries(cfg),
-                                       out["params"], tok, tasks, envs, "rl_drop_oldest")
+                                       out["params"], tok, summary_tasks(cfg, tasks), envs, "rl_drop_oldest")
   finally:
     envs.factory.close()
   phases["total"] = time.perf_counter() - t0
