@@ -92,3 +92,23 @@ def test_render_states_rl_gains_per_level(tmp_path):
   # T=1, by hand from _result(): L1 32/40 vs 16/40 (start) and 18/40 (control); L2 30/40 vs 2/40 and 0/40.
   assert ("RL at T=1, in points: level 1 +40.0 over the start, +35.0 over the control; "
           "level 2 +70.0 over the start, +75.0 over the control.") in md
+
+
+def test_summary_table_by_hand_on_the_summary_rows_levels(tmp_path):
+  """The summary rows are evaluated on level 2 only here: one row, RL's own level-2 figures beside them."""
+  r = _result()
+  level2 = lambda solved_t0, solved_t1, tokens: {   # noqa: E731
+      t: {"success": s / 40, "n": 40, "levels": {"2": _fig(s, 40, tokens)}}
+      for t, s in (("T0", solved_t0), ("T1", solved_t1))}
+  r["rl_start_summaries"] = level2(16, 12, 95)
+  r["rl_drop_oldest"] = level2(0, 0, None)
+  assert report.summary_table([("no summary rows", _result())]) == ""
+  table = report.summary_table([("plain", _result()), ("s0", r)]).splitlines()
+  assert len(table) == 3 and table[0].startswith("| run | level | n | own summaries |")
+  # RL level 2: greedy 20/40, T=1 30/40 with tokens 2 × 80; the start's summaries 16/40, 12/40; none 0/40.
+  assert table[2] == ("| s0 | level 2 | 40 | 50.0/75.0 | 40.0/30.0 | 0.0/0.0 | +10.0/+45.0 | +50.0/+75.0 "
+                      "| 160 / 95 |")
+  (tmp_path / "results.json").write_text(json.dumps(r))
+  report.render("r", [("s0", str(tmp_path))], str(tmp_path / "out"))   # the plot draws no bar for level 1
+  md = (tmp_path / "out" / "r.md").read_text()
+  assert "## Do trained summaries help?" in md and table[2] in md

@@ -102,6 +102,38 @@ def sweep_table(runs: Sequence[tuple[str, dict]], policy: str = "rl", temp: str 
   return "\n".join(lines)
 
 
+SUMMARY_ROWS = ("rl", "rl_start_summaries", "rl_drop_oldest")   # own summaries, the start's, none
+
+
+def summary_table(runs: Sequence[tuple[str, dict]]) -> str:
+  """"Do trained summaries help?": per run and level the summary rows were evaluated on, RL with its own summaries,
+  with the start's and with none (oldest turns dropped), greedy / T=1, the differences in points and RL's tokens
+  per solved task with its own and the start's summaries (T=1). '' when no run has a summary row."""
+  lines = []
+  for label, r in runs:
+    if not any(p in r for p in SUMMARY_ROWS[1:]):
+      continue
+    levels = sorted({lv for p in SUMMARY_ROWS[1:] for t in r.get(p, {}).values() for lv in t.get("levels", {})},
+                    key=int) or [None]
+    for lv in levels:
+      figs = {(p, t): _fig(r, p, t, lv) for p in SUMMARY_ROWS for t in TEMPERATURES}
+      rate = ["/".join("—" if figs[p, t] is None else f"{100 * figs[p, t]['success']:.1f}" for t in TEMPERATURES)
+              for p in SUMMARY_ROWS]
+      diff = ["/".join("—" if figs["rl", t] is None or figs[p, t] is None
+                       else f"{100 * (figs['rl', t]['success'] - figs[p, t]['success']):+.1f}" for t in TEMPERATURES)
+              for p in SUMMARY_ROWS[1:]]
+      tps = ["—" if not figs[p, "T1"] or figs[p, "T1"].get("tokens_per_solved") is None
+             else f"{figs[p, 'T1']['tokens_per_solved']:.0f}" for p in SUMMARY_ROWS[:2]]
+      n = {f["n"] for f in figs.values() if f}
+      lines.append(f"| {label} | {_tick(lv)} | {', '.join(map(str, sorted(n)))} | " + " | ".join(rate + diff)
+                   + f" | {' / '.join(tps)} |")
+  if not lines:
+    return ""
+  head = ("| run | level | n | own summaries | the start's summaries | no summary (oldest turns dropped) | "
+          "own − start's | own − none | tokens/solved, own / start's (T=1) |")
+  return "\n".join([head, "|---" * 9 + "|", *lines])
+
+
 def plot_levels(result: dict, out_png: str, title: str = "") -> None:
   """Solve rate per level for each policy, greedy and T=1, with the Wilson 95% CIs as error bars."""
   import matplotlib
@@ -112,9 +144,10 @@ def plot_levels(result: dict, out_png: str, title: str = "") -> None:
   fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(5 * len(TEMPERATURES), 3.5), squeeze=False)
   width = 0.8 / max(len(pols), 1)
   for ax, temp in zip(axes[0], TEMPERATURES, strict=True):
-    for i, p in enumerate(pols):
-      figs = [_fig(result, p, temp, lv) or {"success": 0, "ci_low": 0, "ci_high": 0} for lv in levels]
-      xs = [j + (i - (len(pols) - 1) / 2) * width for j in range(len(levels))]
+    for i, p in enumerate(pols):   # a bar where the policy was evaluated (the summary rows: their levels only)
+      measured = [(j, f) for j, lv in enumerate(levels) if (f := _fig(result, p, temp, lv))]
+      xs = [j + (i - (len(pols) - 1) / 2) * width for j, _ in measured]
+      figs = [f for _, f in measured]
       ys = [100 * f["success"] for f in figs]
       err = [[y - 100 * f["ci_low"] for y, f in zip(ys, figs, strict=True)],
              [100 * f["ci_high"] - y for y, f in zip(ys, figs, strict=True)]]
@@ -173,6 +206,9 @@ def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs
               "", f"![{label}]({png})", ""]
   if len(loaded) > 1:
     parts += ["## All runs (RL policy, T=1)", "", sweep_table(loaded), ""]
+  summaries = summary_table(loaded)
+  if summaries:
+    parts += ["## Do trained summaries help? (greedy / T=1, % solved; same context budget)", "", summaries, ""]
   chosen = [(label, r) for label, r in loaded if label in length_runs]
   if chosen:
     plot_tokens(chosen, os.path.join(out_dir, f"{name}_tokens.png"))
