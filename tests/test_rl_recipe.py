@@ -15,7 +15,7 @@ from composer_jax.rl import losses, warmstart
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout import chat_format as cf
-from rollout import harness
+from rollout import harness, rewards
 from rollout.engines import scripted
 from rollout.rewards import RewardConfig
 from rollout.tasks import procedural
@@ -74,6 +74,21 @@ def test_recipe_config_and_its_sweep_rows_build():
     k, x = rl_configs.RECIPE_LENGTH_K, rl_configs.RECIPE_LEVEL3_TOKENS
     c_x = x if q == 0 else (np.log1p(k * x) / k if q == 1 else ((1 + k * x) ** (1 - q) - 1) / (k * (1 - q)))
     assert rl_configs._length_weight(q) * c_x == pytest.approx(rl_configs.RECIPE_LEVEL3_COST)
+
+
+def test_the_default_run_has_the_length_penalty_and_behavioural_terms_on():
+  """`make run`'s rewards are the recipe's: C(x) at q = 0.5, the behavioural terms and the cap (by hand:
+  λ = 0.1 / C(321), C(x) = ((1 + 0.01 x)^0.5 - 1) / 0.005; a solved 87-token level-1 episode pays 0.035)."""
+  colab = configs.from_dict(RunConfig, rl_configs.get_config(), workdir="/tmp/x").harness.rewards
+  recipe = configs.from_dict(RunConfig, rl_configs.get_config("recipe"), workdir="/tmp/x").harness.rewards
+  assert colab == recipe and colab.penalty_cap == 0.5 and colab.todo_weight > 0 and colab.malformed_weight > 0
+  lam = 0.1 / ((4.21 ** 0.5 - 1) / 0.005)
+  assert colab.length_weight == pytest.approx(lam)
+  total, terms = rewards.compute_reward(1.0, rewards.EpisodeStats(output_tokens=87, finished=True,
+                                                                   final_message="Fixed."), colab)
+  assert terms["length"] == pytest.approx(-lam * (1.87 ** 0.5 - 1) / 0.005) and -terms["length"] == pytest.approx(
+      0.0349, abs=1e-4)
+  assert total == pytest.approx(1.0 + terms["length"])
 
 
 def test_level3_needs_a_summary_chain_levels_1_2_do_not(chains, recipe):

@@ -15,7 +15,8 @@ is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.
 sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoints, optim), rl
 (`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
 
-Variants: `colab` (default: level-1 tasks, read, edit, finish; ~15 min on 2 idle cores), `colab_level1` (the same
+Variants: `colab` (default: level-1 tasks, read, edit, finish; the length penalty C(x) and the behavioural terms
+on; ~15 min on 2 idle cores), `colab_level1` (the same
 as colab, kept by that name so its end-to-end time stays measurable), `recipe` (the report's RL recipe at Colab
 scale: procedural levels 1-3, self-summary chains, length penalty and behavioural terms on; `_recipe` says how its
 budget, weights and SFT start were chosen, and why it is not the default: ~50 min, and its RL did not beat its
@@ -76,10 +77,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       system_prompt="short", context_budget=budget, max_turn_tokens=turn, observation_reserve=64, max_turns=4,
       max_segments=1, summary_max_tokens=turn, seed=c.get_ref("seed"),
       sampling=dict(temperature=1.0), tools=dict(max_output_chars=300),
-      # length_weight: λ of the length penalty C(x) (x = generated tokens). The lint term runs ruff in every
-      # episode's sandbox (measured: doubles the per-episode sandbox cost, 240 → 510 ms at load 10) and a one-line
-      # procedural fix rarely changes lint findings; `lint_weight=0.02` turns it on.
-      rewards=dict(length_weight=0.0, length_q=0.5, lint_weight=0.0)))
+      # The length penalty C(x) (x = generated tokens) with the recipe's λ, k and q = 0.5 (`_recipe` derives them):
+      # a solved level-1 episode (87 generated tokens: measured, the same for the start, RL and the control) pays
+      # 0.035 and one at the 4-turn cap (4 x 48 = 192 tokens) 0.067, so between
+      # two successes in a group the shorter is preferred while success (1) stays the dominant term; the
+      # behavioural terms (open todo items, malformed calls, repeats, no final message) are on, and
+      # penalty_cap=0.5 floors their sum so a solved episode always outscores an unsolved one. The lint term runs
+      # ruff in every episode's sandbox (measured: doubles the per-episode sandbox cost, 240 → 510 ms at load 10)
+      # and a one-line procedural fix rarely changes lint findings; `lint_weight=0.02` turns it on.
+      rewards=dict(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5, todo_weight=0.05,
+                   malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05, lint_weight=0.0,
+                   penalty_cap=0.5)))
   # 300 steps left a start that could not copy (0% held-out; RL had nothing to learn from) while the same SFT run
   # longer reached 89%; 900 steps on half-wrong demonstrations give a start that solves 82% greedy / 45% at T=1
   # (500 held-out tasks): groups contain successes, and an SFT control can only imitate the errors.
@@ -192,9 +200,8 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   """
   c.harness.update(context_budget=496, max_turn_tokens=112, observation_reserve=128, max_turns=10, max_segments=4,
                    summary_max_tokens=56, summary_prompt="Summarize.")
-  c.harness.rewards.update(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5,
-                           todo_weight=0.05, malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05,
-                           lint_weight=0.0, penalty_cap=0.5)
+  # The rewards are get_config's (every run's): C(x) at q = 0.5 with λ from _length_weight, the behavioural terms,
+  # lint off, penalty_cap 0.5 (derived above).
   # Unpacked (train.pack_rows=0). Packed into 24 rows (half the step's rows), a step held 1.7 groups instead of 2.7:
   # a level-3 group's 2-3 segments of 256-496 tokens rarely share a row. From the near-miss start RL's training pass
   # rate then fell from 0.27 to 0.15 by step 50; unpacked it fell too, later (by steps 70-80). Packing that keeps
@@ -231,11 +238,13 @@ def _recipe_sweep():
 
 def get_sweep(arg: str | None = None):
   """Ablations of the variant `arg` names (default colab), each one command (`--config.<key>=<value>` per pair):
-  for `recipe` its measurement rows, for the others router replay, length penalty q, KL β, staleness, group size."""
+  for `recipe` its measurement rows, for the others router replay, length penalty (λ = 0, q), KL β, staleness,
+  group size."""
   if arg == "recipe":
     return _recipe_sweep()
   return ([{"rl.router_replay": r} for r in (True, False)]
-          + [{"harness.rewards.length_weight": 0.001, "harness.rewards.length_q": q} for q in (0.0, 0.5, 1.0)]
+          + [{"harness.rewards.length_weight": 0.0}]                   # λ = 0; the default is λ > 0 at q = 0.5
+          + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q} for q in (0.0, 1.0)]
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-3, 1e-2)]
           + [{"rollout.max_staleness": 0, "rollout.mode": "sync"}]
           + [{"rollout.max_staleness": s} for s in (2, 8)]
