@@ -1,4 +1,5 @@
 """RL run configuration errors, the Wilson interval, weight publishing and the rl_main config conversion."""
+import functools
 import json
 import math
 import os
@@ -101,7 +102,11 @@ def test_rl_main_config_converts_and_typos_fail():
 def test_every_sweep_entry_builds_a_valid_run_config(variant):
   base = configs.from_dict(RunConfig, rl_configs.get_config(variant), workdir="/tmp/x")
   assert rl_configs.get_sweep() == rl_configs.get_sweep("colab")   # the default variant's rows
+  flags = rl_configs.get_config(variant)   # what --config.<key>=<value> overrides: only keys it already has
   for overrides in rl_configs.get_sweep(variant):
+    for k in overrides:
+      *path, leaf = k.split(".")
+      assert leaf in functools.reduce(lambda node, p: node[p], path, flags), f"--config.{k} is not a key of {variant}"
     cfg = configs.replace(base, **overrides)          # the same dotted keys as --config.<key>=<value>
     for k, v in overrides.items():
       node = cfg

@@ -75,7 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   budget, turn = (384, 64) if pretrained else (320, 48)
   c.harness = ml_collections.ConfigDict(dict(
       system_prompt="short", context_budget=budget, max_turn_tokens=turn, observation_reserve=64, max_turns=4,
-      max_segments=1, summary_max_tokens=turn, seed=c.get_ref("seed"),
+      max_segments=1, summary_max_tokens=turn, overflow="summarize", seed=c.get_ref("seed"),
       sampling=dict(temperature=1.0), tools=dict(max_output_chars=300),
       # The length penalty C(x) (x = generated tokens) with the recipe's λ, k and q = 0.5 (`_recipe` derives them):
       # a solved level-1 episode (87 generated tokens: measured, the same for the start, RL and the control) pays
