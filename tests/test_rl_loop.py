@@ -44,6 +44,9 @@ def test_sync_loop_trains_on_fresh_groups_only(tmp_path):
             "trainer_idle_fraction", "importance_ratio_max"):
     assert k in m[-1]
   assert int(out["last"]["step"]) == 2 and (tmp_path / "reward.png").exists()
+  # The length penalty is on in every variant, so its term is plotted beside the others that fired.
+  assert all(r["reward/length"] < 0 for r in m) and "reward/length" in loop.penalty_terms(m)
+  assert (tmp_path / "reward_terms.png").exists()
 
 
 def _wait(pred, timeout, what):

@@ -290,7 +290,14 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   tasks = [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)]
   monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: tasks)
   monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  # the RL steps' metrics: a length term that was always on, a todo term that never fired, in quarters of 2 steps
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
+      {"step": s, "reward": 0.1 * s, "reward/task": 0.1 * s + 0.03, "reward/length": -0.03, "reward/todo": 0.0,
+       "pass_rate": 0.1 * s}) + "\n" for s in range(1, 9)))
   result = experiment.run_experiment(cfg, log_fn=lambda s: None)
+  want = {"reward": [0.15, 0.35, 0.55, 0.75], "reward/task": [0.18, 0.38, 0.58, 0.78], "reward/length": [-0.03] * 4}
+  assert set(result["reward_terms"]) == set(want)
+  assert all(result["reward_terms"][k] == pytest.approx(v) for k, v in want.items())
   budget, every, level3 = cfg.harness.context_budget, ["L1", "L2", "L3"], ["L3"]   # only level 3 summarises
   assert calls == [("sft", "start", None, "summarize", 4, budget, every),
                    ("rl", "rl", None, "summarize", 4, budget, every),

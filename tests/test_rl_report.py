@@ -112,3 +112,14 @@ def test_summary_table_by_hand_on_the_summary_rows_levels(tmp_path):
   report.render("r", [("s0", str(tmp_path))], str(tmp_path / "out"))   # the plot draws no bar for level 1
   md = (tmp_path / "out" / "r.md").read_text()
   assert "## Do trained summaries help?" in md and table[2] in md
+
+
+def test_terms_table_by_hand(tmp_path):
+  assert report.terms_table(_result()) == ""   # not recorded: no table
+  r = {**_result(), "reward_terms": {"reward": [0.3, 0.5], "reward/length": [-0.035, -0.0349]}}
+  assert report.terms_table(r).splitlines() == [
+      "| term (mean per episode) | steps, part 1/2 | steps, part 2/2 |", "|---|---|---|",
+      "| reward | +0.3000 | +0.5000 |", "| reward/length | -0.0350 | -0.0349 |"]
+  (tmp_path / "results.json").write_text(json.dumps(r))
+  report.render("r", [("s0", str(tmp_path))], str(tmp_path / "out"))
+  assert report.terms_table(r) in (tmp_path / "out" / "r.md").read_text()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from composer_jax.rl import evaluate, loop, publishers, setup, warmstart
 from composer_jax.rl.config import RunConfig
 from composer_jax.sampling.engine import JaxEngine
+from composer_jax.train import metrics as metrics_lib
 from rollout import chat_format
 from rollout.engines import split
 
@@ -69,6 +70,16 @@ def summary_tasks(cfg: RunConfig, tasks: list) -> list:
   return chosen
 
 
+def reward_terms(workdir: str) -> dict[str, list[float]]:
+  """The reward, its task term and each penalty term that was ever nonzero, as means over each quarter of the RL
+  steps (workdir/metrics.jsonl): is any term rising while the task term does not?"""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return {}
+  rows = metrics_lib.read_metrics(path)
+  return metrics_lib.part_means(rows, ["reward", "reward/task", *loop.penalty_terms(rows)])
+
+
 def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
   """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers."""
   t0 = time.perf_counter()
@@ -111,6 +122,7 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     envs.factory.close()
   phases["total"] = time.perf_counter() - t0
   result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, eval_tasks=len(tasks), phase_seconds=phases,
+                reward_terms=reward_terms(cfg.workdir),
                 last={k: v for k, v in out["last"].items() if isinstance(v, float)})
   with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
     json.dump(result, f, indent=2)

@@ -89,13 +89,24 @@ def _export_final(cfg: RunConfig, trainer: Trainer) -> None:
     publish.publish(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
 
 
+def penalty_terms(rows: list[dict]) -> list[str]:
+  """The reward's penalty terms (`reward/<term>` but the task's 0/1) that were nonzero at some step."""
+  keys = sorted({k for row in rows for k in row if k.startswith("reward/") and k != "reward/task"})
+  return [k for k in keys if any(v for _, v in metrics_lib.measured_points(rows, k))]
+
+
 def _plot(workdir: str) -> None:
-  """workdir/reward.png: reward and pass rate per step, and the pass rate per level of a procedural mix."""
+  """workdir/reward.png: reward and pass rate per step, and the pass rate per level of a procedural mix;
+  workdir/reward_terms.png: each penalty term of the reward per step (its 10-step mean)."""
   path = os.path.join(workdir, "metrics.jsonl")
   try:
-    levels = sorted({k for row in metrics_lib.read_metrics(path) for k in row if k.startswith("pass/level_")})
+    rows = metrics_lib.read_metrics(path)
+    levels = sorted({k for row in rows for k in row if k.startswith("pass/level_")})
     metrics_lib.plot_metrics(path, os.path.join(workdir, "reward.png"), ("reward", "pass_rate", *levels),
                              title="RL reward and pass rate per step", smooth=10)
+    if penalty_terms(rows):
+      metrics_lib.plot_lines(path, os.path.join(workdir, "reward_terms.png"), tuple(penalty_terms(rows)),
+                             title="reward terms per step (10-step mean)", ylabel="mean over the step's episodes")
   except Exception as e:  # noqa: BLE001 - a missing matplotlib must not fail a finished run
     print(f"(no reward plot: {e})")
 

@@ -134,6 +134,19 @@ def summary_table(runs: Sequence[tuple[str, dict]]) -> str:
   return "\n".join([head, "|---" * 9 + "|", *lines])
 
 
+def terms_table(result: dict) -> str:
+  """The reward and its terms over training (results.json `reward_terms`: means over each quarter of the RL
+  steps); '' when the run did not record them."""
+  terms = result.get("reward_terms") or {}
+  if not terms:
+    return ""
+  parts = len(next(iter(terms.values())))
+  lines = ["| term (mean per episode) | " + " | ".join(f"steps, part {i + 1}/{parts}" for i in range(parts)) + " |",
+           "|---" * (parts + 1) + "|"]
+  lines += [f"| {k} | " + " | ".join(f"{v:+.4f}" for v in vals) + " |" for k, vals in terms.items()]
+  return "\n".join(lines)
+
+
 def plot_levels(result: dict, out_png: str, title: str = "") -> None:
   """Solve rate per level for each policy, greedy and T=1, with the Wilson 95% CIs as error bars."""
   import matplotlib
@@ -204,6 +217,8 @@ def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs
                      for lv, g in gains(r).items()) or "not measured"
     parts += [f"## {label}", "", policy_table(r), "", f"RL at T=1, in points: {gain}.", "", f"Phases: {timing}.",
               "", f"![{label}]({png})", ""]
+    if terms_table(r):
+      parts += ["The reward's terms over training:", "", terms_table(r), ""]
   if len(loaded) > 1:
     parts += ["## All runs (RL policy, T=1)", "", sweep_table(loaded), ""]
   summaries = summary_table(loaded)

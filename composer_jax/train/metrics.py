@@ -61,6 +61,44 @@ def measured_points(rows: list[dict], key: str) -> list[tuple[int, float]]:
           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
 
 
+def part_means(rows: list[dict], keys, parts: int = 4) -> dict[str, list[float]]:
+  """Per key, its mean over each of `parts` consecutive equal shares of the rows that measured it (the last share
+  takes the remainder): how a per-step metric moved over training. Keys measured in fewer than `parts` rows are
+  left out."""
+  out = {}
+  for key in keys:
+    vals = [v for _, v in measured_points(rows, key)]
+    if len(vals) < parts:
+      continue
+    size = len(vals) // parts
+    out[key] = [float(np.mean(vals[i * size:(i + 1) * size if i < parts - 1 else len(vals)])) for i in range(parts)]
+  return out
+
+
+def plot_lines(path: str, out_png: str, keys: tuple[str, ...], *, title: str = "", ylabel: str = "",
+               smooth: int = 10) -> None:
+  """Each key of the JSONL file against step on one panel, as its trailing `smooth`-step mean."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = read_metrics(path)
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  for key in keys:
+    pts = measured_points(rows, key)
+    if pts:
+      steps, vals = zip(*pts)
+      ax.plot(steps, moving_average(vals, max(smooth, 1)), label=key)
+  ax.set_xlabel("step")
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="best", fontsize="small")
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+
+
 def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str = "", smooth: int = 0) -> None:
   """Plots each key of the JSONL file against step (one panel per key) into a PNG; with `smooth` > 1 the raw
   values are drawn faintly under their trailing `smooth`-step mean (noisy per-step RL metrics)."""
