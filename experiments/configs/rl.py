@@ -156,7 +156,8 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
 
   Not the default run: measured (experiments/results/README.md, 200 held-out tasks per level) it takes ~50 min on 2
   idle cores (the SFT start ~21-27: 8 x 512-token steps are attention-bound), and its 80 RL steps did not beat the
-  start on any level while the equal-wall-clock SFT control did; neither did 240 steps or KL beta 1e-2. From a start
+  start on any level while the equal-wall-clock SFT control did (seeds 0 and 1); neither did 240 steps or KL beta
+  1e-2. From a start
   taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1 (T=1) and nothing on
   levels 2-3, where both starts are at or below ~20%.
 
