@@ -111,13 +111,14 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     if cfg.eval.control and cfg.sft.steps:
       ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
       result["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs, "sft_control")
+    if cfg.eval.summaries_from_start or cfg.eval.drop_oldest:
+      needs_summary = summary_tasks(cfg, tasks)
     if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
       result["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, out["params"], tok,
-                                           summary_tasks(cfg, tasks), envs, "rl_start_summaries",
-                                           summarizer_params=start)
+                                           needs_summary, envs, "rl_start_summaries", summarizer_params=start)
     if cfg.eval.drop_oldest:   # ... and against no summaries at all
       result["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_policy, without_summaries(cfg),
-                                       out["params"], tok, summary_tasks(cfg, tasks), envs, "rl_drop_oldest")
+                                       out["params"], tok, needs_summary, envs, "rl_drop_oldest")
   finally:
     envs.factory.close()
   phases["total"] = time.perf_counter() - t0

@@ -104,8 +104,9 @@ def _plot(workdir: str) -> None:
     levels = sorted({k for row in rows for k in row if k.startswith("pass/level_")})
     metrics_lib.plot_metrics(path, os.path.join(workdir, "reward.png"), ("reward", "pass_rate", *levels),
                              title="RL reward and pass rate per step", smooth=10)
-    if penalty_terms(rows):
-      metrics_lib.plot_lines(path, os.path.join(workdir, "reward_terms.png"), tuple(penalty_terms(rows)),
+    terms = penalty_terms(rows)
+    if terms:
+      metrics_lib.plot_lines(path, os.path.join(workdir, "reward_terms.png"), tuple(terms),
                              title="reward terms per step (10-step mean)", ylabel="mean over the step's episodes")
   except Exception as e:  # noqa: BLE001 - a missing matplotlib must not fail a finished run
     print(f"(no reward plot: {e})")

@@ -36,9 +36,9 @@ def cell(fig: dict | None) -> str:
   return f"{100 * fig['success']:.1f}% [{100 * fig['ci_low']:.1f}, {100 * fig['ci_high']:.1f}]"
 
 
-def levels_of(result: dict) -> list[str]:
-  """The procedural levels a run was evaluated on ([] for a source without levels)."""
-  found = {lv for p in POLICIES if p in result for t in result[p].values() for lv in t.get("levels", {})}
+def levels_of(result: dict, policies: Sequence[str] = tuple(POLICIES)) -> list[str]:
+  """The procedural levels a run evaluated `policies` on ([] for a source without levels)."""
+  found = {lv for p in policies if p in result for t in result[p].values() for lv in t.get("levels", {})}
   return sorted(found, key=int)
 
 
@@ -113,9 +113,7 @@ def summary_table(runs: Sequence[tuple[str, dict]]) -> str:
   for label, r in runs:
     if not any(p in r for p in SUMMARY_ROWS[1:]):
       continue
-    levels = sorted({lv for p in SUMMARY_ROWS[1:] for t in r.get(p, {}).values() for lv in t.get("levels", {})},
-                    key=int) or [None]
-    for lv in levels:
+    for lv in levels_of(r, SUMMARY_ROWS[1:]) or [None]:
       figs = {(p, t): _fig(r, p, t, lv) for p in SUMMARY_ROWS for t in TEMPERATURES}
       rate = ["/".join("—" if figs[p, t] is None else f"{100 * figs[p, t]['success']:.1f}" for t in TEMPERATURES)
               for p in SUMMARY_ROWS]
