@@ -314,6 +314,38 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   assert [c[0] for c in calls] == ["sft", "rl", "sft_control"]
 
 
+def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_path, monkeypatch):
+  """eval.start_only (calibration before a long run): the start is evaluated on every held-out task, no RL step,
+  no control and no summary row runs, and results.json says so."""
+  from composer_jax.rl import experiment
+  d = rl_configs.get_config("recipe")
+  d.eval.start_only = True
+  cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
+  (tmp_path / "sft").mkdir()
+  calls = []
+
+  class Envs:
+    class factory:
+      close = staticmethod(lambda: calls.append("closed"))
+  monkeypatch.setattr(experiment, "evaluate_policy",
+                      lambda c, params, tok, tasks, envs, name, **k: calls.append((name, params, len(tasks))) or
+                      {"T1": {"success": 0.25}})
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: pytest.fail("RL ran in a start-only run"))
+  monkeypatch.setattr(experiment, "sft_control", lambda *a: pytest.fail("the control ran in a start-only run"))
+  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
+  monkeypatch.setattr(experiment.setup, "heldout_tasks",
+                      lambda c: [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)])
+  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  result = experiment.run_experiment(cfg, log_fn=lambda s: None)
+  assert calls == [("sft", "start", 3), "closed"]
+  saved = json.load(open(tmp_path / "results.json"))
+  assert saved == result and saved["sft"] == {"T1": {"success": 0.25}} and saved["start_only"] is True
+  assert (saved["sft_steps"], saved["sft_tasks"], saved["eval_tasks"]) == (cfg.sft.steps, cfg.sft.tasks, 3)
+  assert not {"rl", "sft_control", "rl_start_summaries", "rl_drop_oldest", "reward_terms"} & set(saved)
+  assert set(saved["phase_seconds"]) == {"sft_start", "eval_sft", "total"}
+
+
 @pytest.mark.parametrize("kind, levels", [("procedural", (1, 2)), ("mined", (1, 2, 3))])
 def test_summary_levels_must_be_levels_of_the_task_source(kind, levels):
   d = rl_configs.get_config("recipe")

@@ -138,13 +138,15 @@ class EvalConfig:
   `summaries_from_start`: also the RL policy with the SFT start writing its self-summaries; `drop_oldest`: also
   the RL policy without summaries, its oldest turns dropped (`HarnessConfig.without_summaries`). The last two
   answer "do trained summaries help?" at the same context budget, on the held-out tasks of `summary_levels` (the
-  procedural levels whose episodes need a summary; empty: every task)."""
+  procedural levels whose episodes need a summary; empty: every task). `start_only`: calibrate the start before
+  a long run: the warm start and its evaluation only (no RL, no control)."""
   tasks: int = 500
   temperatures: tuple[float, ...] = (0.0, 1.0)
   control: bool = True
   summaries_from_start: bool = False
   drop_oldest: bool = False
   summary_levels: tuple[int, ...] = ()
+  start_only: bool = False
 
   def __post_init__(self):
     _positive(self, "tasks")

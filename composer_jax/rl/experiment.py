@@ -5,7 +5,8 @@ CIs: the SFT start, the RL policy, and a control that spends RL's wall-clock on 
 gain is RL's, not more supervised training); with `eval.summaries_from_start`, also the RL policy acting with the
 SFT start's self-summaries, and with `eval.drop_oldest` the RL policy without summaries (oldest turns dropped): do
 RL's trained summaries help, at the same context budget? Those two rows run on the tasks that need a summary
-(`eval.summary_levels`).
+(`eval.summary_levels`). `eval.start_only` calibrates a start before a long run: the warm start and its evaluation,
+nothing else (does each level reach the ~20% at T=1 that a group of 8 needs to hold a success?).
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def reward_terms(workdir: str) -> dict[str, list[float]]:
 
 
 def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
-  """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers."""
+  """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers.
+  With `eval.start_only`, the warm start and its evaluation only."""
   t0 = time.perf_counter()
   start = warmstart.warm_start(cfg, log_fn)
   t_sft = time.perf_counter() - t0
@@ -89,16 +91,18 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   if not os.path.exists(sft_rate) and cfg.sft.steps:
     with open(sft_rate, "w") as f:
       json.dump({"seconds_per_step": t_sft / max(cfg.sft.steps, 1)}, f)
-  t1 = time.perf_counter()
-  out = loop.train_rl(cfg, log_fn)
-  rl_seconds = time.perf_counter() - t1
+  phases = {"sft_start": t_sft}   # wall-clock seconds of each phase (a resumed one: its rest)
+  out = None
+  if not cfg.eval.start_only:
+    t1 = time.perf_counter()
+    out = loop.train_rl(cfg, log_fn)
+    phases["rl"] = time.perf_counter() - t1
   tok = setup.load_tokenizer(cfg)
   tasks = setup.heldout_tasks(cfg)
   if not tasks:
     raise ValueError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on (raise "
                      "tasks.heldout_percent or use a bigger set)")
   envs = setup.make_envs(cfg)
-  phases = {"sft_start": t_sft, "rl": rl_seconds}   # wall-clock seconds of each phase (a resumed one: its rest)
 
   def timed(name, fn, *args, **kwargs):
     t = time.perf_counter()
@@ -106,25 +110,36 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     phases[name] = time.perf_counter() - t
     return value
   try:
-    result = {"sft": timed("eval_sft", evaluate_policy, cfg, start, tok, tasks, envs, "sft"),
-              "rl": timed("eval_rl", evaluate_policy, cfg, out["params"], tok, tasks, envs, "rl")}
-    if cfg.eval.control and cfg.sft.steps:
-      ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
-      result["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs, "sft_control")
-    if cfg.eval.summaries_from_start or cfg.eval.drop_oldest:
-      needs_summary = summary_tasks(cfg, tasks)
-    if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
-      result["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, out["params"], tok,
-                                           needs_summary, envs, "rl_start_summaries", summarizer_params=start)
-    if cfg.eval.drop_oldest:   # ... and against no summaries at all
-      result["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_policy, without_summaries(cfg),
-                                       out["params"], tok, needs_summary, envs, "rl_drop_oldest")
+    result = {"sft": timed("eval_sft", evaluate_policy, cfg, start, tok, tasks, envs, "sft")}
+    if out is not None:
+      result.update(_trained_rows(cfg, start, out["params"], phases["rl"], tok, tasks, envs, timed, log_fn))
   finally:
     envs.factory.close()
   phases["total"] = time.perf_counter() - t0
-  result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, eval_tasks=len(tasks), phase_seconds=phases,
-                reward_terms=reward_terms(cfg.workdir),
-                last={k: v for k, v in out["last"].items() if isinstance(v, float)})
+  result.update(eval_tasks=len(tasks), phase_seconds=phases)
+  if out is None:
+    result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks)
+  else:
+    result.update(rl_seconds=phases["rl"], rl_steps=cfg.train.steps, reward_terms=reward_terms(cfg.workdir),
+                  last={k: v for k, v in out["last"].items() if isinstance(v, float)})
   with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
     json.dump(result, f, indent=2)
   return result
+
+
+def _trained_rows(cfg: RunConfig, start, params, rl_seconds: float, tok, tasks, envs, timed, log_fn) -> dict:
+  """The RL policy's rows, the equal-time SFT control and the summary rows (`timed(name, fn, ...)` records each
+  phase's wall-clock)."""
+  rows = {"rl": timed("eval_rl", evaluate_policy, cfg, params, tok, tasks, envs, "rl")}
+  if cfg.eval.control and cfg.sft.steps:
+    ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
+    rows["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs, "sft_control")
+  if cfg.eval.summaries_from_start or cfg.eval.drop_oldest:
+    needs_summary = summary_tasks(cfg, tasks)
+  if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
+    rows["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, params, tok, needs_summary,
+                                       envs, "rl_start_summaries", summarizer_params=start)
+  if cfg.eval.drop_oldest:   # ... and against no summaries at all
+    rows["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_policy, without_summaries(cfg), params, tok,
+                                   needs_summary, envs, "rl_drop_oldest")
+  return rows

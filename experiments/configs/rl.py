@@ -28,6 +28,8 @@ test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedu
 `levels=1+2+3`, `tasks=mined,repos=/src/a:/src/b`, `tasks=swe,jsonl=x.jsonl,repos_dir=/src`,
 `tasks=file,set_file=sets/x_v1.json` (held-out tasks are the source's 'heldout' side); any field:
 `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
+Calibrating a start before a long run: `--config.eval.start_only=True` runs the warm start and evaluates it on the
+held-out tasks (per level), nothing else; its results.json has only the `sft` row.
 Ablations: `get_sweep()`: router replay, length penalty q, KL β, max_staleness, samples per prompt;
 `get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, summaries vs dropped oldest turns,
 λ = 0 vs λ > 0 at q = 0, 0.5, 1).
@@ -116,7 +118,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
   c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test,
-                                          summaries_from_start=False, drop_oldest=False, summary_levels=()))
+                                          summaries_from_start=False, drop_oldest=False, summary_levels=(),
+                                          start_only=False))
   if recipe:
     _recipe(c)
   return c
