@@ -123,3 +123,27 @@ def test_terms_table_by_hand(tmp_path):
   (tmp_path / "results.json").write_text(json.dumps(r))
   report.render("r", [("s0", str(tmp_path))], str(tmp_path / "out"))
   assert report.terms_table(r) in (tmp_path / "out" / "r.md").read_text()
+
+
+def test_start_table_and_a_calibration_render_by_hand(tmp_path):
+  """eval.start_only runs: only the SFT start's row; the report tables the starts (greedy / T=1 per level, SFT
+  cost) and claims no RL gain for them."""
+  full = _result()
+  start = {"sft": full["sft"], "start_only": True, "sft_steps": 900, "sft_tasks": 1024,
+           "phase_seconds": {"sft_start": 300.0, "eval_sft": 60.0, "total": 360.0}}
+  table = report.start_table([("cal", start), ("run", full)]).splitlines()
+  assert table[0] == "| run | SFT tasks | SFT steps | SFT min | L1 greedy / T=1 | L2 greedy / T=1 |"
+  # the start: L1 20/40 greedy, 16/40 at T=1; L2 4/40 and 2/40; SFT 300 s
+  assert table[2] == "| cal | 1024 | 900 | 5.0 | 50.0/40.0 | 10.0/5.0 |"
+  assert table[3] == "| run | — | — | 2.0 | 50.0/40.0 | 10.0/5.0 |"
+  for name, r in (("cal", start), ("full", full)):
+    (tmp_path / f"{name}.json").write_text(json.dumps(r))
+  report.render("c", [("cal", str(tmp_path / "cal.json")), ("full", str(tmp_path / "full.json"))],
+                str(tmp_path / "out"))
+  md = (tmp_path / "out" / "c.md").read_text()
+  cal = md.split("## cal", 1)[1].split("## full", 1)[0]
+  assert "The start only (`eval.start_only`)." in cal and "RL at T=1" not in cal
+  assert "RL at T=1, in points: level 1 +40.0" in md.split("## full", 1)[1]
+  assert "## SFT starts (greedy / T=1, % solved)" in md
+  assert report.start_table([("cal", start), ("full", full)]) in md
+  assert "## All runs (RL policy, T=1)" not in md   # one trained run: nothing to compare

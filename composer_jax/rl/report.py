@@ -102,6 +102,21 @@ def sweep_table(runs: Sequence[tuple[str, dict]], policy: str = "rl", temp: str 
   return "\n".join(lines)
 
 
+def start_table(runs: Sequence[tuple[str, dict]]) -> str:
+  """Calibration (`eval.start_only` runs, or any run's start): per run the SFT start's solve rate per level, greedy
+  / T=1, with its SFT steps and wall-clock; does each level reach the ~20% at T=1 a group of 8 needs?"""
+  levels = _levels_of_runs(runs)
+  head = ["SFT tasks", "SFT steps", "SFT min"] + [f"{_prefix(lv)}greedy / T=1" for lv in levels]
+  lines = ["| run | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+  for label, r in runs:
+    rates = ["/".join("—" if (f := _fig(r, "sft", t, lv)) is None else f"{100 * f['success']:.1f}"
+                      for t in TEMPERATURES) for lv in levels]
+    sft_s = r.get("phase_seconds", {}).get("sft_start")
+    lines.append(f"| {label} | {r.get('sft_tasks', '—')} | {r.get('sft_steps', '—')} | "
+                 f"{'—' if sft_s is None else f'{sft_s / 60:.1f}'} | " + " | ".join(rates) + " |")
+  return "\n".join(lines)
+
+
 SUMMARY_ROWS = ("rl", "rl_start_summaries", "rl_drop_oldest")   # own summaries, the start's, none
 
 
@@ -213,12 +228,15 @@ def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs
     gain = "; ".join(f"{_tick(lv)} {g['over_start']:+.1f} over the start"
                      + (f", {g['over_control']:+.1f} over the control" if "over_control" in g else "")
                      for lv, g in gains(r).items()) or "not measured"
-    parts += [f"## {label}", "", policy_table(r), "", f"RL at T=1, in points: {gain}.", "", f"Phases: {timing}.",
-              "", f"![{label}]({png})", ""]
+    said = [f"RL at T=1, in points: {gain}.", ""] if "rl" in r else ["The start only (`eval.start_only`).", ""]
+    parts += [f"## {label}", "", policy_table(r), "", *said, f"Phases: {timing}.", "", f"![{label}]({png})", ""]
     if terms_table(r):
       parts += ["The reward's terms over training:", "", terms_table(r), ""]
-  if len(loaded) > 1:
-    parts += ["## All runs (RL policy, T=1)", "", sweep_table(loaded), ""]
+  trained = [(label, r) for label, r in loaded if "rl" in r]
+  if len(trained) > 1:
+    parts += ["## All runs (RL policy, T=1)", "", sweep_table(trained), ""]
+  if len(trained) < len(loaded):
+    parts += ["## SFT starts (greedy / T=1, % solved)", "", start_table(loaded), ""]
   summaries = summary_table(loaded)
   if summaries:
     parts += ["## Do trained summaries help? (greedy / T=1, % solved; same context budget)", "", summaries, ""]
