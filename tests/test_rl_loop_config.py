@@ -266,6 +266,56 @@ def test_the_sft_control_reuses_the_warm_starts_transcripts(tmp_path, monkeypatc
   assert seen["args"][2:4] == ([[{"role": "user", "content": "saved"}]], dev)
 
 
+def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_path, monkeypatch):
+  """sft.curriculum_levels: stage 1 (workdir/sft_curriculum) trains curriculum_steps on those levels' demonstrations
+  only; the warm start continues from its params on every level's, with the oracle run once per task."""
+  d = rl_configs.get_config("colab")
+  d.tasks.levels, d.sft.demo_accuracy = (1, 2), 1.0
+  d.sft.update(curriculum_levels=(1,), curriculum_steps=7, steps=5)
+  cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
+  pool = [types.SimpleNamespace(id=f"t{i}", metadata={"level": 1 + i % 2}) for i in range(6)]
+  dev = [types.SimpleNamespace(id=f"d{i}", metadata={"level": 1 + i % 2}) for i in range(4)]
+  oracle, trained = [], []
+
+  class Envs:
+    class factory:
+      close = staticmethod(lambda: None)
+
+  def run_sft(model_cfg, tok, train, heldout, workdir, *, steps, init_params, **kw):
+    os.makedirs(workdir, exist_ok=True)
+    warmstart.write_jsonl(os.path.join(workdir, "sft_train.jsonl"), train)
+    warmstart.write_jsonl(os.path.join(workdir, "sft_eval.jsonl"), heldout)
+    trained.append((os.path.basename(workdir), steps, init_params, [m[0]["content"] for m in train],
+                    [m[0]["content"] for m in heldout]))
+    return f"params of {os.path.basename(workdir)}", {}
+  monkeypatch.setattr(warmstart, "_tokenizer", lambda c: None)
+  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
+  monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, n=None: dev)
+  monkeypatch.setattr(warmstart.setup, "make_envs", lambda c: Envs)
+  monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, envs, h: oracle.extend(t.id for t in tasks)
+                      or [[{"role": "user", "content": t.id}] for t in tasks])
+  monkeypatch.setattr(warmstart, "run_sft", run_sft)
+  assert warmstart.warm_start(cfg, log_fn=lambda s: None) == "params of sft"
+  level1, level2 = ["t0", "t2", "t4"], ["t1", "t3", "t5"]
+  assert trained == [("sft_curriculum", 7, None, level1, ["d0", "d2"]),
+                     ("sft", 5, "params of sft_curriculum", level1 + level2, ["d0", "d2", "d1", "d3"])]
+  assert sorted(oracle) == sorted(t.id for t in pool + dev)   # each demonstration made once
+
+
+@pytest.mark.parametrize("sft, levels, match", [
+    ({"curriculum_levels": (1,)}, (1, 2), "needs both"),
+    ({"curriculum_steps": 9}, (1, 2), "needs both"),
+    ({"curriculum_levels": (1, 2), "curriculum_steps": 9}, (1, 2), "some, not all"),
+    ({"curriculum_levels": (3,), "curriculum_steps": 9}, (1, 2), "some, not all"),
+])
+def test_a_curriculum_must_be_some_of_the_levels_with_steps(sft, levels, match):
+  d = rl_configs.get_config("colab")
+  d.tasks.levels = levels
+  d.sft.update(sft)
+  with pytest.raises(ValueError, match=match):
+    configs.from_dict(RunConfig, d, workdir="/tmp/x")
+
+
 def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, monkeypatch):
   """eval.summaries_from_start and eval.drop_oldest: RL is evaluated also with the start writing its summaries
   and with no summaries (oldest turns dropped), on the same tasks and context budget; results.json has each row."""

@@ -45,6 +45,8 @@ class SFTConfig:
   learning_rate: float = 3e-3
   demo_accuracy: float = 1.0        # share of SFT demonstrations with the right fix; the rest are near misses
   init_checkpoint: str = ""         # a finished pretraining/SFT stage: SFT (or with steps=0, RL) starts there
+  curriculum_levels: tuple[int, ...] = ()   # a curriculum: first `curriculum_steps` steps on these procedural
+  curriculum_steps: int = 0                 # levels' demonstrations only, then `steps` on every level's
 
   def __post_init__(self):
     _positive(self, "batch", "seq_len")
@@ -52,6 +54,9 @@ class SFTConfig:
       raise ValueError(f"sft.demo_accuracy must be in (0, 1], got {self.demo_accuracy}")
     if self.steps < 0 or (self.steps == 0 and not self.init_checkpoint):
       raise ValueError(f"sft.steps={self.steps}: RL needs a start — SFT steps >= 1, or 0 with an init_checkpoint")
+    if bool(self.curriculum_levels) != (self.curriculum_steps > 0) or self.curriculum_steps < 0:
+      raise ValueError(f"a curriculum needs both sft.curriculum_levels and sft.curriculum_steps >= 1 (or neither), "
+                       f"got {self.curriculum_levels} and {self.curriculum_steps}")
 
 
 def _rl_optimizer() -> OptimConfig:
@@ -188,6 +193,11 @@ class RunConfig:
       raise ValueError(f"eval.summary_levels={self.eval.summary_levels} names procedural levels the task source "
                        f"({self.tasks.kind!r}, levels {self.tasks.levels}) does not have; use a subset of "
                        "tasks.levels, or () for every held-out task")
+    if self.sft.curriculum_levels and (self.tasks.kind != "procedural" or self.sft.steps == 0
+                                       or not set(self.sft.curriculum_levels) < set(self.tasks.levels)):
+      raise ValueError(f"sft.curriculum_levels={self.sft.curriculum_levels} must be some, not all, of the procedural "
+                       f"levels the SFT then continues on (tasks: {self.tasks.kind!r}, levels {self.tasks.levels}; "
+                       f"sft.steps={self.sft.steps})")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

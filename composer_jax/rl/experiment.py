@@ -90,7 +90,7 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   sft_rate = os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")
   if not os.path.exists(sft_rate) and cfg.sft.steps:
     with open(sft_rate, "w") as f:
-      json.dump({"seconds_per_step": t_sft / max(cfg.sft.steps, 1)}, f)
+      json.dump({"seconds_per_step": t_sft / (cfg.sft.steps + cfg.sft.curriculum_steps)}, f)
   phases = {"sft_start": t_sft}   # wall-clock seconds of each phase (a resumed one: its rest)
   out = None
   if not cfg.eval.start_only:

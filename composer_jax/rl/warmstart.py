@@ -111,16 +111,18 @@ def sft_tasks(cfg: RunConfig, pool: list) -> list:
           for t in pool[-cfg.sft.tasks:]]
 
 
-def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
-  """Demonstration transcripts for SFT (`sft_tasks`) and up to 32 held-out dev transcripts (right fixes).
+def sft_transcripts(cfg: RunConfig, tok, pool: list, levels: Sequence[int] | None = None) -> tuple[list, list]:
+  """Demonstration transcripts for SFT (`sft_tasks`) and up to 32 held-out dev transcripts (right fixes); with
+  `levels`, only the tasks of those procedural levels (a curriculum's part).
 
   A small finite set may have no held-out side; then the dev loss is measured on two training demonstrations
   (it only monitors SFT, and says so in the log).
   """
+  keep = (lambda ts: ts) if levels is None else (lambda ts: [t for t in ts if t.metadata.get("level") in levels])
   envs = setup.make_envs(cfg)
   try:
-    train = oracle_transcripts(tok, sft_tasks(cfg, pool), envs, cfg.harness)
-    dev_tasks = setup.heldout_tasks(cfg, 32)
+    train = oracle_transcripts(tok, keep(sft_tasks(cfg, pool)), envs, cfg.harness)
+    dev_tasks = keep(setup.heldout_tasks(cfg, 32))
     if not dev_tasks:
       print(f"(no held-out {cfg.tasks.kind} tasks: SFT dev loss on 2 training demonstrations)")
       return train, train[:2]
@@ -129,21 +131,50 @@ def sft_transcripts(cfg: RunConfig, tok, pool: list) -> tuple[list, list]:
     envs.factory.close()
 
 
+def _saved(workdir: str) -> list[str]:
+  return [os.path.join(workdir, f) for f in ("sft_train.jsonl", "sft_eval.jsonl")]
+
+
 def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
         log_fn: Callable[[str], None] = print):
   """SFT of the run's model on its demonstrations (the warm start, and the equal-time SFT control). The control
-  reads the warm start's transcripts from `workdir/sft` (the same tasks through the same oracle: re-running
-  thousands of sandboxed episodes would only cost time)."""
-  warm = os.path.join(cfg.workdir, "sft")
-  saved = [os.path.join(warm, f) for f in ("sft_train.jsonl", "sft_eval.jsonl")]
-  if os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, saved)):
-    train, dev = map(read_jsonl, saved)
+  reads the warm start's transcripts from `workdir/sft`, and the warm start those of a curriculum's first stage
+  (the same tasks through the same oracle: re-running thousands of sandboxed episodes would only cost time)."""
+  warm, first = os.path.join(cfg.workdir, "sft"), os.path.join(cfg.workdir, CURRICULUM_DIR)
+  if os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
+    train, dev = map(read_jsonl, _saved(warm))
+  elif cfg.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
+    rest = tuple(lv for lv in cfg.tasks.levels if lv not in cfg.sft.curriculum_levels)
+    (train, dev), (more, more_dev) = map(read_jsonl, _saved(first)), sft_transcripts(cfg, tok, setup.train_pool(cfg),
+                                                                                     rest)
+    train, dev = train + more, dev + more_dev
   else:
     train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg))
   log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
   return run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len,
                  batch_size=cfg.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
                  log_fn=log_fn)
+
+
+CURRICULUM_DIR = "sft_curriculum"
+
+
+def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] = print):
+  """A curriculum's first stage: `sft.curriculum_steps` SFT steps on the demonstrations of `sft.curriculum_levels`
+  only (in workdir/sft_curriculum; a finished stage is loaded, not redone). The warm start's SFT continues from it
+  on every level. Measured (experiments/results/calibration.md): a copy skill learned first where the file is
+  named and holds one function carries over to the levels that must find it, where training on the mix from
+  the start had not learned it at all within the same budget."""
+  stage = os.path.join(cfg.workdir, CURRICULUM_DIR)
+  if os.path.isdir(os.path.join(stage, "params")):
+    return stages.load_params(stage, cfg.model)
+  train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg), cfg.sft.curriculum_levels)
+  log_fn(f"SFT curriculum in {stage}: levels {list(cfg.sft.curriculum_levels)}, {len(train)} oracle transcripts, "
+         f"{cfg.sft.curriculum_steps} steps")
+  params, _ = run_sft(cfg.model, tok, train, dev, stage, steps=cfg.sft.curriculum_steps, seq_len=cfg.sft.seq_len,
+                      batch_size=cfg.sft.batch, learning_rate=cfg.sft.learning_rate, seed=cfg.seed,
+                      init_params=init_params, log_fn=log_fn)
+  return params
 
 
 def _tokenizer(cfg: RunConfig):
@@ -169,6 +200,8 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   init_params = stages.load_params(cfg.sft.init_checkpoint, cfg.model) if cfg.sft.init_checkpoint else None
   if not cfg.sft.steps:
     return init_params
+  if cfg.sft.curriculum_levels:
+    init_params = curriculum(cfg, tok, init_params, log_fn)
   params, last = sft(cfg, tok, init_params, sft_dir, steps=cfg.sft.steps, learning_rate=cfg.sft.learning_rate,
                      seed=cfg.seed, log_fn=log_fn)
   log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
