@@ -98,7 +98,7 @@ def test_rl_main_config_converts_and_typos_fail():
     rl_configs.get_config("huge")
 
 
-@pytest.mark.parametrize("variant", ["recipe", "colab"])
+@pytest.mark.parametrize("variant", ["recipe", "colab", "curriculum"])
 def test_every_sweep_entry_builds_a_valid_run_config(variant):
   base = configs.from_dict(RunConfig, rl_configs.get_config(variant), workdir="/tmp/x")
   assert rl_configs.get_sweep() == rl_configs.get_sweep("colab")   # the default variant's rows

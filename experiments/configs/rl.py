@@ -16,12 +16,13 @@ sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoi
 (`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
 
 Variants: `colab` (default: level-1 tasks, read, edit, finish; the length penalty C(x) and the behavioural terms
-on; ~15 min on 2 idle cores), `colab_level1` (the same
-as colab, kept by that name so its end-to-end time stays measurable), `recipe` (the report's RL recipe at Colab
-scale: procedural levels 1-3, self-summary chains, length penalty and behavioural terms on; `_recipe` says how its
-budget, weights and SFT start were chosen, and why it is not the default: ~50 min, and its RL did not beat its
-start in the measured runs), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`,
-and its tokenizer), `test` (tiny model, few tasks, local workspaces).
+on; ~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays
+measurable), `recipe` (the report's RL recipe at Colab scale: procedural levels 1-3, self-summary chains, length
+penalty and behavioural terms on; `_recipe` says how its budget, weights and SFT start were chosen, and why it is
+not the default: ~50 min, and its RL did not beat its start in the measured runs), `curriculum` (levels 1-2 from a
+curriculum start: level 1 first, then both; `_curriculum` says what it measured), `colab_pretrained` (colab with
+SFT from the colab pretraining run, `make pretrain`, and its tokenizer), `test` (tiny model, few tasks, local
+workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
 test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
@@ -31,8 +32,8 @@ test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedu
 Calibrating a start before a long run: `--config.eval.start_only=True` runs the warm start and evaluates it on the
 held-out tasks (per level), nothing else; its results.json has only the `sft` row.
 Ablations: `get_sweep()`: router replay, length penalty q, KL β, max_staleness, samples per prompt;
-`get_sweep("recipe")`: the recipe's measurement rows (seeds, KL β, temperature, summaries vs dropped oldest turns,
-λ = 0 vs λ > 0 at q = 0, 0.5, 1).
+`get_sweep("curriculum")`: its calibration rows and its run; `get_sweep("recipe")`: the recipe's measurement rows
+(seeds, KL β, temperature, summaries vs dropped oldest turns, λ = 0 vs λ > 0 at q = 0, 0.5, 1).
 """
 import ml_collections
 
@@ -40,7 +41,7 @@ from experiments.configs import common
 from experiments.configs import model as model_configs
 from rollout import harness, rewards
 
-VARIANTS = ("colab", "colab_level1", "colab_pretrained", "recipe", "test")
+VARIANTS = ("colab", "colab_level1", "colab_pretrained", "curriculum", "recipe", "test")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -48,7 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="", repos="",
                          jsonl="", repos_dir="", set_file="")
   recipe = arg.variant == "recipe"
-  arg.levels = arg.levels or ("1+2+3" if recipe else "1")
+  arg.levels = arg.levels or ("1+2+3" if recipe else "1+2" if arg.variant == "curriculum" else "1")
   if arg.variant not in VARIANTS:
     raise ValueError(f"unknown rl variant {arg.variant!r}; valid: {', '.join(VARIANTS)}")
   test = arg.variant == "test"
@@ -98,7 +99,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       seq_len=256,                # packed rows; a level-1 transcript is ~170 tokens, longer ones are split
       learning_rate=3e-3, demo_accuracy=1.0 if test or not procedural else 0.5,   # near misses: procedural only
       # colab_pretrained: SFT (then RL) starts from the colab pretraining run and uses its tokenizer.
-      init_checkpoint="runs/pretrain_colab" if pretrained else ""))
+      init_checkpoint="runs/pretrain_colab" if pretrained else "",
+      # A curriculum (rl/warmstart.curriculum): first curriculum_steps on these levels' demonstrations only.
+      curriculum_levels=(), curriculum_steps=0))
   c.train = ml_collections.ConfigDict(dict(
       steps=arg.steps or (4 if test else 80 if recipe else 100), groups_per_step=2 if test else 4,
       ckpt_every=2 if test else 20,
@@ -122,7 +125,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                           start_only=False))
   if recipe:
     _recipe(c)
+  if arg.variant == "curriculum":
+    _curriculum(c)
   return c
+
+
+def _curriculum(c: ml_collections.ConfigDict) -> None:
+  """`rl.py:curriculum`: levels 1-2 (level 2 does not name the file: grep, read, edit) from a curriculum start.
+
+  The start: 900 SFT steps on the level-1 demonstrations of the 2048 SFT tasks, then 900 on all of them (half near
+  misses, as colab's), ~14 min on 2 cores. Calibrated (`eval.start_only`, 200 held-out tasks per level,
+  experiments/results/calibration.md): trained on the mix from the start for the same 1800 steps, level 2 stays
+  near 10% (the model does not learn to copy the right function's fix out of a two-function file); after level 1
+  first it reaches ~75% greedy / ~50% at T=1, and level 1 rises too. max_turn_tokens=96 holds the longest level-2
+  oracle turn (87 tokens); at context_budget=384 a level-2 episode is cut before its finish turn once it passes
+  224 tokens (graded as it stands; it pays the no-message term), as in the measured runs.
+  """
+  c.harness.update(context_budget=384, max_turn_tokens=96)
+  c.sft.update(tasks=2048, steps=900, curriculum_levels=(1,), curriculum_steps=900)
+  c.eval.update(tasks=400)
+
+
+def _curriculum_sweep():
+  """The rows of `rl.py:curriculum`: its start calibrated beside the same 1800 steps on the mix from the start (no
+  curriculum), then the run itself (start, RL, equal-time control)."""
+  return [{"eval.start_only": True},
+          {"eval.start_only": True, "sft.curriculum_levels": (), "sft.curriculum_steps": 0, "sft.steps": 1800},
+          {"seed": 0}]
 
 
 # The recipe's length penalty: k of C(x), and what an oracle-length level-3 episode (x = 321 generated tokens, the
@@ -246,6 +275,8 @@ def get_sweep(arg: str | None = None):
   group size."""
   if arg == "recipe":
     return _recipe_sweep()
+  if arg == "curriculum":
+    return _curriculum_sweep()
   return ([{"rl.router_replay": r} for r in (True, False)]
           + [{"harness.rewards.length_weight": 0.0}]                   # λ = 0; the default is λ > 0 at q = 0.5
           + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q} for q in (0.0, 1.0)]
