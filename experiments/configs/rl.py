@@ -135,7 +135,7 @@ def _curriculum(c: ml_collections.ConfigDict) -> None:
 
   The start: 900 SFT steps on the level-1 demonstrations of the 2048 SFT tasks, then 900 on all of them (half near
   misses, as colab's), ~14 min on 2 cores. Calibrated (`eval.start_only`, 200 held-out tasks per level,
-  experiments/results/calibration.md): trained on the mix from the start for the same 1800 steps, level 2 stays
+  experiments/results/curriculum.md): trained on the mix from the start for the same 1800 steps, level 2 stays
   near 10% (the model does not learn to copy the right function's fix out of a two-function file); after level 1
   first it reaches ~75% greedy / ~50% at T=1, and level 1 rises too. max_turn_tokens=96 holds the longest level-2
   oracle turn (87 tokens); at context_budget=384 a level-2 episode is cut before its finish turn once it passes
