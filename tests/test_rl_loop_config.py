@@ -391,7 +391,8 @@ def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_pat
   assert calls == [("sft", "start", 3), "closed"]
   saved = json.load(open(tmp_path / "results.json"))
   assert saved == result and saved["sft"] == {"T1": {"success": 0.25}} and saved["start_only"] is True
-  assert (saved["sft_steps"], saved["sft_tasks"], saved["eval_tasks"]) == (cfg.sft.steps, cfg.sft.tasks, 3)
+  assert (saved["sft_steps"], saved["sft_tasks"], saved["sft_curriculum_steps"], saved["eval_tasks"]) == \
+      (cfg.sft.steps, cfg.sft.tasks, 0, 3)
   assert not {"rl", "sft_control", "rl_start_summaries", "rl_drop_oldest", "reward_terms"} & set(saved)
   assert set(saved["phase_seconds"]) == {"sft_start", "eval_sft", "total"}
 

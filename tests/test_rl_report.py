@@ -131,11 +131,13 @@ def test_start_table_and_a_calibration_render_by_hand(tmp_path):
   full = _result()
   start = {"sft": full["sft"], "start_only": True, "sft_steps": 900, "sft_tasks": 1024,
            "phase_seconds": {"sft_start": 300.0, "eval_sft": 60.0, "total": 360.0}}
-  table = report.start_table([("cal", start), ("run", full)]).splitlines()
+  table = report.start_table([("cal", start), ("run", full), ("curriculum", {**start, "sft_curriculum_steps": 700})])
+  table = table.splitlines()
   assert table[0] == "| run | SFT tasks | SFT steps | SFT min | L1 greedy / T=1 | L2 greedy / T=1 |"
   # the start: L1 20/40 greedy, 16/40 at T=1; L2 4/40 and 2/40; SFT 300 s
   assert table[2] == "| cal | 1024 | 900 | 5.0 | 50.0/40.0 | 10.0/5.0 |"
   assert table[3] == "| run | — | — | 2.0 | 50.0/40.0 | 10.0/5.0 |"
+  assert table[4] == "| curriculum | 1024 | 700 + 900 | 5.0 | 50.0/40.0 | 10.0/5.0 |"
   for name, r in (("cal", start), ("full", full)):
     (tmp_path / f"{name}.json").write_text(json.dumps(r))
   report.render("c", [("cal", str(tmp_path / "cal.json")), ("full", str(tmp_path / "full.json"))],

@@ -118,7 +118,8 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   phases["total"] = time.perf_counter() - t0
   result.update(eval_tasks=len(tasks), phase_seconds=phases)
   if out is None:
-    result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks)
+    result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks,
+                  sft_curriculum_steps=cfg.sft.curriculum_steps)
   else:
     result.update(rl_seconds=phases["rl"], rl_steps=cfg.train.steps, reward_terms=reward_terms(cfg.workdir),
                   last={k: v for k, v in out["last"].items() if isinstance(v, float)})

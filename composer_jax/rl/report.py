@@ -104,7 +104,8 @@ def sweep_table(runs: Sequence[tuple[str, dict]], policy: str = "rl", temp: str 
 
 def start_table(runs: Sequence[tuple[str, dict]]) -> str:
   """Calibration (`eval.start_only` runs, or any run's start): per run the SFT start's solve rate per level, greedy
-  / T=1, with its SFT steps and wall-clock; does each level reach the ~20% at T=1 a group of 8 needs?"""
+  / T=1, with its SFT steps (a curriculum's first stage + the rest) and wall-clock; does each level reach the ~20%
+  at T=1 a group of 8 needs?"""
   levels = _levels_of_runs(runs)
   head = ["SFT tasks", "SFT steps", "SFT min"] + [f"{_prefix(lv)}greedy / T=1" for lv in levels]
   lines = ["| run | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
@@ -112,7 +113,10 @@ def start_table(runs: Sequence[tuple[str, dict]]) -> str:
     rates = ["/".join("—" if (f := _fig(r, "sft", t, lv)) is None else f"{100 * f['success']:.1f}"
                       for t in TEMPERATURES) for lv in levels]
     sft_s = r.get("phase_seconds", {}).get("sft_start")
-    lines.append(f"| {label} | {r.get('sft_tasks', '—')} | {r.get('sft_steps', '—')} | "
+    steps = r.get("sft_steps", "—")
+    if r.get("sft_curriculum_steps"):
+      steps = f"{r['sft_curriculum_steps']} + {steps}"
+    lines.append(f"| {label} | {r.get('sft_tasks', '—')} | {steps} | "
                  f"{'—' if sft_s is None else f'{sft_s / 60:.1f}'} | " + " | ".join(rates) + " |")
   return "\n".join(lines)
 
