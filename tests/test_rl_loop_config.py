@@ -302,6 +302,23 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
   assert sorted(oracle) == sorted(t.id for t in pool + dev)   # each demonstration made once
 
 
+@pytest.mark.parametrize("curriculum", [True, False])
+def test_the_tokenizer_is_fitted_to_the_curriculums_first_levels(tmp_path, monkeypatch, curriculum):
+  """Fitted to the first sft.tasks training tasks, and with a curriculum to those of its first levels only."""
+  d = rl_configs.get_config("curriculum")
+  if not curriculum:
+    d.sft.update(curriculum_levels=(), curriculum_steps=0)
+  d.sft.tasks = 256
+  cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
+  pool = [types.SimpleNamespace(id=f"t{i}", metadata={"level": 1 + i % 2}) for i in range(300)]
+  fitted = []
+  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
+  monkeypatch.setattr(warmstart, "fit_tokenizer", lambda tasks, *a: fitted.append([t.id for t in tasks]) or "tok")
+  monkeypatch.setattr(warmstart.tokenizer_lib, "save_tokenizer", lambda tok, path: None)
+  assert warmstart._tokenizer(cfg) == "tok"
+  assert fitted == [[t.id for t in pool[:256] if not curriculum or t.metadata["level"] == 1]]
+
+
 @pytest.mark.parametrize("sft, levels, match", [
     ({"curriculum_levels": (1,)}, (1, 2), "needs both"),
     ({"curriculum_steps": 9}, (1, 2), "needs both"),
