@@ -162,9 +162,8 @@ CURRICULUM_DIR = "sft_curriculum"
 def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] = print):
   """A curriculum's first stage: `sft.curriculum_steps` SFT steps on the demonstrations of `sft.curriculum_levels`
   only (in workdir/sft_curriculum; a finished stage is loaded, not redone). The warm start's SFT continues from it
-  on every level. Measured (experiments/results/curriculum.md): a copy skill learned first where the file is
-  named and holds one function carries over to the levels that must find it, where training on the mix from
-  the start had not learned it at all within the same budget."""
+  on every level. Measured (experiments/results/curriculum.md): with level 1 first and a BPE fitted to level 1,
+  level 2's start reached 56-78% greedy, where the same steps on the mix from the start left it at ~15%."""
   stage = os.path.join(cfg.workdir, CURRICULUM_DIR)
   if os.path.isdir(os.path.join(stage, "params")):
     return stages.load_params(stage, cfg.model)
