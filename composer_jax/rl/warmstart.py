@@ -131,6 +131,9 @@ def sft_transcripts(cfg: RunConfig, tok, pool: list, levels: Sequence[int] | Non
     envs.factory.close()
 
 
+CURRICULUM_DIR = "sft_curriculum"   # a curriculum's first stage, beside the warm start's `sft`
+
+
 def _saved(workdir: str) -> list[str]:
   return [os.path.join(workdir, f) for f in ("sft_train.jsonl", "sft_eval.jsonl")]
 
@@ -145,18 +148,15 @@ def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_
     train, dev = map(read_jsonl, _saved(warm))
   elif cfg.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
     rest = tuple(lv for lv in cfg.tasks.levels if lv not in cfg.sft.curriculum_levels)
-    (train, dev), (more, more_dev) = map(read_jsonl, _saved(first)), sft_transcripts(cfg, tok, setup.train_pool(cfg),
-                                                                                     rest)
-    train, dev = train + more, dev + more_dev
+    first_train, first_dev = map(read_jsonl, _saved(first))
+    more, more_dev = sft_transcripts(cfg, tok, setup.train_pool(cfg), rest)
+    train, dev = first_train + more, first_dev + more_dev
   else:
     train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg))
   log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
   return run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len,
                  batch_size=cfg.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
                  log_fn=log_fn)
-
-
-CURRICULUM_DIR = "sft_curriculum"
 
 
 def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] = print):
