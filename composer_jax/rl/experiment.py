@@ -63,7 +63,7 @@ def summary_tasks(cfg: RunConfig, tasks: list) -> list:
   """The held-out tasks of the summary rows: those of a level in `eval.summary_levels`, or all when it is empty."""
   if not cfg.eval.summary_levels:
     return tasks
-  chosen = [t for t in tasks if t.metadata.get("level") in cfg.eval.summary_levels]
+  chosen = setup.of_levels(tasks, cfg.eval.summary_levels)
   if not chosen:
     found = sorted({t.metadata.get("level") for t in tasks}, key=str)
     raise ValueError(f"eval.summary_levels={cfg.eval.summary_levels} matches none of the {len(tasks)} held-out "

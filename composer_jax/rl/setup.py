@@ -62,6 +62,11 @@ def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list[Task]:
   return _load(cfg, heldout_spec(cfg, n))
 
 
+def of_levels(tasks: list[Task], levels) -> list[Task]:
+  """The tasks of those procedural levels (`metadata['level']`), in order."""
+  return [t for t in tasks if t.metadata.get("level") in levels]
+
+
 def make_envs(cfg: RunConfig) -> EnvironmentCache:
   return EnvironmentCache(make_factory(cfg.rollout.backend))
 

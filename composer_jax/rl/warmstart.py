@@ -118,7 +118,7 @@ def sft_transcripts(cfg: RunConfig, tok, pool: list, levels: Sequence[int] | Non
   A small finite set may have no held-out side; then the dev loss is measured on two training demonstrations
   (it only monitors SFT, and says so in the log).
   """
-  keep = (lambda ts: ts) if levels is None else (lambda ts: [t for t in ts if t.metadata.get("level") in levels])
+  keep = (lambda ts: ts) if levels is None else (lambda ts: setup.of_levels(ts, levels))
   envs = setup.make_envs(cfg)
   try:
     train = oracle_transcripts(tok, keep(sft_tasks(cfg, pool)), envs, cfg.harness)
@@ -153,6 +153,12 @@ def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_
     train, dev = first_train + more, first_dev + more_dev
   else:
     train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg))
+  return _train(cfg, tok, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
+
+
+def _train(cfg: RunConfig, tok, train, dev, workdir: str, steps: int, learning_rate: float, seed: int, init_params,
+           log_fn: Callable[[str], None]):
+  """`run_sft` with the run's SFT shapes, logging what it trains on."""
   log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
   return run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len,
                  batch_size=cfg.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
@@ -168,11 +174,9 @@ def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] =
   if os.path.isdir(os.path.join(stage, "params")):
     return stages.load_params(stage, cfg.model)
   train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg), cfg.sft.curriculum_levels)
-  log_fn(f"SFT curriculum in {stage}: levels {list(cfg.sft.curriculum_levels)}, {len(train)} oracle transcripts, "
-         f"{cfg.sft.curriculum_steps} steps")
-  params, _ = run_sft(cfg.model, tok, train, dev, stage, steps=cfg.sft.curriculum_steps, seq_len=cfg.sft.seq_len,
-                      batch_size=cfg.sft.batch, learning_rate=cfg.sft.learning_rate, seed=cfg.seed,
-                      init_params=init_params, log_fn=log_fn)
+  log_fn(f"SFT curriculum: levels {list(cfg.sft.curriculum_levels)} first")
+  params, _ = _train(cfg, tok, train, dev, stage, cfg.sft.curriculum_steps, cfg.sft.learning_rate, cfg.seed,
+                     init_params, log_fn)
   return params
 
 
@@ -188,7 +192,7 @@ def _tokenizer(cfg: RunConfig):
   else:
     pool = setup.train_pool(cfg)[:max(cfg.sft.tasks, 256)]
     if cfg.sft.curriculum_levels:
-      pool = [t for t in pool if t.metadata.get("level") in cfg.sft.curriculum_levels]
+      pool = setup.of_levels(pool, cfg.sft.curriculum_levels)
     tok = fit_tokenizer(pool, cfg.harness.system_prompt, cfg.tokenizer)
   tokenizer_lib.save_tokenizer(tok, tok_dir)
   return tok
