@@ -38,6 +38,7 @@ def _cfg(**overrides):
     ({"train.rows_per_step": -1}, "rows_per_step"),
     # 4 groups x 8 trajectories = 32 rows, but one group of 8 five-segment chains needs 40.
     ({"harness.max_segments": 5}, "set train.rows_per_step >= 40"),
+    ({"harness.sampling.temperature": 0.7}, r"rl.temperature=1.0 must be the rollouts' sampling temperature"),
 ])
 def test_bad_run_config_is_a_clear_error(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -96,6 +97,16 @@ def test_rl_main_config_converts_and_typos_fail():
     configs.from_dict(RunConfig, c, workdir="/tmp/x")
   with pytest.raises(ValueError, match="unknown rl variant"):
     rl_configs.get_config("huge")
+
+
+def test_the_trainer_scores_at_the_rollout_temperature_a_flag_sets():
+  """--config.harness.sampling.temperature=0.7 sets rl.temperature too (one value, two readers)."""
+  c = rl_configs.get_config("colab")
+  c.harness.sampling.temperature = 0.7            # what the flag does
+  cfg = configs.from_dict(RunConfig, c, workdir="/tmp/x")
+  assert cfg.rl.temperature == cfg.harness.sampling.temperature == 0.7
+  greedy = _cfg(**{"harness.sampling.temperature": 0.0})   # greedy rollouts: engines record T = 1 logprobs
+  assert greedy.rl.temperature == 1.0
 
 
 @pytest.mark.parametrize("variant", ["recipe", "colab", "curriculum"])

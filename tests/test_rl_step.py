@@ -13,6 +13,7 @@ from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.rl import losses
 from composer_jax.rl import step as rl_step_lib
 from composer_jax.rl.batch import BatchConfig, from_consumed
+from composer_jax.sampling import sampler
 from composer_jax.train import optim
 from composer_jax.train import step as train_step_lib
 from composer_jax.train.config import OptimConfig, TrainConfig
@@ -85,6 +86,25 @@ def test_replay_closes_the_gap_of_a_differently_routing_engine(setup):
   np.testing.assert_allclose(m_off["logprob_gap_no_replay"], m["logprob_gap_no_replay"], rtol=1e-5)
   assert "logprob_gap_replay" not in m_off
   assert float(m_off["routing_mismatch_rate"]) > 0.5              # measured against the engine's record
+
+
+def test_rollouts_at_a_temperature_are_scored_at_it(setup):
+  """The engine records log softmax(logits / T) (`sampler.policy_logprobs`); the step scores π and π_ref at the
+  same T, so a rollout of the policy itself has ratio 1 and no gap, where scoring it at T = 1 would not."""
+  params, _, tokens, _, own, _, _ = setup
+  t = 0.7
+  logits, _ = model.forward(params, tokens, CFG, routing=own)
+  lp = sampler.policy_logprobs(logits[:, :-1].reshape(-1, CFG.vocab_size), jnp.full(B * (L - 1), t))
+  lp_t = jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:].reshape(-1, 1), -1).reshape(B, L - 1), ((0, 0), (1, 0)))
+  batch = _batch(tokens, lp_t, own)
+  m = loss_fn(params, batch, params, rl_step_lib.RLConfig(temperature=t))
+  assert float(m["logprob_gap_replay"]) < 1e-5 and float(m["logprob_gap_no_replay"]) < 1e-5
+  np.testing.assert_allclose(m["importance_ratio_mean"], 1.0, rtol=1e-5)
+  assert abs(float(m["kl"])) < 1e-6                             # the reference scored at T too
+  m1 = loss_fn(params, batch, params, rl_step_lib.RLConfig())
+  assert float(m1["logprob_gap_replay"]) > 1e-2                  # π_1 against the engine's π_0.7
+  with pytest.raises(ValueError, match="rl.temperature=0"):
+    rl_step_lib.RLConfig(temperature=0.0)
 
 
 def test_step_differentiates_through_the_replayed_routing(setup):

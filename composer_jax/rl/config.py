@@ -198,6 +198,11 @@ class RunConfig:
       raise ValueError(f"sft.curriculum_levels={self.sft.curriculum_levels} must be some, not all, of the procedural "
                        f"levels the SFT then continues on (tasks: {self.tasks.kind!r}, levels {self.tasks.levels}; "
                        f"sft.steps={self.sft.steps})")
+    rollout_t = self.harness.sampling.temperature or 1.0   # greedy rollouts: the engines record T = 1 logprobs
+    if self.rl.temperature != rollout_t:
+      raise ValueError(f"rl.temperature={self.rl.temperature} must be the rollouts' sampling temperature "
+                       f"(harness.sampling.temperature={self.harness.sampling.temperature}): the trainer scores the "
+                       "policy at it, as the engines recorded its logprobs")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

@@ -53,11 +53,18 @@ class RLConfig:
   # Run the unreplayed forward (pass 2) for its `logprob_gap_no_replay` metric on every N-th step even when the
   # engine recorded all the routing (0: only when some is missing). It costs one forward of the policy.
   unreplayed_every: int = 10
+  # The temperature the rollouts were sampled at. The engines record each token's logprob under the tempered
+  # distribution (softmax(logits / T), as SGLang's `logprobs`), so the policy and the reference are scored at the
+  # same T: the importance ratio and the KL then compare one policy with itself, not π_T with π_1.
+  temperature: float = 1.0
 
   def __post_init__(self):
     if self.mtp_weight < 0 or self.bias_update_rate < 0 or self.unreplayed_every < 0:
       raise ValueError(f"need mtp_weight, bias_update_rate, unreplayed_every >= 0, got {self.mtp_weight=} "
                        f"{self.bias_update_rate=} {self.unreplayed_every=}")
+    if not self.temperature > 0:
+      raise ValueError(f"rl.temperature={self.temperature} must be > 0 (the rollouts' sampling temperature; greedy "
+                       "rollouts give a group nothing to compare)")
 
 
 def own_routing(params: dict, router_scores_LmxBxLxE: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -86,11 +93,17 @@ def _hidden(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
                              positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
 
 
-def _frozen_logprobs(params, batch, cfg: ModelConfig, routing):
-  """Token logprobs of frozen `params` (no gradient) and the forward's aux."""
+def _tempered_head(params, cfg: ModelConfig, temperature: float) -> jax.Array:
+  """The LM head with 1/T folded in: h @ (w / T) = logits / T (w itself at T = 1)."""
+  w = model.lm_head(params, cfg)
+  return w if temperature == 1.0 else w / jnp.asarray(temperature, w.dtype)
+
+
+def _frozen_logprobs(params, batch, cfg: ModelConfig, routing, temperature: float):
+  """Token logprobs at `temperature` of frozen `params` (no gradient) and the forward's aux."""
   params = jax.lax.stop_gradient(params)
   h, aux = _hidden(params, batch, cfg, routing)
-  return losses.token_logprobs(h, model.lm_head(params, cfg), batch["tokens"]), aux
+  return losses.token_logprobs(h, _tempered_head(params, cfg, temperature), batch["tokens"]), aux
 
 
 def _masked_mean(x, m):
@@ -121,7 +134,8 @@ def routing_needed(batch: dict) -> jax.Array:
   return (flat < last_S[seq]) & (batch["segment_ids"] > 0)
 
 
-def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed) -> tuple[jax.Array, jax.Array]:
+def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed, temperature: float = 1.0
+                   ) -> tuple[jax.Array, jax.Array]:
   """(routing to replay [Lm, B, L, K], `logprob_gap_no_replay` or NaN) — pass 2 of the module docstring.
 
   The recorded experts are replayed where present; the rest take the policy's own choice from an unreplayed
@@ -132,7 +146,7 @@ def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed) ->
   missing = jnp.any((recorded < 0) & routing_needed(batch)[None, ..., None])
 
   def unreplayed(_):
-    logp, aux = _frozen_logprobs(params, batch, cfg, None)
+    logp, aux = _frozen_logprobs(params, batch, cfg, None, temperature)
     gap = _masked_mean(jnp.abs(logp - batch["inf_logprobs"]), batch["gen_mask"])
     return jnp.where(recorded >= 0, recorded, aux["experts"]), gap
 
@@ -156,12 +170,15 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
 
   replay = None
   if has_moe and rl_cfg.router_replay:
-    replay, metrics["logprob_gap_no_replay"] = replay_routing(params, batch, cfg_no_mtp, measure_unreplayed)
+    replay, metrics["logprob_gap_no_replay"] = replay_routing(params, batch, cfg_no_mtp, measure_unreplayed,
+                                                              rl_cfg.temperature)
 
   h, aux = _hidden(params, batch, fwd_cfg, replay, detach_mtp=True)
   w = model.lm_head(params, model_cfg)
-  logp, entropy = losses.token_logprobs(h, w, tokens, with_entropy=True)
-  ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None)
+  logp, entropy = losses.token_logprobs(h, _tempered_head(params, model_cfg, rl_cfg.temperature), tokens,
+                                        with_entropy=True)
+  ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None,
+                                 rl_cfg.temperature)
 
   adv_S = losses.group_advantages(batch["reward"], batch["group"], batch["first"], batch["valid"],
                                   scale_by_std=rl_cfg.loss.adv_std, eps=rl_cfg.loss.adv_eps)

@@ -110,6 +110,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                  grad_clip=1.0)))
   c.rl = ml_collections.ConfigDict(dict(
       router_replay=True, ref_router_replay=True, mtp_weight=0.0, bias_update_rate=0.0,
+      temperature=c.harness.sampling.get_ref("temperature"),   # the trainer scores π at the rollouts' temperature
       unreplayed_every=10,   # the unreplayed forward (only a metric when routing is fully recorded) every N steps
       loss=dict(kl_coef=1e-3, is_cap=2.0, importance="truncate", normalize="tokens",
                 norm_constant=ml_collections.config_dict.placeholder(float), adv_std=False, adv_eps=1e-6)))
@@ -263,7 +264,7 @@ def _recipe_sweep():
           + [{"train.steps": 240}]                                                   # 3x the RL steps
           + [{"sft.demo_accuracy": 0.5}]               # a start that imitates near misses (as rl.py:colab's)
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
-          + [{"harness.sampling.temperature": 0.7}]                                  # greedy: rollout temperature
+          + [{"harness.sampling.temperature": 0.7, "rl.temperature": 0.7}]          # greedy: rollout temperature
           + [{**{f"harness.{k}": v for k, v in DROP_OLDEST.items()},   # summaries vs dropped oldest turns (the SFT
               "train.rows_per_step": 8 * DROP_OLDEST["max_segments"]}]      # a group of 8 chains of up to 8 rows
           # start's summaries are in every run: eval.summaries_from_start)
