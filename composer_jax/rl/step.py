@@ -93,17 +93,16 @@ def _hidden(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
                              positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
 
 
-def _tempered_head(params, cfg: ModelConfig, temperature: float) -> jax.Array:
+def _tempered(w_DxV: jax.Array, temperature: float) -> jax.Array:
   """The LM head with 1/T folded in: h @ (w / T) = logits / T (w itself at T = 1)."""
-  w = model.lm_head(params, cfg)
-  return w if temperature == 1.0 else w / jnp.asarray(temperature, w.dtype)
+  return w_DxV if temperature == 1.0 else w_DxV / jnp.asarray(temperature, w_DxV.dtype)
 
 
 def _frozen_logprobs(params, batch, cfg: ModelConfig, routing, temperature: float):
   """Token logprobs at `temperature` of frozen `params` (no gradient) and the forward's aux."""
   params = jax.lax.stop_gradient(params)
   h, aux = _hidden(params, batch, cfg, routing)
-  return losses.token_logprobs(h, _tempered_head(params, cfg, temperature), batch["tokens"]), aux
+  return losses.token_logprobs(h, _tempered(model.lm_head(params, cfg), temperature), batch["tokens"]), aux
 
 
 def _masked_mean(x, m):
@@ -175,8 +174,7 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
 
   h, aux = _hidden(params, batch, fwd_cfg, replay, detach_mtp=True)
   w = model.lm_head(params, model_cfg)
-  logp, entropy = losses.token_logprobs(h, _tempered_head(params, model_cfg, rl_cfg.temperature), tokens,
-                                        with_entropy=True)
+  logp, entropy = losses.token_logprobs(h, _tempered(w, rl_cfg.temperature), tokens, with_entropy=True)
   ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None,
                                  rl_cfg.temperature)
 
