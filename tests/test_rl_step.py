@@ -93,10 +93,14 @@ def test_rollouts_at_a_temperature_are_scored_at_it(setup):
   same T, so a rollout of the policy itself has ratio 1 and no gap, where scoring it at T = 1 would not."""
   params, _, tokens, _, own, _, _ = setup
   t = 0.7
-  logits, _ = model.forward(params, tokens, CFG, routing=own)
-  lp = sampler.policy_logprobs(logits[:, :-1].reshape(-1, CFG.vocab_size), jnp.full(B * (L - 1), t))
-  lp_t = jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:].reshape(-1, 1), -1).reshape(B, L - 1), ((0, 0), (1, 0)))
-  batch = _batch(tokens, lp_t, own)
+
+  @jax.jit
+  def engine_logp(params, tokens, routing):
+    logits, _ = model.forward(params, tokens, CFG, routing=routing)
+    lp = sampler.policy_logprobs(logits[:, :-1].reshape(-1, CFG.vocab_size), jnp.full(B * (L - 1), t))
+    return jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:].reshape(-1, 1), -1).reshape(B, L - 1), ((0, 0), (1, 0)))
+
+  batch = _batch(tokens, engine_logp(params, tokens, own), own)
   m = loss_fn(params, batch, params, rl_step_lib.RLConfig(temperature=t))
   assert float(m["logprob_gap_replay"]) < 1e-5 and float(m["logprob_gap_no_replay"]) < 1e-5
   np.testing.assert_allclose(m["importance_ratio_mean"], 1.0, rtol=1e-5)
