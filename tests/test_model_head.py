@@ -132,8 +132,8 @@ def test_hidden_states_through_the_head_equal_forward_logits():
   cfg = model.ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_nextn_predict_layers=1)
   params = model.init(jax.random.key(0), cfg)
   tok = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
-  logits, aux = model.forward(params, tok, cfg)
-  h, haux = model.hidden_states(params, tok, cfg)
+  logits, aux = jax.jit(model.forward, static_argnums=2)(params, tok, cfg)
+  h, haux = jax.jit(model.hidden_states, static_argnums=2)(params, tok, cfg)
   w = model.lm_head(params, cfg)
   targets = jnp.roll(tok, -1, axis=1)
   want = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]

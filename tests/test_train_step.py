@@ -31,7 +31,7 @@ def params():
 
 def _grads(params, batch, mtp_loss, mtp_weight):
   tcfg = TrainConfig(mtp_loss=mtp_loss, mtp_weight=mtp_weight)
-  return jax.grad(lambda p: step.loss_fn(p, batch, CFG, tcfg)[0])(params)
+  return jax.jit(jax.grad(lambda p: step.loss_fn(p, batch, CFG, tcfg)[0]))(params)
 
 
 def _split(tree):
@@ -56,11 +56,11 @@ def test_packed_document_logits_do_not_depend_on_its_neighbour(params):
   batch = _batch(B=1, L=32)
   other = _batch(B=1, L=32, seed=1)
   swapped = dict(batch, tokens=batch["tokens"].at[:, 16:].set(other["tokens"][:, 16:]))
-  la, _ = model.forward(params, batch["tokens"], CFG, segment_ids=batch["segment_ids"], positions=batch["positions"])
-  lb, _ = model.forward(params, swapped["tokens"], CFG, segment_ids=batch["segment_ids"],
-                        positions=batch["positions"])
+  forward = jax.jit(lambda p, tokens, **kw: model.forward(p, tokens, CFG, **kw)[0])
+  la = forward(params, batch["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+  lb = forward(params, swapped["tokens"], segment_ids=batch["segment_ids"], positions=batch["positions"])
   np.testing.assert_allclose(la[:, :16], lb[:, :16], atol=1e-5)   # document 1 untouched by document 2's tokens
-  alone, _ = model.forward(params, batch["tokens"][:, :16], CFG)
+  alone = forward(params, batch["tokens"][:, :16])
   np.testing.assert_allclose(la[:, :16], alone, atol=1e-5)        # and equal to running it alone
   assert float(jnp.max(jnp.abs(la[:, 16:] - lb[:, 16:]))) > 1e-3
 
