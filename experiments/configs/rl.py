@@ -140,10 +140,11 @@ def _curriculum(c: ml_collections.ConfigDict) -> None:
   level, experiments/results/curriculum.md): trained on the mix from the start for the same 1800 steps, or with a
   BPE fitted to the mix, level 2 stays at 15-22% greedy / 8-10% at T=1; level 1 first with the level-1 BPE reached
   56% and 77.5% greedy (37.5% and 51% at T=1). 100 RL steps from these starts gained +9.0 / +6.5 points on level 2
-  at T=1; 300 (this variant, seed 0, 500 held-out tasks per level) gained +22.2 over the start (24.8 -> 47.0%)
-  and +14.0 over the equal-time control (33.0%), level 1 +35.2 / +22.0; greedy +4.4 / +2.4. Level-2 failures are
-  edits whose `old` text is miscopied from the file just read, not a lost search (a sample of the start's) or the
-  context budget (at 448 the same 48 of 100 solved).
+  at T=1; 300 (this variant, 500 held-out tasks per level) gained, seed 0, +22.2 over the start (24.8 -> 47.0%)
+  and +14.0 over the equal-time control (33.0%), level 1 +35.2 / +22.0, greedy +4.4 / +2.4; seed 1, whose start
+  is at 10.4% on level 2 (under the ~20% a start needs), +12.4 / +4.6 (10.4 -> 22.8%, control 18.2%), level 1
+  +35.4 / +21.0, greedy +7.6 / +5.8. Level-2 failures are edits whose `old` text is miscopied from the file just
+  read, not a lost search (a sample of the start's) or the context budget (at 448 the same 48 of 100 solved).
   max_turn_tokens=96 holds the longest level-2 oracle turn (87 tokens); at context_budget=384 an episode whose
   first edit fails is cut before it can retry (it pays the no-message term).
   """
