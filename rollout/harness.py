@@ -182,7 +182,8 @@ class _Episode:
   def request(self) -> GenerateRequest | None:
     """The next request (None when the context has no room left)."""
     cfg = self.cfg
-    room = cfg.context_budget - len(self.builder)
+    # A turn cut at its limit is closed by one more token (`_record_turn`): it may take all the room but that one.
+    room = cfg.context_budget - len(self.builder) - 1
     limit = min(cfg.summary_max_tokens if self.mode == "summary" else cfg.max_turn_tokens, room)
     if limit < 1:
       self.stop_reason = "max_segments"  # an observation filled the context: nothing more can be generated
@@ -292,8 +293,15 @@ class _Episode:
       return
     ask = self._encode_tail([{"role": "user", "content": cfg.summary_prompt}], False) + \
         [cf.special_id(self.tok, cf.SUMMARY)]
-    room = cfg.context_budget - cfg.summary_max_tokens - len(self.builder) - len(ask)
-    self.builder.add_environment(ids[:max(0, room)] + ask, self.turn - 1)
+    room = cfg.context_budget - cfg.summary_max_tokens - 1 - len(self.builder) - len(ask)   # 1: a cut summary's close
+    if room < 0:
+      raise ValueError(f"task {self.task.id}: the summary request ({len(ask)} tokens) and the summary "
+                       f"(summary_max_tokens={cfg.summary_max_tokens}) do not fit in the "
+                       f"{cfg.context_budget - len(self.builder)} tokens left of context_budget={cfg.context_budget} "
+                       f"after the last turn: keep observation_reserve >= {len(ask) + cfg.summary_max_tokens + 2} "
+                       "(or shorten summary_prompt) and context_budget >= the prompt + max_turn_tokens + "
+                       "observation_reserve")
+    self.builder.add_environment(ids[:room] + ask, self.turn - 1)
     self.messages.append({"role": "user", "content": cfg.summary_prompt})
     self.mode = "summary"
 

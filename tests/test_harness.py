@@ -253,3 +253,40 @@ def test_segments_never_outgrow_the_context_budget(tok, envs, tasks):
     assert t.stop_reason == "max_segments" and len(t.segments) == 1
     assert len(t.segments[0].tokens_T) == cfg.context_budget
     assert "ab ab ab" in t.messages[-1]["content"]
+
+
+class NeverStops:
+  """Every turn runs to its max_tokens: an unclosed tool call (malformed), a summary cut at its cap."""
+
+  def __init__(self, tok):
+    self.opened = [cf.special_id(tok, cf.TOOL_CALL)] + tok.encode("ab").ids
+
+  def generate(self, requests):
+    sizes = [r.params.max_tokens for r in requests]
+    return [GenerateResult(np.resize(self.opened, n).astype(np.int32), np.zeros(n, np.float32), None, 0, "length")
+            for n in sizes]
+
+
+def test_a_turn_cut_at_the_edge_of_the_budget_is_closed_inside_it(tok, envs, tasks):
+  """A turn the engine cuts at max_tokens is closed by one more token (<|end_of_turn|>); a summary asked for after
+  a cut observation has exactly summary_max_tokens of room, so without that token reserved a summary cut at its cap
+  made a 497-token segment at context_budget=496 (the trainer's row length: the recipe run stopped at step 241)."""
+  at_edge = 0
+  for budget in range(360, 400):   # the prompt is ~220 tokens: from prompt + turn + reserve up
+    cfg = dataclasses.replace(CFG, context_budget=budget, max_turn_tokens=64, observation_reserve=64,
+                              summary_max_tokens=40, summary_prompt="Summarize.", max_segments=3, max_turns=6)
+    for t in harness.run_episodes(NeverStops(tok), tok, tasks[:1], envs, cfg):
+      assert all(len(s.tokens_T) <= budget for s in t.segments), (budget, [len(s.tokens_T) for s in t.segments])
+      summaries = [s for s in t.segments if s.ends_with_summary]
+      assert all(s.turns[-1]["gen_end"] - s.turns[-1]["start"] == cfg.summary_max_tokens for s in summaries)
+      at_edge += any(len(s.tokens_T) == budget for s in summaries)
+  assert at_edge   # some budgets put a cut summary exactly at the edge
+
+
+def test_a_summary_request_that_cannot_fit_is_a_clear_error(tok, envs, tasks):
+  """The default summary prompt (~100 tokens) and a 40-token summary do not fit in a 64-token observation_reserve:
+  the error says so instead of writing a segment past context_budget."""
+  cfg = dataclasses.replace(CFG, context_budget=380, max_turn_tokens=64, observation_reserve=64, summary_max_tokens=40,
+                            max_segments=3)
+  with pytest.raises(ValueError, match=r"summary request \(\d+ tokens\).*observation_reserve >= \d+"):
+    harness.run_episodes(NeverStops(tok), tok, tasks[:1], envs, cfg)
