@@ -362,7 +362,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
       close = staticmethod(lambda: None)
   monkeypatch.setattr(experiment, "evaluate_policy", evaluate_policy)
   monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}})
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 0})
   monkeypatch.setattr(experiment, "sft_control", lambda *a: "control")
   monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
   tasks = [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)]
@@ -390,6 +390,36 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   with pytest.raises(ValueError, match=r"eval.summary_levels=\(3,\) matches none of the 2 held-out tasks"):
     experiment.run_experiment(cfg, log_fn=lambda s: None)
   assert [c[0] for c in calls] == ["sft", "rl", "sft_control"]
+
+
+def test_a_resumed_runs_control_gets_all_of_rls_wall_clock(tmp_path, monkeypatch):
+  """RL resumed after step 3 (a crash past its checkpoint re-ran steps 2-3): the control's seconds are this run's
+  RL wall-clock plus the logged step time of steps 1-3, each step once (the run that checkpointed it logged it
+  last); a log that lacks steps is an error, not a short control."""
+  from composer_jax.rl import experiment
+  rows = [(1, 10.0), (2, 11.0), (3, 12.0), (2, 20.0), (3, 30.0), (4, 40.0)]   # the second process crashed at 4
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_s": t, "reward": 0.0}) + "\n"
+                                                  for s, t in rows))
+  assert experiment.earlier_rl_seconds(str(tmp_path), 0) == 0.0
+  assert experiment.earlier_rl_seconds(str(tmp_path), 3) == 10.0 + 20.0 + 30.0
+  with pytest.raises(ValueError, match="step time of 4 of the 5 RL steps"):
+    experiment.earlier_rl_seconds(str(tmp_path), 5)
+  cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
+  seconds = []
+
+  class Envs:
+    class factory:
+      close = staticmethod(lambda: None)
+  monkeypatch.setattr(experiment, "evaluate_policy", lambda *a, **k: {"T1": {"success": 0.5}})
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 3})
+  monkeypatch.setattr(experiment, "sft_control", lambda c, tok, start, s, log: seconds.append(s) or "control")
+  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
+  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: [types.SimpleNamespace(id="t", metadata={})])
+  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  (tmp_path / "sft").mkdir()
+  result = experiment.run_experiment(cfg, log_fn=lambda s: None)
+  assert seconds == [pytest.approx(result["phase_seconds"]["rl"] + 60.0)] and result["rl_seconds"] == seconds[0]
 
 
 def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_path, monkeypatch):

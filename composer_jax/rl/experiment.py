@@ -81,6 +81,20 @@ def reward_terms(workdir: str) -> dict[str, list[float]]:
   return metrics_lib.part_means(rows, ["reward", "reward/task", *loop.penalty_terms(rows)])
 
 
+def earlier_rl_seconds(workdir: str, resumed_at: int) -> float:
+  """The step time of RL steps 1..`resumed_at`, run by the runs a resumed one continues (workdir/metrics.jsonl; a
+  step run twice, after a crash past its last checkpoint, counts once, as the run that checkpointed it logged it
+  last). Added to a resumed run's own RL wall-clock, it is what the RL policy cost, which the control gets."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not resumed_at or not os.path.exists(path):
+    return 0.0
+  steps = {r["step"]: r["step_s"] for r in metrics_lib.read_metrics(path) if "step_s" in r and r["step"] <= resumed_at}
+  if len(steps) < resumed_at:
+    raise ValueError(f"{path} has the step time of {len(steps)} of the {resumed_at} RL steps this run resumed after: "
+                     "the equal-wall-clock control cannot be sized (run the control by hand, or start RL afresh)")
+  return sum(steps.values())
+
+
 def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
   """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers.
   With `eval.start_only`, the warm start and its evaluation only."""
@@ -97,6 +111,7 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     t1 = time.perf_counter()
     out = loop.train_rl(cfg, log_fn)
     phases["rl"] = time.perf_counter() - t1
+    rl_seconds = phases["rl"] + earlier_rl_seconds(cfg.workdir, out["resumed_at"])   # a resumed run: all of it
   tok = setup.load_tokenizer(cfg)
   tasks = setup.heldout_tasks(cfg)
   if not tasks:
@@ -112,7 +127,7 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   try:
     result = {"sft": timed("eval_sft", evaluate_policy, cfg, start, tok, tasks, envs, "sft")}
     if out is not None:
-      result.update(_trained_rows(cfg, start, out["params"], phases["rl"], tok, tasks, envs, timed, log_fn))
+      result.update(_trained_rows(cfg, start, out["params"], rl_seconds, tok, tasks, envs, timed, log_fn))
   finally:
     envs.factory.close()
   phases["total"] = time.perf_counter() - t0
@@ -121,7 +136,7 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks,
                   sft_curriculum_steps=cfg.sft.curriculum_steps)
   else:
-    result.update(rl_seconds=phases["rl"], rl_steps=cfg.train.steps, reward_terms=reward_terms(cfg.workdir),
+    result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, reward_terms=reward_terms(cfg.workdir),
                   last={k: v for k, v in out["last"].items() if isinstance(v, float)})
   with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
     json.dump(result, f, indent=2)

@@ -25,7 +25,8 @@ from composer_jax.train import metrics as metrics_lib
 
 
 def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
-  """Runs (or resumes) the RL job of `cfg` to `cfg.train.steps`; returns the final params and the last metrics."""
+  """Runs (or resumes) the RL job of `cfg` to `cfg.train.steps`; returns the final params, the last metrics and the
+  step it resumed at (0 for a fresh run)."""
   setup.save_run_config(cfg)
   trainer = Trainer(cfg, warmstart.warm_start(cfg, log_fn), log_fn)
   last: dict = {}
@@ -51,7 +52,7 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
         trainer.checkpoint(step_no)
   _export_final(cfg, trainer)
   _plot(cfg.workdir)
-  return {"params": trainer.params, "ref_params": trainer.ref_params, "last": last}
+  return {"params": trainer.params, "ref_params": trainer.ref_params, "last": last, "resumed_at": trainer.start}
 
 
 class _Progress:
