@@ -86,9 +86,10 @@ def earlier_rl_seconds(workdir: str, resumed_at: int) -> float:
   step run twice, after a crash past its last checkpoint, counts once, as the run that checkpointed it logged it
   last). Added to a resumed run's own RL wall-clock, it is what the RL policy cost, which the control gets."""
   path = os.path.join(workdir, "metrics.jsonl")
-  if not resumed_at or not os.path.exists(path):
+  if not resumed_at:
     return 0.0
-  steps = {r["step"]: r["step_s"] for r in metrics_lib.read_metrics(path) if "step_s" in r and r["step"] <= resumed_at}
+  rows = metrics_lib.read_metrics(path) if os.path.exists(path) else []
+  steps = {r["step"]: r["step_s"] for r in rows if "step_s" in r and r["step"] <= resumed_at}
   if len(steps) < resumed_at:
     raise ValueError(f"{path} has the step time of {len(steps)} of the {resumed_at} RL steps this run resumed after: "
                      "the equal-wall-clock control cannot be sized (run the control by hand, or start RL afresh)")
