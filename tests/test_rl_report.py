@@ -63,6 +63,11 @@ def test_render_writes_tables_plots_and_the_readme_block(tmp_path):
   md = (out / "recipe.md").read_text()
   assert report.policy_table(_result()) in md and "## All runs (RL policy, T=1)" in md
   assert "Phases: sft_start 2.0 min, rl 10.0 min, total 15.0 min." in md
+  resumed = {**_result(), "rl_seconds": 1722.0, "rl_steps": 300,
+             "phase_seconds": {"sft_start": 0.5, "rl": 12.0, "total": 60.0}}
+  assert report._timing(resumed) == ("sft_start 0.0 min, rl 0.2 min, total 1.0 min (300 RL steps took 28.7 min in "
+                                     "all, the runs it resumed included; the control got that)")
+  assert report._timing({**resumed, "rl_seconds": 12.0}) == "sft_start 0.0 min, rl 0.2 min, total 1.0 min"
   for png in ("recipe_levels.png", "recipe_levels_seed1.png", "recipe_tokens.png"):
     assert (out / png).stat().st_size > 1000 and f"]({png})" in md
   doc = readme.read_text()
@@ -136,7 +141,7 @@ def test_start_table_and_a_calibration_render_by_hand(tmp_path):
   assert table[0] == "| run | SFT tasks | SFT steps | SFT min | L1 greedy / T=1 | L2 greedy / T=1 |"
   # the start: L1 20/40 greedy, 16/40 at T=1; L2 4/40 and 2/40; SFT 300 s
   assert table[2] == "| cal | 1024 | 900 | 5.0 | 50.0/40.0 | 10.0/5.0 |"
-  assert table[3] == "| run | — | — | 2.0 | 50.0/40.0 | 10.0/5.0 |"
+  assert table[3] == "| run | — | — | — | 50.0/40.0 | 10.0/5.0 |"   # a trained run's SFT time is on its Phases line
   assert table[4] == "| curriculum | 1024 | 700 + 900 | 5.0 | 50.0/40.0 | 10.0/5.0 |"
   for name, r in (("cal", start), ("full", full)):
     (tmp_path / f"{name}.json").write_text(json.dumps(r))

@@ -112,7 +112,8 @@ def start_table(runs: Sequence[tuple[str, dict]]) -> str:
   for label, r in runs:
     rates = ["/".join("—" if (f := _fig(r, "sft", t, lv)) is None else f"{100 * f['success']:.1f}"
                       for t in TEMPERATURES) for lv in levels]
-    sft_s = r.get("phase_seconds", {}).get("sft_start")
+    # A trained run's SFT phase is its rest when it resumed a copied start: its timing line says so.
+    sft_s = r.get("phase_seconds", {}).get("sft_start") if r.get("start_only") else None
     steps = r.get("sft_steps", "—")
     if r.get("sft_curriculum_steps"):
       steps = f"{r['sft_curriculum_steps']} + {steps}"
@@ -216,6 +217,17 @@ def plot_tokens(runs: Sequence[tuple[str, dict]], out_png: str, policy: str = "r
   plt.close(fig)
 
 
+def _timing(result: dict) -> str:
+  """Each phase's wall-clock in this process (a resumed run: its rest), and, when RL resumed, what all of its steps
+  took."""
+  phases = result.get("phase_seconds", {})
+  timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items())
+  if "rl_seconds" in result and abs(result["rl_seconds"] - phases.get("rl", 0.0)) > 60:
+    timing += (f" ({result.get('rl_steps', '?')} RL steps took {result['rl_seconds'] / 60:.1f} min in all, the "
+               "runs it resumed included; the control got that)")
+  return timing or "not recorded"
+
+
 def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs: Sequence[str] = ()) -> str:
   """Writes `out_dir/<name>.md` (each run's policy table and plot, the sweep table) and `<name>_levels.png` /
   `<name>_tokens.png`; returns the short table (the first run's) for the README."""
@@ -227,8 +239,7 @@ def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs
   for i, (label, r) in enumerate(loaded):
     png = f"{name}_levels{'' if i == 0 else '_' + re.sub(r'[^A-Za-z0-9]+', '_', label)}.png"
     plot_levels(r, os.path.join(out_dir, png), title=f"{name}: {label}")
-    phases = r.get("phase_seconds", {})
-    timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items()) or "not recorded"
+    timing = _timing(r)
     gain = "; ".join(f"{_tick(lv)} {g['over_start']:+.1f} over the start"
                      + (f", {g['over_control']:+.1f} over the control" if "over_control" in g else "")
                      for lv, g in gains(r).items()) or "not measured"
