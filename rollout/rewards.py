@@ -20,6 +20,16 @@ dominates, however many malformed calls or tokens an episode spends, while below
 weight. The todo and message terms are charged however the episode ends (finish, turn or segment limit): charging
 them only at `finish` would let an agent dodge both by never finishing, since the hidden tests grade the workspace
 either way.
+
+Effort terms and giving up: length, todo and lint grow with the work an episode does (tokens spent, a plan left
+open, edits that add lint findings), so an unsolved episode that finishes at once pays none of them while one that
+tried and failed pays them all. With `effort_scope="all"` (every episode pays every term) giving up therefore scores
+above a failed attempt, and on tasks a policy solves less often than ~one time in five (at the recipe's weights) RL
+can learn to quit: measured, a start that solved 13% of held-out level-3 tasks at T=1 learned by RL step ~100 to call
+finish on its first turn at every level-3 task. `effort_scope="solved"` charges the effort terms to solved episodes only: between two
+successes the shorter, tidier one still scores higher (the report's "quick on easy tasks"), while every unsolved
+episode that made no malformed or repeated call and ended with a message scores 0, trying or not, so all-failed
+groups carry no signal to quit. The tool-use terms (malformed, repeat, no_message) are charged to every episode.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import dataclasses
 import math
 
 LENGTH_UNITS = ("tokens", "turns", "tool_calls")
+EFFORT_SCOPES = ("all", "solved")
+EFFORT_TERMS = ("length", "todo", "lint")   # grow with the work done; `effort_scope` says who pays them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +55,7 @@ class RewardConfig:
   no_message_weight: float = 0.05
   lint_weight: float = 0.02
   penalty_cap: float = 0.0    # > 0: the penalties' sum is floored at -penalty_cap (0: no floor)
+  effort_scope: str = "all"   # who pays EFFORT_TERMS: every episode ('all') or solved ones only ('solved')
 
   def __post_init__(self):
     if not 0.0 <= self.penalty_cap < 1.0:
@@ -52,6 +65,8 @@ class RewardConfig:
       raise ValueError(f"length_unit {self.length_unit!r} not in {LENGTH_UNITS}")
     if self.length_k <= 0:
       raise ValueError(f"length_k must be > 0, got {self.length_k}")
+    if self.effort_scope not in EFFORT_SCOPES:
+      raise ValueError(f"effort_scope {self.effort_scope!r} not in {EFFORT_SCOPES}")
 
 
 def length_penalty(x: float, k: float, q: float) -> float:
@@ -101,7 +116,8 @@ def compute_reward(task_reward: float, stats: EpisodeStats, cfg: RewardConfig) -
 
   Returns:
     (reward, breakdown) with breakdown terms task, length, todo, malformed, repeat, no_message, lint summing to
-    reward (penalties scaled to `penalty_cap` in total when they exceed it).
+    reward (penalties scaled to `penalty_cap` in total when they exceed it); with `effort_scope="solved"` an unsolved
+    episode's length, todo and lint terms are 0.
   """
   x = {"tokens": stats.output_tokens, "turns": stats.turns, "tool_calls": stats.tool_calls}[cfg.length_unit]
   no_message = not stats.final_message.strip()
@@ -114,6 +130,8 @@ def compute_reward(task_reward: float, stats: EpisodeStats, cfg: RewardConfig) -
     "no_message": -cfg.no_message_weight * float(no_message),
     "lint": -cfg.lint_weight * stats.new_lint_findings,
   }
+  if cfg.effort_scope == "solved" and not task_reward:
+    terms.update({k: 0.0 for k in EFFORT_TERMS})
   penalty = -sum(v for k, v in terms.items() if k != "task")
   if cfg.penalty_cap and penalty > cfg.penalty_cap:
     terms = {k: v if k == "task" else v * cfg.penalty_cap / penalty for k, v in terms.items()}

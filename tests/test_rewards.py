@@ -125,3 +125,43 @@ def test_every_term_but_task_is_a_penalty():
                                              new_lint_findings=2)):
     r, terms = compute_reward(0.0, stats, cfg)
     assert r <= 0.0 and all(v <= 0.0 for k, v in terms.items() if k != "task")
+
+
+# Giving up vs trying: the effort terms (length, todo, lint) and `effort_scope`.
+
+GIVE_UP = EpisodeStats(output_tokens=30, turns=1, tool_calls=1, finished=True, final_message="Done.")
+FAILED_TRY = EpisodeStats(output_tokens=340, turns=9, tool_calls=9, finished=True, final_message="Fixed.",
+                          unfinished_todos=2, new_lint_findings=1)
+
+
+def test_charged_to_every_episode_giving_up_outscores_a_failed_attempt():
+  """The loophole `effort_scope="solved"` closes, by hand at the recipe's weights (λ = 4.7536e-4, k = 0.01,
+  q = 0.5): calling finish at once pays λ C(30) = λ (1.3^0.5 - 1) / 0.005 = 0.0133; a failed 340-token attempt
+  with 2 todo items open pays λ C(340) = λ (4.4^0.5 - 1) / 0.005 = 0.1044 + 2 x 0.05 = 0.2044."""
+  cfg = RewardConfig(**{**RECIPE.__dict__, "length_weight": 4.7536e-4, "lint_weight": 0.0})
+  give_up, _ = compute_reward(0.0, GIVE_UP, cfg)
+  tried, terms = compute_reward(0.0, FAILED_TRY, cfg)
+  assert give_up == pytest.approx(-0.0133, abs=1e-4) and tried == pytest.approx(-0.2044, abs=1e-4)
+  assert terms["length"] == pytest.approx(-0.1044, abs=1e-4) and terms["todo"] == pytest.approx(-0.1)
+  assert give_up > tried
+
+
+def test_effort_scope_solved_charges_length_todo_lint_to_solved_episodes_only():
+  cfg = RewardConfig(length_weight=0.1, length_k=1.0, length_q=0.0, todo_weight=0.05, lint_weight=0.02,
+                     malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05, effort_scope="solved")
+  every = RewardConfig(**{**cfg.__dict__, "effort_scope": "all"})
+  # Unsolved: the effort terms are 0, trying or not, so the two tie at 0 ...
+  for stats in (GIVE_UP, FAILED_TRY):
+    r, terms = compute_reward(0.0, stats, cfg)
+    assert r == 0.0 and terms["length"] == terms["todo"] == terms["lint"] == 0.0
+  # ... while the tool-use terms are charged to every episode: 2 malformed, 1 repeat, no message = -0.17.
+  sloppy = EpisodeStats(output_tokens=40, malformed_calls=2, repeated_calls=1, unfinished_todos=3)
+  r, terms = compute_reward(0.0, sloppy, cfg)
+  assert r == pytest.approx(-0.17) and terms["todo"] == terms["length"] == 0.0
+  # Solved: every term, exactly as with 'all'.
+  for stats in (GIVE_UP, FAILED_TRY, sloppy):
+    assert compute_reward(1.0, stats, cfg) == compute_reward(1.0, stats, every)
+  # Between two successes the shorter, tidier one still scores higher.
+  assert compute_reward(1.0, GIVE_UP, cfg)[0] > compute_reward(1.0, FAILED_TRY, cfg)[0]
+  with pytest.raises(ValueError, match="effort_scope"):
+    RewardConfig(effort_scope="unsolved")

@@ -81,7 +81,10 @@ def test_the_default_run_has_the_length_penalty_and_behavioural_terms_on():
   λ = 0.1 / C(321), C(x) = ((1 + 0.01 x)^0.5 - 1) / 0.005; a solved 87-token level-1 episode pays 0.035)."""
   colab = configs.from_dict(RunConfig, rl_configs.get_config(), workdir="/tmp/x").harness.rewards
   recipe = configs.from_dict(RunConfig, rl_configs.get_config("recipe"), workdir="/tmp/x").harness.rewards
-  assert colab == recipe and colab.penalty_cap == 0.5 and colab.todo_weight > 0 and colab.malformed_weight > 0
+  # The recipe charges the effort terms to solved episodes only (rollout/rewards.py); the rest is the same.
+  assert colab.effort_scope == "all" and recipe.effort_scope == "solved"
+  assert colab == dataclasses.replace(recipe, effort_scope="all")
+  assert colab.penalty_cap == 0.5 and colab.todo_weight > 0 and colab.malformed_weight > 0
   lam = 0.1 / ((4.21 ** 0.5 - 1) / 0.005)
   assert colab.length_weight == pytest.approx(lam)
   total, terms = rewards.compute_reward(1.0, rewards.EpisodeStats(output_tokens=87, finished=True,

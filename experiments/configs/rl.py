@@ -87,10 +87,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # behavioural terms (open todo items, malformed calls, repeats, no final message) are on, and
       # penalty_cap=0.5 floors their sum so a solved episode always outscores an unsolved one. The lint term runs
       # ruff in every episode's sandbox (measured: doubles the per-episode sandbox cost, 240 → 510 ms at load 10)
-      # and a one-line procedural fix rarely changes lint findings; `lint_weight=0.02` turns it on.
+      # and a one-line procedural fix rarely changes lint findings; `lint_weight=0.02` turns it on. Every episode
+      # pays the effort terms (length, todo, lint; `recipe` charges them to solved ones only, see there).
       rewards=dict(length_weight=_length_weight(0.5), length_k=RECIPE_LENGTH_K, length_q=0.5, todo_weight=0.05,
                    malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05, lint_weight=0.0,
-                   penalty_cap=0.5)))
+                   penalty_cap=0.5, effort_scope="all")))
   # 300 steps left a start that could not copy (0% held-out; RL had nothing to learn from) while the same SFT run
   # longer reached 89%; 900 steps on half-wrong demonstrations give a start that solves 82% greedy / 45% at T=1
   # (500 held-out tasks): groups contain successes, and an SFT control can only imitate the errors.
@@ -250,7 +251,11 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   c.harness.update(context_budget=496, max_turn_tokens=112, observation_reserve=128, max_turns=10, max_segments=4,
                    summary_max_tokens=56, summary_prompt="Summarize.")
   # The rewards are get_config's (every run's): C(x) at q = 0.5 with λ from _length_weight, the behavioural terms,
-  # lint off, penalty_cap 0.5 (derived above).
+  # lint off, penalty_cap 0.5 (derived above), with the effort terms (length, todo) charged to solved episodes only:
+  # charged to all, an unsolved level-3 episode that calls finish at once (~30 tokens, no todo list: -0.01) beat
+  # one that tried (~340 tokens, 2 items open: up to -0.2), and from the near-miss curriculum start (13% of level 3
+  # at T=1) RL learned to do just that by step ~100: level 3 fell to 0% greedy and at T=1 (rollout/rewards.py).
+  c.harness.rewards.effort_scope = "solved"
   # Unpacked (train.pack_rows=0). Packed into 24 rows (half the step's rows), a step held 1.7 groups instead of 2.7:
   # a level-3 group's 2-3 segments of 256-496 tokens rarely share a row. From the near-miss start RL's training pass
   # rate then fell from 0.27 to 0.15 by step 50; unpacked it fell too, later (by steps 70-80). Packing that keeps
