@@ -21,15 +21,17 @@ weight. The todo and message terms are charged however the episode ends (finish,
 them only at `finish` would let an agent dodge both by never finishing, since the hidden tests grade the workspace
 either way.
 
-Effort terms and giving up: length, todo and lint grow with the work an episode does (tokens spent, a plan left
-open, edits that add lint findings), so an unsolved episode that finishes at once pays none of them while one that
-tried and failed pays them all. With `effort_scope="all"` (every episode pays every term) giving up therefore scores
-above a failed attempt, and on tasks a policy solves less often than ~one time in five (at the recipe's weights) RL
-can learn to quit: measured, a start that solved 13% of held-out level-3 tasks at T=1 learned by RL step ~100 to call
-finish on its first turn at every level-3 task. `effort_scope="solved"` charges the effort terms to solved episodes only: between two
-successes the shorter, tidier one still scores higher (the report's "quick on easy tasks"), while every unsolved
-episode that made no malformed or repeated call and ended with a message scores 0, trying or not, so all-failed
-groups carry no signal to quit. The tool-use terms (malformed, repeat, no_message) are charged to every episode.
+Effort terms and giving up: length, todo and lint grow with the work an episode does (tokens spent, a plan left open,
+edits that add lint findings), so an unsolved episode that finishes at once pays none of them while one that tried and
+failed pays them all. With `effort_scope="all"` (every episode pays every term) giving up scores above a failed
+attempt: in a group where every sample fails the advantage favours the samples that quit, and on a task the policy
+solves less than about one time in six (at the recipe's weights: 0.9 p - 0.2 (1 - p) < -0.013) quitting has the higher
+expected reward. Measured: from a start that solved 13% of held-out level-3 tasks at T=1, RL learned by step ~100 to
+call finish on its first turn at every level-3 task. `effort_scope="solved"` charges the effort terms to solved
+episodes only: between two successes the shorter, tidier one still scores higher (the report's "quick on easy tasks"),
+while every unsolved episode that made no malformed or repeated call and ended with a message scores 0, trying or not,
+so all-failed groups carry no signal at all. The tool-use terms (malformed, repeat, no_message) are charged to every
+episode.
 """
 
 from __future__ import annotations

@@ -289,9 +289,11 @@ def _recipe_sweep():
           + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q}
              for q in (0.0, 1.0)]                     # λ > 0 at q = 0 and 1; q = 0.5 is the recipe (the seed rows)
           # a curriculum start (level 1 first, its BPE fitted to level 1, as rl.py:curriculum's): calibrated, then
-          # the run from it for 300 steps; the same from a curriculum start taught half near misses
-          + [{**RECIPE_CURRICULUM, "eval.start_only": True}, {**RECIPE_CURRICULUM, "train.steps": 300},
-             {**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "train.steps": 300}])
+          # the run from it for 300 steps; the same from a curriculum start taught half near misses, with the
+          # effort terms charged to solved episodes (the recipe's) and to every episode (where RL learned to quit)
+          + [{**RECIPE_CURRICULUM, "eval.start_only": True}, {**RECIPE_CURRICULUM, "train.steps": 300}]
+          + [{**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "train.steps": 300, "harness.rewards.effort_scope": e}
+             for e in ("solved", "all")])
 
 
 def get_sweep(arg: str | None = None):
