@@ -1,5 +1,6 @@
 """rollout/rewards.py: the length penalty and each reward term against hand-computed values."""
 
+import dataclasses
 import math
 
 import pytest
@@ -138,7 +139,7 @@ def test_charged_to_every_episode_giving_up_outscores_a_failed_attempt():
   """The loophole `effort_scope="solved"` closes, by hand at the recipe's weights (λ = 4.7536e-4, k = 0.01,
   q = 0.5): calling finish at once pays λ C(30) = λ (1.3^0.5 - 1) / 0.005 = 0.0133; a failed 340-token attempt
   with 2 todo items open pays λ C(340) = λ (4.4^0.5 - 1) / 0.005 = 0.1044 + 2 x 0.05 = 0.2044."""
-  cfg = RewardConfig(**{**RECIPE.__dict__, "length_weight": 4.7536e-4, "lint_weight": 0.0})
+  cfg = dataclasses.replace(RECIPE, length_weight=4.7536e-4)
   give_up, _ = compute_reward(0.0, GIVE_UP, cfg)
   tried, terms = compute_reward(0.0, FAILED_TRY, cfg)
   assert give_up == pytest.approx(-0.0133, abs=1e-4) and tried == pytest.approx(-0.2044, abs=1e-4)
@@ -149,7 +150,7 @@ def test_charged_to_every_episode_giving_up_outscores_a_failed_attempt():
 def test_effort_scope_solved_charges_length_todo_lint_to_solved_episodes_only():
   cfg = RewardConfig(length_weight=0.1, length_k=1.0, length_q=0.0, todo_weight=0.05, lint_weight=0.02,
                      malformed_weight=0.05, repeat_weight=0.02, no_message_weight=0.05, effort_scope="solved")
-  every = RewardConfig(**{**cfg.__dict__, "effort_scope": "all"})
+  every = dataclasses.replace(cfg, effort_scope="all")
   # Unsolved: the effort terms are 0, trying or not, so the two tie at 0 ...
   for stats in (GIVE_UP, FAILED_TRY):
     r, terms = compute_reward(0.0, stats, cfg)

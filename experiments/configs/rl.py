@@ -252,7 +252,7 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   c.harness.update(context_budget=496, max_turn_tokens=112, observation_reserve=128, max_turns=10, max_segments=4,
                    summary_max_tokens=56, summary_prompt="Summarize.")
   # The rewards are get_config's (every run's): C(x) at q = 0.5 with λ from _length_weight, the behavioural terms,
-  # lint off, penalty_cap 0.5 (derived above), with the effort terms (length, todo) charged to solved episodes only:
+  # lint off, penalty_cap 0.5 (derived above), with the effort terms (length, todo, lint) charged to solved ones only:
   # charged to all, an unsolved level-3 episode that calls finish at once (~30 tokens, no todo list: -0.01) beat
   # one that tried (~340 tokens, 2 items open: up to -0.2), and from the near-miss curriculum start (13% of level 3
   # at T=1) RL learned to do just that by step ~100: level 3 fell to 0% greedy and at T=1 (rollout/rewards.py).
