@@ -170,8 +170,10 @@ def _curriculum_sweep():
 RECIPE_LENGTH_K, RECIPE_LEVEL3_TOKENS, RECIPE_LEVEL3_COST = 0.01, 321, 0.1
 
 
-# The recipe from a curriculum start (a `_recipe_sweep` row): 900 SFT steps on the level-1 demonstrations first.
+# The recipe from a curriculum start (a `_recipe_sweep` row): 900 SFT steps on the level-1 demonstrations first;
+# NEARMISS_CURRICULUM, the rows where RL learns levels 2-3: that start taught half near misses, 300 RL steps.
 RECIPE_CURRICULUM = {"sft.curriculum_levels": (1,), "sft.curriculum_steps": 900}
+NEARMISS_CURRICULUM = {**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "train.steps": 300}
 
 
 # The no-summary arm: the oldest turns are dropped instead. Segments are not the context budget (max_turns bounds
@@ -291,10 +293,11 @@ def _recipe_sweep():
              for q in (0.0, 1.0)]                     # λ > 0 at q = 0 and 1; q = 0.5 is the recipe (the seed rows)
           # a curriculum start (level 1 first, its BPE fitted to level 1, as rl.py:curriculum's): calibrated, then
           # the run from it for 300 steps; the same from a curriculum start taught half near misses, with the
-          # effort terms charged to solved episodes (the recipe's) and to every episode (where RL learned to quit)
+          # effort terms charged to solved episodes (the recipe's; seeds 0 and 1) and to every episode (where RL
+          # learned to quit)
           + [{**RECIPE_CURRICULUM, "eval.start_only": True}, {**RECIPE_CURRICULUM, "train.steps": 300}]
-          + [{**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "train.steps": 300, "harness.rewards.effort_scope": e}
-             for e in ("solved", "all")])
+          + [{**NEARMISS_CURRICULUM, "seed": s} for s in (0, 1)]
+          + [{**NEARMISS_CURRICULUM, "harness.rewards.effort_scope": "all"}])
 
 
 def get_sweep(arg: str | None = None):
