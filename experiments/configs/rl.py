@@ -208,10 +208,11 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   Not the default run: measured (experiments/results/README.md, 200 held-out tasks per level) it takes ~50 min on 2
   idle cores (the SFT start ~21-27: 8 x 512-token steps are attention-bound), and its 80 RL steps did not beat the
   start on any level while the equal-wall-clock SFT control did (seeds 0 and 1); neither did 240 steps or KL beta
-  1e-2. From a start
-  taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1 (T=1) and nothing on
-  levels 2-3, where both starts are at or below ~20%. From the curriculum start taught half near misses, 300 steps
-  (~100 min in all) gained +23.0 / +20.0 at T=1 on levels 2 / 3 (+15.0 / +5.0 over the control; seed 0).
+  1e-2. From a start taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1
+  (T=1) and nothing on levels 2-3, where both starts are at or below ~20%. From the curriculum start taught half
+  near misses (NEARMISS_CURRICULUM), 300 steps (~100 min in all) gained at T=1 +23.0 / +20.0 on levels 2 / 3 with
+  seed 0 and +27.0 / +16.0 with seed 1 (over the control +15.0 / +5.0 and +27.5 / +2.5); greedy, level 3 fell
+  0.5 and 14.5 points.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
