@@ -172,7 +172,7 @@ def plot_levels(result: dict, out_png: str, title: str = "") -> None:
   import matplotlib.pyplot as plt
   levels = levels_of(result) or [None]
   pols = [p for p in POLICIES if p in result]
-  fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(5 * len(TEMPERATURES), 3.5), squeeze=False)
+  fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(5 * len(TEMPERATURES), 4.2), squeeze=False)
   width = 0.8 / max(len(pols), 1)
   for ax, temp in zip(axes[0], TEMPERATURES, strict=True):
     for i, p in enumerate(pols):   # a bar where the policy was evaluated (the summary rows: their levels only)
@@ -188,10 +188,13 @@ def plot_levels(result: dict, out_png: str, title: str = "") -> None:
     ax.set_ylim(0, 100)
     ax.set_title(TEMPERATURES[temp])
     ax.grid(alpha=0.3, axis="y")
-  axes[0][0].legend(fontsize="small", loc="upper right")
+  # the legend below the panels: inside, it hides bars that reach the top
+  ncol = max(1, min(len(pols), 3))
+  legend_rows = -(-len(pols) // ncol)
+  fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=ncol, fontsize="small", frameon=False)
   if title:
     fig.suptitle(title)
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.06 * legend_rows, 1, 1))
   fig.savefig(out_png, dpi=100)
   plt.close(fig)
 
