@@ -298,7 +298,9 @@ def _recipe_sweep():
           # learned to quit)
           + [{**RECIPE_CURRICULUM, "eval.start_only": True}, {**RECIPE_CURRICULUM, "train.steps": 300}]
           + [{**NEARMISS_CURRICULUM, "seed": s} for s in (0, 1)]
-          + [{**NEARMISS_CURRICULUM, "harness.rewards.effort_scope": "all"}])
+          + [{**NEARMISS_CURRICULUM, "harness.rewards.effort_scope": "all"}]
+          # greedy: 10x the KL β from those starts (copied in; the control is the seed rows' above)
+          + [{**NEARMISS_CURRICULUM, "seed": s, "rl.loss.kl_coef": 1e-2, "eval.control": False} for s in (0, 1)])
 
 
 def get_sweep(arg: str | None = None):
