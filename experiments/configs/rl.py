@@ -301,7 +301,9 @@ def _recipe_sweep():
           + [{**NEARMISS_CURRICULUM, "seed": s} for s in (0, 1)]
           + [{**NEARMISS_CURRICULUM, "harness.rewards.effort_scope": "all"}]
           # greedy: 10x the KL β from those starts (copied in; the control is the seed rows' above)
-          + [{**NEARMISS_CURRICULUM, "seed": s, "rl.loss.kl_coef": 1e-2, "eval.control": False} for s in (0, 1)])
+          + [{**NEARMISS_CURRICULUM, "seed": s, "rl.loss.kl_coef": 1e-2, "eval.control": False} for s in (0, 1)]
+          + [{**NEARMISS_CURRICULUM, "seed": 1, "rl.loss.kl_coef": 5e-2, "eval.control": False,   # and 50x
+              "eval.summaries_from_start": False, "eval.drop_oldest": False}])
 
 
 def get_sweep(arg: str | None = None):
