@@ -50,11 +50,39 @@ def test_resume_refuses_other_settings_and_summaries_cover_every_policy(tmp_path
                         "oracle: made with other settings (this run -> that one): harness.max_turn_tokens: 1024 -> 768"]
   assert "note: noop: made with other settings" in (tmp_path / "out" / "s" / "summary.txt").read_text()
   # A run on another task set (e.g. other contamination exclusions) is left out, not mixed in.
-  r = suite.evaluate({"s": tasks[:2]}, _pol(tok, "noop"), envs, CFG, str(tmp_path / "out2"), **quiet)["s"]
+  r = suite.evaluate({"s": tasks[1:]}, _pol(tok, "noop"), envs, CFG, str(tmp_path / "out2"), **quiet)["s"]
   with pytest.raises(ValueError, match=r"the tasks differ \(other tasks, contents or labels\)"):
     suite.evaluate({"s": tasks}, _pol(tok, "noop"), envs, CFG, str(tmp_path / "out2"), **quiet)
   r = suite.evaluate({"s": tasks}, _pol(tok, "oracle"), envs, CFG, str(tmp_path / "out2"), **quiet)["s"]
   assert set(r["summaries"]) == {"oracle"} and r["notes"] == ["noop: left out, evaluated on another task set"]
+
+
+def test_a_grown_set_runs_only_its_new_tasks(tmp_path, tok):
+  """More tasks whose start is the stored set reuse its results; any other change of the set is refused."""
+  tasks = procedural.generate(5, seed=2, split="heldout")
+  envs = EnvironmentCache(LocalFactory(root=str(tmp_path / "ws")))
+  out, lines = str(tmp_path / "out"), []
+
+  def oracle(ts):
+    return policies.baseline("oracle", tok, ts)
+  first = runner.run_policy("oracle", oracle(tasks[:2]), tok, tasks[:2], envs, CFG, out,
+                            runner.SampleConfig(chunk_tasks=2), log=lines.append)
+  assert [r["task_id"] for r in first] == [t.id for t in tasks[:2]]
+  grown = runner.run_policy("oracle", oracle(tasks), tok, tasks, envs, CFG, out,
+                            runner.SampleConfig(chunk_tasks=2), log=lines.append)
+  assert [r["task_id"] for r in grown] == [t.id for t in tasks]
+  assert grown[:2] == first and all(r["samples"][0]["solved"] == 1.0 for r in grown)
+  assert "[oracle] the set grew from 2 to 5 tasks: only the new ones are run" in lines
+  with open(tmp_path / "out" / runner.RESULTS) as f:
+    assert [json.loads(x)["task_id"] for x in f] == [t.id for t in tasks]   # each task once: 2 were not re-run
+  assert runner.read_run_info(out)["set"] == runner.set_fingerprint(tasks)
+  # A set that is not a grown one (fewer tasks, or other tasks first) is refused as before.
+  for other in (tasks[:3], tasks[1:] + tasks[:1]):
+    with pytest.raises(ValueError, match=r"the tasks differ"):
+      runner.run_policy("oracle", oracle(other), tok, other, envs, CFG, out, log=lines.append)
+  with pytest.raises(ValueError, match=r"chunk_tasks: 2 -> 8"):   # growing keeps every other setting
+    runner.run_policy("oracle", oracle(tasks + procedural.generate(1, seed=9, split="heldout")), tok,
+                      tasks + procedural.generate(1, seed=9, split="heldout"), envs, CFG, out, log=lines.append)
 
 
 def test_run_info_records_the_harness(tmp_path):

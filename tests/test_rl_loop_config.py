@@ -422,6 +422,23 @@ def test_a_resumed_runs_control_gets_all_of_rls_wall_clock(tmp_path, monkeypatch
   assert seconds == [pytest.approx(result["phase_seconds"]["rl"] + 60.0)] and result["rl_seconds"] == seconds[0]
 
 
+def test_the_controls_size_is_chosen_once(tmp_path, monkeypatch):
+  """The control's steps come from RL's seconds and the warm start's rate once; a rerun with another RL wall-clock
+  (a resumed evaluation, a grown held-out set) trains and evaluates that same control, and results.json says so."""
+  from composer_jax.rl import experiment
+  cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
+  (tmp_path / "sft").mkdir()
+  (tmp_path / "sft" / "sft_seconds_per_step.json").write_text(json.dumps({"seconds_per_step": 0.5}))
+  steps = []
+  monkeypatch.setattr(experiment.warmstart, "sft", lambda c, tok, p, d, steps_=None, **k: steps.append(k["steps"])
+                      or ("control", None))
+  assert experiment.control_size(str(tmp_path)) is None
+  assert experiment.sft_control(cfg, None, "start", 100.0, lambda s: None) == "control"
+  assert experiment.sft_control(cfg, None, "start", 160.0, lambda s: None) == "control"
+  assert steps == [200, 200]
+  assert experiment.control_size(str(tmp_path)) == {"steps": 200, "seconds": 100.0, "seconds_per_step": 0.5}
+
+
 def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_path, monkeypatch):
   """eval.start_only (calibration before a long run): the start is evaluated on every held-out task, no RL step,
   no control and no summary row runs, and results.json says so."""

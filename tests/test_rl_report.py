@@ -68,6 +68,11 @@ def test_render_writes_tables_plots_and_the_readme_block(tmp_path):
   assert report._timing(resumed) == ("sft_start 0.0 min, rl 0.2 min, total 1.0 min (300 RL steps took 28.7 min in "
                                      "all, the runs it resumed included; the control got that)")
   assert report._timing({**resumed, "rl_seconds": 12.0}) == "sft_start 0.0 min, rl 0.2 min, total 1.0 min"
+  copied = {**resumed, "control_seconds": 1490.0, "control_steps": 2090}   # a control sized for another run's RL
+  assert report._timing(copied) == ("sft_start 0.0 min, rl 0.2 min, total 1.0 min (300 RL steps took 28.7 min in "
+                                    "all, the runs it resumed included); the control's 2090 SFT steps were sized "
+                                    "for 24.8 min of RL")
+  assert report._timing({**copied, "control_seconds": 1700.0}) == report._timing(resumed)
   for png in ("recipe_levels.png", "recipe_levels_seed1.png", "recipe_tokens.png"):
     assert (out / png).stat().st_size > 1000 and f"]({png})" in md
   doc = readme.read_text()

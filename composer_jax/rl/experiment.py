@@ -40,15 +40,37 @@ def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str, summari
           for t in cfg.eval.temperatures}
 
 
+CONTROL_RECORD = "control.json"   # in workdir/sft_control: the control's size, fixed when first chosen
+
+
 def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> dict:
-  """More SFT from the same start for about `seconds` of wall-clock (steps from the warm start's measured rate)."""
-  with open(os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")) as f:
-    s_per_step = json.load(f)["seconds_per_step"]
-  steps = max(1, int(seconds / s_per_step))
-  log_fn(f"SFT control: {steps} more steps (~{seconds:.0f} s at {s_per_step:.2f} s/step)")
-  params, _ = warmstart.sft(cfg, tok, start_params, os.path.join(cfg.workdir, "sft_control"), steps=steps,
+  """More SFT from the same start for about `seconds` of wall-clock (steps from the warm start's measured rate).
+
+  The size is chosen once and recorded in workdir/sft_control/control.json: a rerun (an evaluation resumed, or
+  grown to more held-out tasks) trains no further and evaluates the same control, whatever its own RL wall-clock."""
+  control_dir = os.path.join(cfg.workdir, "sft_control")
+  size = control_size(cfg.workdir)
+  if size is None:
+    with open(os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")) as f:
+      s_per_step = json.load(f)["seconds_per_step"]
+    size = {"steps": max(1, int(seconds / s_per_step)), "seconds": seconds, "seconds_per_step": s_per_step}
+    os.makedirs(control_dir, exist_ok=True)
+    with open(os.path.join(control_dir, CONTROL_RECORD), "w") as f:
+      json.dump(size, f)
+  log_fn(f"SFT control: {size['steps']} more steps (~{size['seconds']:.0f} s at {size['seconds_per_step']:.2f} "
+         "s/step)")
+  params, _ = warmstart.sft(cfg, tok, start_params, control_dir, steps=size["steps"],
                             learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
   return params
+
+
+def control_size(workdir: str) -> dict | None:
+  """The recorded size of the run's control ({steps, seconds, seconds_per_step}), or None before it is chosen."""
+  path = os.path.join(workdir, "sft_control", CONTROL_RECORD)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
 
 
 def without_summaries(cfg: RunConfig) -> RunConfig:
@@ -151,6 +173,8 @@ def _trained_rows(cfg: RunConfig, start, params, rl_seconds: float, tok, tasks, 
   if cfg.eval.control and cfg.sft.steps:
     ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
     rows["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs, "sft_control")
+    if (size := control_size(cfg.workdir)) is not None:
+      rows.update(control_steps=size["steps"], control_seconds=size["seconds"])
   if cfg.eval.summaries_from_start or cfg.eval.drop_oldest:
     needs_summary = summary_tasks(cfg, tasks)
   if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries

@@ -221,13 +221,19 @@ def plot_tokens(runs: Sequence[tuple[str, dict]], out_png: str, policy: str = "r
 
 
 def _timing(result: dict) -> str:
-  """Each phase's wall-clock in this process (a resumed run: its rest), and, when RL resumed, what all of its steps
-  took."""
+  """Each phase's wall-clock in this process (a resumed run: its rest), when RL resumed what all of its steps took,
+  and the control's size when it was chosen for another RL wall-clock (a control copied from a run whose RL steps
+  took longer or shorter)."""
   phases = result.get("phase_seconds", {})
   timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items())
+  control = result.get("control_seconds", result.get("rl_seconds"))
   if "rl_seconds" in result and abs(result["rl_seconds"] - phases.get("rl", 0.0)) > 60:
     timing += (f" ({result.get('rl_steps', '?')} RL steps took {result['rl_seconds'] / 60:.1f} min in all, the "
-               "runs it resumed included; the control got that)")
+               "runs it resumed included" + ("; the control got that)" if abs(control - result["rl_seconds"]) <= 60
+                                            else ")"))
+  if control is not None and "rl_seconds" in result and abs(control - result["rl_seconds"]) > 60:
+    timing += (f"; the control's {result.get('control_steps', '?')} SFT steps were sized for {control / 60:.1f} min "
+               "of RL")
   return timing or "not recorded"
 
 

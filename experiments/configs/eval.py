@@ -25,7 +25,8 @@ system prompt, 320-token budget, 4 turns, one segment).
 Policies (`policies=a+b`): `oracle`, `noop`, `random` (scripted baselines, cost 0), `checkpoint` (an LM-stage workdir
 `checkpoint=` an LM-stage workdir (params/) or an RL-run workdir (weights/latest.json), both with tokenizer/;
 several joined by ':' appear side by side on the plot; `model=` their model-config variant; embedded JAX engine),
-`sglang` (`sglang_url=`). Re-running with the same `out` resumes: finished tasks are not re-run.
+`sglang` (`sglang_url=`). Re-running with the same `out` resumes: finished tasks are not re-run, and a bigger
+`n_tasks` (same seed and levels) runs only the new tasks.
 
 Expected (procedural, 8 level-1 held-out tasks, k=2, oracle+noop+random, sandboxes): ~20-40 s on 2 busy cores;
 oracle pass@1 = 1.0, no-op 0.0, random 0.0; out/procedural/{summary.txt,pareto.png}, out/set_stats.txt.

@@ -7,6 +7,11 @@ Tasks are cut into fixed chunks of the *full* task list; each chunk's k x tasks 
 finished tasks are read back and skipped, so an interrupted run re-does at most the chunk it was in. The harness
 seed of a chunk depends only on its position, so a resumed run samples what an uninterrupted one would have.
 
+A set may grow: rerun with more tasks whose start is the stored set (e.g. `n` procedural tasks raised from 600 to
+1,500; their mixes are interleaved, so a prefix is the smaller set) and only the new tasks are run. New tasks that
+share a chunk with finished ones are sampled apart from them, so at T > 0 they are another draw from the same
+policy than a fresh run's, not the same one.
+
 Settings that define a result (`run_settings`: the policy, a hash of the tasks' content, k, chunking, the harness
 configuration except `grade_workers`, active parameters) are stored in `run.json`; a directory holding results made
 with other settings is refused, naming each difference, so a resume never mixes them.
@@ -53,10 +58,16 @@ class SampleConfig:
 
 def set_fingerprint(tasks: Sequence[Task]) -> str:
   """A short hash of the tasks' content in order (a resumed run must see the same tasks, labels included)."""
-  digest = hashlib.sha256()
+  return prefix_fingerprints(tasks)[-1] if tasks else hashlib.sha256().hexdigest()[:16]
+
+
+def prefix_fingerprints(tasks: Sequence[Task]) -> list[str]:
+  """`set_fingerprint(tasks[:i + 1])` for each i, in one pass."""
+  digest, out = hashlib.sha256(), []
   for t in tasks:
     digest.update(json.dumps(t.to_dict(), sort_keys=True, default=str).encode())
-  return digest.hexdigest()[:16]
+    out.append(digest.hexdigest()[:16])
+  return out
 
 
 def run_settings(policy: str, tasks: Sequence[Task], harness_cfg: harness.HarnessConfig, cfg: SampleConfig) -> dict:
@@ -88,12 +99,27 @@ def read_run_info(out_dir: str) -> dict | None:
     return json.load(f)
 
 
-def _check_run_info(out_dir: str, info: dict) -> None:
+def _write_run_info(out_dir: str, info: dict) -> None:
+  fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=1)
+  os.replace(tmp, os.path.join(out_dir, RUN_INFO))
+
+
+def _check_run_info(out_dir: str, info: dict, tasks: Sequence[Task], log: Callable[[str], None]) -> None:
+  """Stores `info` in a new `out_dir`; refuses one whose results were made with other settings, except a set that
+  grew (the stored set is a start of `tasks`: its results stay valid, and run.json then names the bigger set)."""
   old = read_run_info(out_dir)
   if old is None:
-    with open(os.path.join(out_dir, RUN_INFO), "w", encoding="utf-8") as f:
-      json.dump(info, f, indent=1)
+    _write_run_info(out_dir, info)
     return
+  if old.get("set") != info["set"] and settings_diff({**old, "set": info["set"]}, info) == []:
+    prefixes = prefix_fingerprints(tasks)
+    if old.get("set") in prefixes[:-1]:
+      log(f"[{info['policy']}] the set grew from {prefixes.index(old['set']) + 1} to {len(tasks)} tasks: "
+          "only the new ones are run")
+      _write_run_info(out_dir, info)
+      return
   diff = [("the tasks differ (other tasks, contents or labels)" if d.startswith("set: ") else d)
           for d in settings_diff(old, info)]
   if diff:
@@ -155,7 +181,7 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
   if len({t.id for t in tasks}) != len(tasks):
     raise ValueError("task ids must be unique within a set")
   os.makedirs(out_dir, exist_ok=True)
-  _check_run_info(out_dir, run_settings(policy, tasks, harness_cfg, cfg))
+  _check_run_info(out_dir, run_settings(policy, tasks, harness_cfg, cfg), tasks, log)
   done = read_records(out_dir)
   if done:
     log(f"[{policy}] resuming: {len(done)}/{len(tasks)} tasks already done")
