@@ -59,6 +59,9 @@ def test_recipe_config_and_its_sweep_rows_build():
   rows = rl_configs.get_sweep("recipe")
   assert {"seed": 1} in rows and {"harness.rewards.length_weight": 0.0} in rows
   assert {r.get("harness.rewards.length_q") for r in rows} >= {0.0, 1.0}
+  # The default comparison rows at their best KL β: two seeds, 500 held-out tasks per level of the three.
+  assert all({**rl_configs.NEARMISS_CURRICULUM_KL, "seed": s} in rows for s in (0, 1))
+  assert rl_configs.NEARMISS_CURRICULUM_KL["eval.tasks"] == 500 * len(c.tasks.levels)
   for overrides in rows:
     cfg = rl_configs.get_config("recipe")
     for k, v in overrides.items():
