@@ -273,7 +273,8 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   # 2048 all-correct demonstrations (3,177 segment transcripts), 1800 steps of 8 x 512 tokens, a whole segment per
   # row: the calibrated start (see above).
   c.sft.update(tasks=2048, steps=1800, demo_accuracy=1.0, seq_len=512, batch=8)
-  # 200 held-out tasks per level (the mix is spread evenly): 500 per level would triple the evaluation time.
+  # 200 held-out tasks per level (the mix is spread evenly): 500 per level would triple the evaluation time. A
+  # finished run grows to 500 with --config.eval.tasks=1500 (only the new tasks run; NEARMISS_CURRICULUM_KL's rows).
   # Do trained summaries help? RL is also evaluated with the SFT start's summaries and with none (oldest turns
   # dropped), at the same budget, on the level-3 tasks: only they need a summary (levels 1-2 finish in one segment;
   # measured, these rows matched RL's own there), and the other levels would triple these rows' time.
