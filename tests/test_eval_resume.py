@@ -80,9 +80,9 @@ def test_a_grown_set_runs_only_its_new_tasks(tmp_path, tok):
   for other in (tasks[:3], tasks[1:] + tasks[:1]):
     with pytest.raises(ValueError, match=r"the tasks differ"):
       runner.run_policy("oracle", oracle(other), tok, other, envs, CFG, out, log=lines.append)
+  more = tasks + procedural.generate(1, seed=9, split="heldout")
   with pytest.raises(ValueError, match=r"chunk_tasks: 2 -> 8"):   # growing keeps every other setting
-    runner.run_policy("oracle", oracle(tasks + procedural.generate(1, seed=9, split="heldout")), tok,
-                      tasks + procedural.generate(1, seed=9, split="heldout"), envs, CFG, out, log=lines.append)
+    runner.run_policy("oracle", oracle(more), tok, more, envs, CFG, out, log=lines.append)
 
 
 def test_run_info_records_the_harness(tmp_path):

@@ -430,8 +430,7 @@ def test_the_controls_size_is_chosen_once(tmp_path, monkeypatch):
   (tmp_path / "sft").mkdir()
   (tmp_path / "sft" / "sft_seconds_per_step.json").write_text(json.dumps({"seconds_per_step": 0.5}))
   steps = []
-  monkeypatch.setattr(experiment.warmstart, "sft", lambda c, tok, p, d, steps_=None, **k: steps.append(k["steps"])
-                      or ("control", None))
+  monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: steps.append(k["steps"]) or ("control", None))
   assert experiment.control_size(str(tmp_path)) is None
   assert experiment.sft_control(cfg, None, "start", 100.0, lambda s: None) == "control"
   assert experiment.sft_control(cfg, None, "start", 160.0, lambda s: None) == "control"

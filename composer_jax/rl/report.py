@@ -226,12 +226,13 @@ def _timing(result: dict) -> str:
   took longer or shorter)."""
   phases = result.get("phase_seconds", {})
   timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items())
-  control = result.get("control_seconds", result.get("rl_seconds"))
-  if "rl_seconds" in result and abs(result["rl_seconds"] - phases.get("rl", 0.0)) > 60:
-    timing += (f" ({result.get('rl_steps', '?')} RL steps took {result['rl_seconds'] / 60:.1f} min in all, the "
-               "runs it resumed included" + ("; the control got that)" if abs(control - result["rl_seconds"]) <= 60
-                                            else ")"))
-  if control is not None and "rl_seconds" in result and abs(control - result["rl_seconds"]) > 60:
+  rl = result.get("rl_seconds")
+  control = result.get("control_seconds", rl)
+  sized_apart = rl is not None and abs(control - rl) > 60
+  if rl is not None and abs(rl - phases.get("rl", 0.0)) > 60:
+    timing += (f" ({result.get('rl_steps', '?')} RL steps took {rl / 60:.1f} min in all, the runs it resumed "
+               "included" + (")" if sized_apart else "; the control got that)"))
+  if sized_apart:
     timing += (f"; the control's {result.get('control_steps', '?')} SFT steps were sized for {control / 60:.1f} min "
                "of RL")
   return timing or "not recorded"
