@@ -238,7 +238,8 @@ def remove(root: str, path: str) -> None:
 def rmtree(path: str) -> None:
   """`rm -rf path` without recursion or path-length limits (a 10,000-deep tree is fine); never follows links.
 
-  Missing is fine. Read-only directories are made writable on the way (needed when not root).
+  Missing is fine, and so is what goes missing meanwhile (two cleanups deleting the same dead store at once).
+  Read-only directories are made writable on the way (needed when not root).
   """
   parent, name = os.path.split(os.path.abspath(path))
   try:
@@ -253,7 +254,10 @@ def rmtree(path: str) -> None:
     if stat.S_ISDIR(st.st_mode):
       _rmtree_at(pfd, name)
     else:
-      os.unlink(name, dir_fd=pfd)
+      try:
+        os.unlink(name, dir_fd=pfd)
+      except FileNotFoundError:
+        pass
   finally:
     os.close(pfd)
 
@@ -263,12 +267,16 @@ def _id(fd: int) -> tuple[int, int]:
   return st.st_dev, st.st_ino
 
 
-def _open_dir(dir_fd: int, name: str) -> int:
+def _open_dir(dir_fd: int, name: str) -> int | None:
+  """The directory `name` in `dir_fd`, opened; None if it is gone (someone else deleted it meanwhile)."""
   try:
-    return os.open(name, _DIR, dir_fd=dir_fd)
-  except PermissionError:  # a dir the command made unreadable (matters when not root): let ourselves in
-    os.chmod(name, 0o700, dir_fd=dir_fd)
-    return os.open(name, _DIR, dir_fd=dir_fd)
+    try:
+      return os.open(name, _DIR, dir_fd=dir_fd)
+    except PermissionError:  # a dir the command made unreadable (matters when not root): let ourselves in
+      os.chmod(name, 0o700, dir_fd=dir_fd)
+      return os.open(name, _DIR, dir_fd=dir_fd)
+  except FileNotFoundError:
+    return None
 
 
 def _clear_files(fd: int) -> list[str]:
@@ -280,28 +288,38 @@ def _clear_files(fd: int) -> list[str]:
         subdirs.append(e.name)
         continue
       try:
-        os.unlink(e.name, dir_fd=fd)
-      except PermissionError:  # a read-only dir (when not root)
-        os.chmod(fd, 0o700)
-        os.unlink(e.name, dir_fd=fd)
+        try:
+          os.unlink(e.name, dir_fd=fd)
+        except PermissionError:  # a read-only dir (when not root)
+          os.chmod(fd, 0o700)
+          os.unlink(e.name, dir_fd=fd)
+      except FileNotFoundError:
+        pass  # deleted meanwhile by someone else
   return subdirs
 
 
 def _rmdir(dir_fd: int, name: str) -> None:
   try:
-    os.rmdir(name, dir_fd=dir_fd)
-  except PermissionError:
-    os.chmod(dir_fd, 0o700)
-    os.rmdir(name, dir_fd=dir_fd)
+    try:
+      os.rmdir(name, dir_fd=dir_fd)
+    except PermissionError:
+      os.chmod(dir_fd, 0o700)
+      os.rmdir(name, dir_fd=dir_fd)
+  except FileNotFoundError:
+    pass  # deleted meanwhile by someone else
 
 
 def _rmtree_at(parent_fd: int, name: str) -> None:
   """Deletes the directory `name` in `parent_fd` depth first with an explicit stack and one open fd at a time.
 
   Going down opens each child from its parent (never following a link); going up opens ".." and checks it is the
-  directory we came from (so a tree moved meanwhile stops the deletion instead of redirecting it).
+  directory we came from (so a tree moved meanwhile stops the deletion instead of redirecting it). A directory
+  deleted under it by someone else still leads up to the one it came from (Linux resolves ".." of an unlinked
+  directory), so only what it then finds gone is skipped.
   """
   fd = _open_dir(parent_fd, name)
+  if fd is None:
+    return
   try:
     path = [name]  # names from parent_fd down to fd
     parents = [_id(parent_fd)]  # identity of the directory holding path[i]
@@ -310,6 +328,8 @@ def _rmtree_at(parent_fd: int, name: str) -> None:
       if todo[-1]:
         sub = todo[-1].pop()
         child = _open_dir(fd, sub)
+        if child is None:
+          continue
         parents.append(_id(fd))
         path.append(sub)
         os.close(fd)

@@ -9,6 +9,7 @@ import ctypes
 import errno
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 
@@ -132,6 +133,36 @@ def test_cleanup_removes_deep_stale_stores_and_one_failure_does_not_block_others
     assert os.listdir(root) == ["3-bad"]
   finally:
     shutil.rmtree(root, ignore_errors=True)
+
+
+def test_rmtree_finishes_when_another_cleanup_deletes_the_same_tree(tmp_path, monkeypatch):
+  """Two cleanups removing one dead store at once: every file, directory and subtree the other deletes between
+  this one's listing and its own unlink, rmdir or open is skipped, not an error (it was a warning per store)."""
+  d = tmp_path / "store"
+  for sub in ("l/0/a", "l/1/b", "s/0/u"):
+    (d / sub).mkdir(parents=True)
+    (d / sub / "f").write_text("x")
+  real_unlink, real_rmdir, real_open = os.unlink, os.rmdir, fsops._open_dir
+  raced = []
+
+  def other_first(real):
+    def call(name, *a, **k):
+      real(name, *a, **k)          # the other cleanup gets there first...
+      raced.append(name)
+      return real(name, *a, **k)   # ...so ours finds it gone
+    return call
+
+  def open_after_other_deleted(dir_fd, name):
+    if name == "1":                # the other cleanup deleted the whole subtree l/1 after we listed l/
+      subprocess.run(["rm", "-rf", str(d / "l" / "1")], check=True)
+    return real_open(dir_fd, name)
+
+  monkeypatch.setattr(fsops.os, "unlink", other_first(real_unlink))
+  monkeypatch.setattr(fsops.os, "rmdir", other_first(real_rmdir))
+  monkeypatch.setattr(fsops, "_open_dir", open_after_other_deleted)
+  fsops.rmtree(str(d))
+  monkeypatch.undo()
+  assert not d.exists() and "f" in raced and "store" in raced
 
 
 def test_rmtree_reference_on_awkward_trees(tmp_path):
