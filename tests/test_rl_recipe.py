@@ -2,6 +2,7 @@
 hand-computed values, and SFT demonstrations that are the segments RL trains on."""
 
 import dataclasses
+import os
 import random
 import re
 
@@ -13,6 +14,7 @@ from composer_jax import configs
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import losses, warmstart
 from composer_jax.rl.config import RunConfig
+from experiments.configs import common
 from experiments.configs import rl as rl_configs
 from rollout import chat_format as cf
 from rollout import harness, rewards
@@ -63,20 +65,37 @@ def test_recipe_config_and_its_sweep_rows_build():
   assert all({**rl_configs.NEARMISS_CURRICULUM_KL, "seed": s} in rows for s in (0, 1))
   assert rl_configs.NEARMISS_CURRICULUM_KL["eval.tasks"] == 500 * len(c.tasks.levels)
   for overrides in rows:
-    cfg = rl_configs.get_config("recipe")
-    for k, v in overrides.items():
-      node = cfg
-      *path, leaf = k.split(".")
-      for p in path:
-        node = node[p]
-      node[leaf] = v
-    run = configs.from_dict(RunConfig, cfg, workdir="/tmp/x")
+    run = configs.from_dict(RunConfig, common.override(rl_configs.get_config("recipe"), overrides), workdir="/tmp/x")
     assert run.tasks.seed == run.seed + 1   # a seed row reseeds the task stream too
   # λ(q) makes an oracle-length level-3 episode pay the same at every q: C differs in shape, not scale.
   for q in (0.0, 0.5, 1.0):
     k, x = rl_configs.RECIPE_LENGTH_K, rl_configs.RECIPE_LEVEL3_TOKENS
     c_x = x if q == 0 else (np.log1p(k * x) / k if q == 1 else ((1 + k * x) ** (1 - q) - 1) / (k * (1 - q)))
     assert rl_configs._length_weight(q) * c_x == pytest.approx(rl_configs.RECIPE_LEVEL3_COST)
+
+
+def test_recipe_best_is_the_best_measured_row_and_make_recipe_runs_it():
+  """`rl.py:recipe_best` is recipe + NEARMISS_CURRICULUM_KL (the rows measured on both seeds), `seed=` and `steps=`
+  still apply, and `make recipe` runs that variant."""
+  for seed in (0, 1):
+    best = rl_configs.get_config(f"recipe_best,seed={seed}")
+    row = common.override(rl_configs.get_config(f"recipe,seed={seed}"), rl_configs.NEARMISS_CURRICULUM_KL)
+    assert best.to_dict() == row.to_dict()
+    run = configs.from_dict(RunConfig, best, workdir="/tmp/x")
+    assert (run.seed, run.tasks.seed, run.rl.loss.kl_coef, run.train.steps) == (seed, seed + 1, 5e-2, 300)
+    assert run.sft.curriculum_levels == (1,) and run.sft.demo_accuracy == 0.5 and run.eval.tasks == 1500
+  assert rl_configs.get_config("recipe_best,steps=7").train.steps == 7
+  with open(os.path.join(os.path.dirname(__file__), "..", "Makefile")) as f:
+    assert "rl.py:recipe_best --workdir=runs/rl_recipe" in f.read()
+
+
+def test_a_sweep_row_with_a_typo_is_an_error_naming_it():
+  c = rl_configs.get_config("recipe")
+  with pytest.raises(KeyError, match="'rl.loss.kl_cof'"):
+    common.override(c, {"rl.loss.kl_cof": 0.1})
+  with pytest.raises(KeyError, match="the config has no 'rl.los'"):
+    common.override(c, {"rl.los.kl_coef": 0.1})
+  assert c.rl.loss.kl_coef == 1e-3   # nothing was set
 
 
 def test_the_default_run_has_the_length_penalty_and_behavioural_terms_on():

@@ -40,3 +40,21 @@ def parse_arg(arg: str | None, *, lazy: bool = False, **spec) -> ml_collections.
         raise ValueError(f"Config arg {name!r} expects {type(default).__name__} (like {default!r}), got {value!r}"
                          ) from None
   return res
+
+
+def override(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """Sets `{"a.b": v}`-style dotted keys on `c`, as `--config.a.b=v` does (a sweep row onto its variant).
+
+  A key `c` does not have is an error naming it (a typo must not start a run with the default).
+  """
+  for key, value in overrides.items():
+    *path, leaf = key.split(".")
+    node = c
+    for i, p in enumerate(path):
+      if p not in node:
+        raise KeyError(f"{key!r}: the config has no {'.'.join(path[:i + 1])!r}")
+      node = node[p]
+    if leaf not in node:
+      raise KeyError(f"{key!r}: the config has no {key!r}")
+    node[leaf] = value
+  return c
