@@ -85,6 +85,8 @@ def test_recipe_best_is_the_best_measured_row_and_make_recipe_runs_it():
     assert (run.seed, run.tasks.seed, run.rl.loss.kl_coef, run.train.steps) == (seed, seed + 1, 5e-2, 300)
     assert run.sft.curriculum_levels == (1,) and run.sft.demo_accuracy == 0.5 and run.eval.tasks == 1500
   assert rl_configs.get_config("recipe_best,steps=7").train.steps == 7
+  with pytest.raises(ValueError, match="recipe_best is a row of get_sweep"):
+    rl_configs.get_sweep("recipe_best")   # recipe's rows override rl.py:recipe, not this row
   with open(os.path.join(os.path.dirname(__file__), "..", "Makefile")) as f:
     assert "rl.py:recipe_best --workdir=runs/rl_recipe" in f.read()
 

@@ -326,6 +326,9 @@ def get_sweep(arg: str | None = None):
     return _recipe_sweep()
   if arg == "curriculum":
     return _curriculum_sweep()
+  if arg not in (None, "", "colab", "colab_level1"):
+    raise ValueError(f"no sweep for rl variant {arg!r} (recipe_best is a row of get_sweep('recipe'), whose rows "
+                     "override rl.py:recipe); valid: colab, colab_level1, curriculum, recipe")
   return ([{"rl.router_replay": r} for r in (True, False)]
           + [{"harness.rewards.length_weight": 0.0}]                   # λ = 0; the default is λ > 0 at q = 0.5
           + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q} for q in (0.0, 1.0)]
