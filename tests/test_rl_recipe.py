@@ -64,6 +64,8 @@ def test_recipe_config_and_its_sweep_rows_build():
   # The default comparison rows at their best KL β: two seeds, 500 held-out tasks per level of the three.
   assert all({**rl_configs.NEARMISS_CURRICULUM_KL, "seed": s} in rows for s in (0, 1))
   assert rl_configs.NEARMISS_CURRICULUM_KL["eval.tasks"] == 500 * len(c.tasks.levels)
+  seed_rows = [r for r in rows if "seed" in r and r.get("sft.demo_accuracy") == 0.5]   # the KL βs 1e-3, 1e-2, 5e-2
+  assert len(seed_rows) == 6 and all(r["eval.tasks"] == 500 * len(c.tasks.levels) for r in seed_rows)
   for overrides in rows:
     run = configs.from_dict(RunConfig, common.override(rl_configs.get_config("recipe"), overrides), workdir="/tmp/x")
     assert run.tasks.seed == run.seed + 1   # a seed row reseeds the task stream too

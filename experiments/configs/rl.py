@@ -218,12 +218,12 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   start on any level while the equal-wall-clock SFT control did (seeds 0 and 1); neither did 240 steps or KL beta
   1e-2. From a start taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1
   (T=1) and nothing on levels 2-3, where both starts are at or below ~20%. From the curriculum start taught half
-  near misses (NEARMISS_CURRICULUM), 300 steps (~100 min in all) gained at T=1 +23.0 / +20.0 on levels 2 / 3 with
-  seed 0 and +27.0 / +16.0 with seed 1 (over the control +15.0 / +5.0 and +27.5 / +2.5); greedy, level 3 fell
-  0.5 and 14.5 points. With 10x the KL beta (1e-2) KL stayed at ~0.03 and level 3 gained +20.0 / +23.5 at T=1
-  (+5.0 / +10.0 over the control) and +1.5 / -11.0 greedy. With 50x (5e-2, NEARMISS_CURRICULUM_KL = the variant
-  recipe_best, `make recipe`; 500 held-out tasks per level) level 3 gained +25.8 / +38.6 at T=1 (+9.2 / +24.4
-  over the control) and +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start.
+  near misses (NEARMISS_CURRICULUM), 300 steps (~100 min in all) gained at T=1 +20.0 / +18.8 on levels 2 / 3 with
+  seed 0 and +27.8 / +20.8 with seed 1 (over the control +11.2 / +2.2 and +30.4 / +6.6; 500 held-out tasks per
+  level); greedy, level 3 fell 3.6 and 9.8 points. With 10x the KL beta (1e-2) KL stayed at ~0.03 and level 3
+  gained +17.6 / +28.2 at T=1 (+1.0 / +14.0 over the control) and +1.2 / -7.0 greedy. With 50x (5e-2,
+  NEARMISS_CURRICULUM_KL = the variant recipe_best, `make recipe`) level 3 gained +25.8 / +38.6 at T=1 (+9.2 /
+  +24.4 over the control) and +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
@@ -309,12 +309,14 @@ def _recipe_sweep():
           # effort terms charged to solved episodes (the recipe's; seeds 0 and 1) and to every episode (where RL
           # learned to quit)
           + [{**RECIPE_CURRICULUM, "eval.start_only": True}, {**RECIPE_CURRICULUM, "train.steps": 300}]
-          + [{**NEARMISS_CURRICULUM, "seed": s} for s in (0, 1)]
+          # (the seed rows and the KL rows below evaluate 500 held-out tasks per level: each measured run first
+          # evaluated 200 and grew to 500 by a rerun with eval.tasks=1500)
+          + [{**NEARMISS_CURRICULUM, "seed": s, "eval.tasks": 1500} for s in (0, 1)]
           + [{**NEARMISS_CURRICULUM, "harness.rewards.effort_scope": "all"}]
           # greedy: 10x the KL β from those starts (copied in; the control is the seed rows' above)
-          + [{**NEARMISS_CURRICULUM, "seed": s, "rl.loss.kl_coef": 1e-2, "eval.control": False} for s in (0, 1)]
-          # and 50x, with every evaluation row on 500 held-out tasks per level (the measured runs copied in the
-          # seed rows' start and control, sft_control/control.json, and grew their evaluation from 200 per level)
+          + [{**NEARMISS_CURRICULUM, "seed": s, "rl.loss.kl_coef": 1e-2, "eval.control": False, "eval.tasks": 1500}
+             for s in (0, 1)]
+          # and 50x (copied in: the seed rows' start and control, with its recorded size sft_control/control.json)
           + [{**NEARMISS_CURRICULUM_KL, "seed": s} for s in (0, 1)])
 
 
