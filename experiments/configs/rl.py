@@ -15,17 +15,16 @@ is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.
 sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoints, optim), rl
 (`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
 
-Variants: `colab` (default: level-1 tasks, read, edit, finish; the length penalty C(x) and the behavioural terms
-on; ~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays
+Variants: `colab` (default: level-1 tasks, read, edit, finish; the length penalty C(x) and the behavioural terms on;
+~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays
 measurable), `recipe` (the report's RL recipe at Colab scale: procedural levels 1-3, self-summary chains, length
 penalty and behavioural terms on; `_recipe` says how its budget, weights and SFT start were chosen, and why it is
-not the default: ~50 min, and its RL did not beat its start in the measured runs), `recipe_best` (`make recipe`:
-the recipe in its best measured row, NEARMISS_CURRICULUM_KL: a curriculum start taught half near misses, 300 RL
-steps at KL β 5e-2, 500 held-out tasks per level; ~2.5 h on 2 cores, where RL beat its start and the control on
-levels 2-3 at T=1), `curriculum` (levels 1-2 from a
-curriculum start: level 1 first, then both; `_curriculum` says what it measured), `colab_pretrained` (colab with
-SFT from the colab pretraining run, `make pretrain`, and its tokenizer), `test` (tiny model, few tasks, local
-workspaces).
+not the default: ~50 min, and its RL did not beat its start in the measured runs), `recipe_best` (`make recipe`: the
+recipe in its best measured row, NEARMISS_CURRICULUM_KL: a curriculum start taught half near misses, 300 RL steps at
+KL β 5e-2, 500 held-out tasks per level; ~2.5 h on 2 cores, where RL beat its start and the control on levels 2-3 at
+T=1), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both; `_curriculum` says what it
+measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`, and its tokenizer),
+`test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
 test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
