@@ -15,6 +15,7 @@ A user path is first normalised lexically (`a/../b` is `b`); one that then still
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -254,10 +255,8 @@ def rmtree(path: str) -> None:
     if stat.S_ISDIR(st.st_mode):
       _rmtree_at(pfd, name)
     else:
-      try:
+      with contextlib.suppress(FileNotFoundError):   # deleted meanwhile by someone else
         os.unlink(name, dir_fd=pfd)
-      except FileNotFoundError:
-        pass
   finally:
     os.close(pfd)
 
@@ -267,16 +266,22 @@ def _id(fd: int) -> tuple[int, int]:
   return st.st_dev, st.st_ino
 
 
-def _open_dir(dir_fd: int, name: str) -> int | None:
-  """The directory `name` in `dir_fd`, opened; None if it is gone (someone else deleted it meanwhile)."""
+def _unless_gone(op, unlock):
+  """op(), again after unlock() if it was denied (a dir the command made read-only or unreadable: matters when not
+  root); None if what it acts on is gone (someone else deleted it meanwhile)."""
   try:
     try:
-      return os.open(name, _DIR, dir_fd=dir_fd)
-    except PermissionError:  # a dir the command made unreadable (matters when not root): let ourselves in
-      os.chmod(name, 0o700, dir_fd=dir_fd)
-      return os.open(name, _DIR, dir_fd=dir_fd)
+      return op()
+    except PermissionError:
+      unlock()
+      return op()
   except FileNotFoundError:
     return None
+
+
+def _open_dir(dir_fd: int, name: str) -> int | None:
+  """The directory `name` in `dir_fd`, opened; None if it is gone."""
+  return _unless_gone(lambda: os.open(name, _DIR, dir_fd=dir_fd), lambda: os.chmod(name, 0o700, dir_fd=dir_fd))
 
 
 def _clear_files(fd: int) -> list[str]:
@@ -287,26 +292,12 @@ def _clear_files(fd: int) -> list[str]:
       if e.is_dir(follow_symlinks=False):
         subdirs.append(e.name)
         continue
-      try:
-        try:
-          os.unlink(e.name, dir_fd=fd)
-        except PermissionError:  # a read-only dir (when not root)
-          os.chmod(fd, 0o700)
-          os.unlink(e.name, dir_fd=fd)
-      except FileNotFoundError:
-        pass  # deleted meanwhile by someone else
+      _unless_gone(lambda name=e.name: os.unlink(name, dir_fd=fd), lambda: os.chmod(fd, 0o700))
   return subdirs
 
 
 def _rmdir(dir_fd: int, name: str) -> None:
-  try:
-    try:
-      os.rmdir(name, dir_fd=dir_fd)
-    except PermissionError:
-      os.chmod(dir_fd, 0o700)
-      os.rmdir(name, dir_fd=dir_fd)
-  except FileNotFoundError:
-    pass  # deleted meanwhile by someone else
+  _unless_gone(lambda: os.rmdir(name, dir_fd=dir_fd), lambda: os.chmod(dir_fd, 0o700))
 
 
 def _rmtree_at(parent_fd: int, name: str) -> None:
