@@ -468,7 +468,12 @@ def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_pat
   assert (saved["sft_steps"], saved["sft_tasks"], saved["sft_curriculum_steps"], saved["eval_tasks"]) == \
       (cfg.sft.steps, cfg.sft.tasks, 0, 3)
   assert not {"rl", "sft_control", "rl_start_summaries", "rl_drop_oldest", "reward_terms"} & set(saved)
-  assert set(saved["phase_seconds"]) == {"sft_start", "eval_sft", "total"}
+  assert set(saved["phase_seconds"]) == {"sft_start", "eval_sft", "total"} and "earlier_phase_seconds" not in saved
+  again = experiment.run_experiment(cfg, log_fn=lambda s: None)   # a rerun keeps what the first one took
+  assert again["earlier_phase_seconds"] == [saved["phase_seconds"]]
+  third = experiment.run_experiment(cfg, log_fn=lambda s: None)
+  assert third["earlier_phase_seconds"] == [saved["phase_seconds"], again["phase_seconds"]]
+  assert json.load(open(tmp_path / "results.json")) == third
 
 
 @pytest.mark.parametrize("kind, levels", [("procedural", (1, 2)), ("mined", (1, 2, 3))])

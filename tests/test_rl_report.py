@@ -73,6 +73,12 @@ def test_render_writes_tables_plots_and_the_readme_block(tmp_path):
                                     "all, the runs it resumed included); the control's 2090 SFT steps were sized "
                                     "for 24.8 min of RL")
   assert report._timing({**copied, "control_seconds": 1700.0}) == report._timing(resumed)
+  grown = {**resumed, "rl_seconds": 12.0, "earlier_phase_seconds": [{"sft_start": 1920.0, "rl": 1488.0}, {}]}
+  assert report._timing(grown) == ("sft_start 0.0 min, rl 0.2 min, total 1.0 min; earlier invocations of this "
+                                   "workdir, oldest first: [sft_start 32.0 min, rl 24.8 min]; [not recorded]")
+  assert report._timing({"earlier_phase_seconds": [{"total": 60.0}]}) == \
+      "earlier invocations of this workdir, oldest first: [total 1.0 min]"
+  assert report._timing({}) == "not recorded"
   for png in ("recipe_levels.png", "recipe_levels_seed1.png", "recipe_tokens.png"):
     assert (out / png).stat().st_size > 1000 and f"]({png})" in md
   doc = readme.read_text()

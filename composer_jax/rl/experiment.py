@@ -161,9 +161,23 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   else:
     result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, reward_terms=reward_terms(cfg.workdir),
                   last={k: v for k, v in out["last"].items() if isinstance(v, float)})
+  earlier = earlier_phase_seconds(cfg.workdir)
+  if earlier:
+    result.update(earlier_phase_seconds=earlier)
   with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
     json.dump(result, f, indent=2)
   return result
+
+
+def earlier_phase_seconds(workdir: str) -> list[dict]:
+  """The phase times of every earlier invocation that wrote workdir/results.json, oldest first: a resumed or grown
+  run's own `phase_seconds` hold only its rest, and its results.json keeps what the runs before it took."""
+  path = os.path.join(workdir, "results.json")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    previous = json.load(f)
+  return previous.get("earlier_phase_seconds", []) + [previous.get("phase_seconds", {})]
 
 
 def _trained_rows(cfg: RunConfig, start, params, rl_seconds: float, tok, tasks, envs, timed, log_fn) -> dict:

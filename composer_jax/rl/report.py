@@ -222,8 +222,8 @@ def plot_tokens(runs: Sequence[tuple[str, dict]], out_png: str, policy: str = "r
 
 def _timing(result: dict) -> str:
   """Each phase's wall-clock in this process (a resumed run: its rest), when RL resumed what all of its steps took,
-  and the control's size when it was chosen for another RL wall-clock (a control copied from a run whose RL steps
-  took longer or shorter)."""
+  the control's size when it was chosen for another RL wall-clock (a control copied from a run whose RL steps
+  took longer or shorter), and the phases of the earlier invocations that wrote this run's results.json."""
   phases = result.get("phase_seconds", {})
   timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items())
   rl = result.get("rl_seconds")
@@ -235,7 +235,11 @@ def _timing(result: dict) -> str:
   if sized_apart:
     timing += (f"; the control's {result.get('control_steps', '?')} SFT steps were sized for {control / 60:.1f} min "
                "of RL")
-  return timing or "not recorded"
+  earlier = result.get("earlier_phase_seconds", [])
+  if earlier:
+    timing += "; earlier invocations of this workdir, oldest first: " + "; ".join(
+        "[" + (", ".join(f"{k} {v / 60:.1f} min" for k, v in p.items()) or "not recorded") + "]" for p in earlier)
+  return timing.removeprefix("; ") or "not recorded"
 
 
 def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs: Sequence[str] = ()) -> str:
