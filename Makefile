@@ -23,7 +23,7 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python experiments/rl_main.py --workdir=runs/rl_colab
 
-# The report's RL recipe (levels 1-3, self-summary chains) in its best measured row: ~2.5 h on 2 cores.
+# The report's RL recipe (levels 1-3, self-summary chains) in its best measured row: ~2 h on 2 idle cores.
 recipe: $(STAMP)
 	$(BIN)/python experiments/rl_main.py --config=experiments/configs/rl.py:recipe_best --workdir=runs/rl_recipe
 

@@ -21,7 +21,7 @@ measurable), `recipe` (the report's RL recipe at Colab scale: procedural levels 
 penalty and behavioural terms on; `_recipe` says how its budget, weights and SFT start were chosen, and why it is
 not the default: ~50 min, and its RL did not beat its start in the measured runs), `recipe_best` (`make recipe`: the
 recipe in its best measured row, NEARMISS_CURRICULUM_KL: a curriculum start taught half near misses, 300 RL steps at
-KL β 5e-2, 500 held-out tasks per level; ~2.5 h on 2 cores, where RL beat its start and the control on levels 2-3 at
+KL β 5e-2, 500 held-out tasks per level; ~2 h on 2 idle cores, where RL beat its start and the control on levels 2-3 at
 T=1), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both; `_curriculum` says what it
 measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`, and its tokenizer),
 `test` (tiny model, few tasks, local workspaces).
@@ -222,7 +222,9 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   level); greedy, level 3 fell 3.6 and 9.8 points. With 10x the KL beta (1e-2) KL stayed at ~0.03 and level 3
   gained +17.6 / +28.2 at T=1 (+1.0 / +14.0 over the control) and +1.2 / -7.0 greedy. With 50x (5e-2,
   NEARMISS_CURRICULUM_KL = the variant recipe_best, `make recipe`) level 3 gained +25.8 / +38.6 at T=1 (+9.2 /
-  +24.4 over the control) and +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start.
+  +24.4 over the control) and +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start;
+  `make recipe` from a fresh clone reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL
+  run): level 3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
