@@ -425,7 +425,7 @@ def test_the_controls_size_is_chosen_once(tmp_path, monkeypatch):
   from composer_jax.rl import experiment
   cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
   (tmp_path / "sft").mkdir()
-  (tmp_path / "sft" / "sft_seconds_per_step.json").write_text(json.dumps({"seconds_per_step": 0.5}))
+  (tmp_path / "sft" / "train_seconds.json").write_text(json.dumps({"steps": 400, "seconds": 200.0}))
   steps = []
   monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: steps.append(k["steps"]) or ("control", None))
   assert experiment.control_size(str(tmp_path)) is None
@@ -433,6 +433,32 @@ def test_the_controls_size_is_chosen_once(tmp_path, monkeypatch):
   assert experiment.sft_control(cfg, None, "start", 160.0, lambda s: None) == "control"
   assert steps == [200, 200]
   assert experiment.control_size(str(tmp_path)) == {"steps": 200, "seconds": 100.0, "seconds_per_step": 0.5}
+
+
+def test_the_control_is_sized_by_the_starts_training_steps_not_its_demonstrations(tmp_path, monkeypatch):
+  """The rate that sizes the control is the warm start's SFT steps' wall-clock over their steps, every stage
+  counted: making the demonstrations (sandboxed oracle episodes, here 1 s) is not in it, since the control reads
+  them. Without a record the control cannot be sized, and the error says what is missing."""
+  import time as time_lib
+
+  from composer_jax.rl import experiment
+  cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
+  with pytest.raises(ValueError, match="train_seconds.json is missing"):
+    warmstart.seconds_per_step(str(tmp_path))
+  monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a, **k: time_lib.sleep(1.0) or (["demo"], ["dev"]))
+  monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: time_lib.sleep(0.05) or ("params", {}))
+  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: [])
+  assert warmstart.sft(cfg, None, None, str(tmp_path / "sft"), steps=10, learning_rate=1e-3, seed=0,
+                       log_fn=lambda s: None) == ("params", {})
+  record = json.load(open(tmp_path / "sft" / "train_seconds.json"))
+  assert record["steps"] == 10 and 0.05 <= record["seconds"] < 1.0
+  (tmp_path / "sft" / "train_seconds.json").write_text(json.dumps({"steps": 1800, "seconds": 700.0}))
+  (tmp_path / "sft_curriculum").mkdir()
+  (tmp_path / "sft_curriculum" / "train_seconds.json").write_text(json.dumps({"steps": 900, "seconds": 380.0}))
+  assert warmstart.seconds_per_step(str(tmp_path)) == pytest.approx(1080.0 / 2700)
+  monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: ("control", None))
+  experiment.sft_control(cfg, None, "start", 1594.0, lambda s: None)
+  assert experiment.control_size(str(tmp_path))["steps"] == int(1594.0 / (1080.0 / 2700))
 
 
 def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_path, monkeypatch):

@@ -44,15 +44,15 @@ CONTROL_RECORD = "control.json"   # in workdir/sft_control: the control's size, 
 
 
 def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> dict:
-  """More SFT from the same start for about `seconds` of wall-clock (steps from the warm start's measured rate).
+  """More SFT from the same start for about `seconds` of wall-clock (steps at the warm start's measured rate of SFT
+  steps, `warmstart.seconds_per_step`: the control reads the start's demonstrations, so making them is not in it).
 
   The size is chosen once and recorded in workdir/sft_control/control.json: a rerun (an evaluation resumed, or
   grown to more held-out tasks) trains no further and evaluates the same control, whatever its own RL wall-clock."""
   control_dir = os.path.join(cfg.workdir, "sft_control")
   size = control_size(cfg.workdir)
   if size is None:
-    with open(os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")) as f:
-      s_per_step = json.load(f)["seconds_per_step"]
+    s_per_step = warmstart.seconds_per_step(cfg.workdir)
     size = {"steps": max(1, int(seconds / s_per_step)), "seconds": seconds, "seconds_per_step": s_per_step}
     os.makedirs(control_dir, exist_ok=True)
     with open(os.path.join(control_dir, CONTROL_RECORD), "w") as f:
@@ -123,12 +123,7 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
   With `eval.start_only`, the warm start and its evaluation only."""
   t0 = time.perf_counter()
   start = warmstart.warm_start(cfg, log_fn)
-  t_sft = time.perf_counter() - t0
-  sft_rate = os.path.join(cfg.workdir, "sft", "sft_seconds_per_step.json")
-  if not os.path.exists(sft_rate) and cfg.sft.steps:
-    with open(sft_rate, "w") as f:
-      json.dump({"seconds_per_step": t_sft / (cfg.sft.steps + cfg.sft.curriculum_steps)}, f)
-  phases = {"sft_start": t_sft}   # wall-clock seconds of each phase (a resumed one: its rest)
+  phases = {"sft_start": time.perf_counter() - t0}   # wall-clock seconds of each phase (a resumed one: its rest)
   out = None
   if not cfg.eval.start_only:
     t1 = time.perf_counter()

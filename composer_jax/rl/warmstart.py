@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 
 from composer_jax.model.config import ModelConfig
@@ -156,13 +157,38 @@ def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_
   return _train(cfg, tok, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
 
 
+TRAIN_SECONDS = "train_seconds.json"   # in each SFT dir: its steps and their wall-clock, demonstrations excluded
+
+
 def _train(cfg: RunConfig, tok, train, dev, workdir: str, steps: int, learning_rate: float, seed: int, init_params,
            log_fn: Callable[[str], None]):
-  """`run_sft` with the run's SFT shapes, logging what it trains on."""
+  """`run_sft` with the run's SFT shapes, logging what it trains on and recording how long its steps took
+  (workdir/train_seconds.json; an interrupted SFT restarts from step 0, as it checkpoints only at its end)."""
   log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
-  return run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len,
-                 batch_size=cfg.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
-                 log_fn=log_fn)
+  t = time.perf_counter()
+  out = run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len, batch_size=cfg.sft.batch,
+                learning_rate=learning_rate, seed=seed, init_params=init_params, log_fn=log_fn)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
+    json.dump({"steps": steps, "seconds": time.perf_counter() - t}, f)
+  return out
+
+
+def seconds_per_step(workdir: str) -> float:
+  """The warm start's wall-clock per SFT step: its stages' (workdir/sft_curriculum, workdir/sft) recorded training
+  time over their steps. Making the demonstrations (thousands of sandboxed oracle episodes) is not in it: the
+  equal-time control reads the start's demonstrations, so its wall-clock is training steps only."""
+  records = []
+  for stage in (CURRICULUM_DIR, "sft"):
+    path = os.path.join(workdir, stage, TRAIN_SECONDS)
+    if os.path.isfile(path):
+      with open(path) as f:
+        records.append(json.load(f))
+  if not any(r["steps"] for r in records):
+    raise ValueError(f"{os.path.join(workdir, 'sft', TRAIN_SECONDS)} is missing: the warm start's SFT step time was "
+                     "not recorded (a start copied from a run before it was), so the equal-time control cannot be "
+                     "sized; copy that run's record too, or write sft_control/control.json by hand")
+  return sum(r["seconds"] for r in records) / sum(r["steps"] for r in records)
 
 
 def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] = print):
