@@ -224,7 +224,9 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   NEARMISS_CURRICULUM_KL = the variant recipe_best, `make recipe`) level 3 gained +25.8 / +38.6 at T=1 (+9.2 /
   +24.4 over the control) and +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start;
   `make recipe` from a fresh clone reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL
-  run): level 3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3.
+  run): level 3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those
+  controls trained for about half of RL's wall-clock (their rate counted the start's demonstrations); given all of
+  it, the rerun's control left RL +12.2 / +7.2 on levels 2 / 3 at T=1.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
