@@ -389,76 +389,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   assert [c[0] for c in calls] == ["sft", "rl", "sft_control"]
 
 
-def test_a_resumed_runs_control_gets_all_of_rls_wall_clock(tmp_path, monkeypatch):
-  """RL resumed after step 3 (a crash past its checkpoint re-ran steps 2-3): the control's seconds are this run's
-  RL wall-clock plus the logged step time of steps 1-3, each step once (the run that checkpointed it logged it
-  last); a log that lacks steps is an error, not a short control."""
-  from composer_jax.rl import experiment
-  rows = [(1, 10.0), (2, 11.0), (3, 12.0), (2, 20.0), (3, 30.0), (4, 40.0)]   # the second process crashed at 4
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_s": t, "reward": 0.0}) + "\n"
-                                                  for s, t in rows))
-  assert experiment.earlier_rl_seconds(str(tmp_path), 0) == 0.0
-  assert experiment.earlier_rl_seconds(str(tmp_path), 3) == 10.0 + 20.0 + 30.0
-  with pytest.raises(ValueError, match="step time of 4 of the 5 RL steps"):
-    experiment.earlier_rl_seconds(str(tmp_path), 5)
-  cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
-  seconds = []
 
-  class Envs:
-    class factory:
-      close = staticmethod(lambda: None)
-  monkeypatch.setattr(experiment, "evaluate_policy", lambda *a, **k: {"T1": {"success": 0.5}})
-  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 3})
-  monkeypatch.setattr(experiment, "sft_control", lambda c, tok, start, s, log: seconds.append(s) or "control")
-  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
-  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: [types.SimpleNamespace(id="t", metadata={})])
-  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
-  (tmp_path / "sft").mkdir()
-  result = experiment.run_experiment(cfg, log_fn=lambda s: None)
-  assert seconds == [pytest.approx(result["phase_seconds"]["rl"] + 60.0)] and result["rl_seconds"] == seconds[0]
-
-
-def test_the_controls_size_is_chosen_once(tmp_path, monkeypatch):
-  """The control's steps come from RL's seconds and the warm start's rate once; a rerun with another RL wall-clock
-  (a resumed evaluation, a grown held-out set) trains and evaluates that same control, and results.json says so."""
-  from composer_jax.rl import experiment
-  cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
-  (tmp_path / "sft").mkdir()
-  (tmp_path / "sft" / "train_seconds.json").write_text(json.dumps({"steps": 400, "seconds": 200.0}))
-  steps = []
-  monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: steps.append(k["steps"]) or ("control", None))
-  assert experiment.control_size(str(tmp_path)) is None
-  assert experiment.sft_control(cfg, None, "start", 100.0, lambda s: None) == "control"
-  assert experiment.sft_control(cfg, None, "start", 160.0, lambda s: None) == "control"
-  assert steps == [200, 200]
-  assert experiment.control_size(str(tmp_path)) == {"steps": 200, "seconds": 100.0, "seconds_per_step": 0.5}
-
-
-def test_the_control_is_sized_by_the_starts_training_steps_not_its_demonstrations(tmp_path, monkeypatch):
-  """The rate that sizes the control is the warm start's SFT steps' wall-clock over their steps, every stage
-  counted: making the demonstrations (sandboxed oracle episodes, here 1 s) is not in it, since the control reads
-  them. Without a record the control cannot be sized, and the error says what is missing."""
-  import time as time_lib
-
-  from composer_jax.rl import experiment
-  cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
-  with pytest.raises(ValueError, match="train_seconds.json is missing"):
-    warmstart.seconds_per_step(str(tmp_path))
-  monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a, **k: time_lib.sleep(1.0) or (["demo"], ["dev"]))
-  monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: time_lib.sleep(0.05) or ("params", {}))
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: [])
-  assert warmstart.sft(cfg, None, None, str(tmp_path / "sft"), steps=10, learning_rate=1e-3, seed=0,
-                       log_fn=lambda s: None) == ("params", {})
-  record = json.load(open(tmp_path / "sft" / "train_seconds.json"))
-  assert record["steps"] == 10 and 0.05 <= record["seconds"] < 1.0
-  (tmp_path / "sft" / "train_seconds.json").write_text(json.dumps({"steps": 1800, "seconds": 700.0}))
-  (tmp_path / "sft_curriculum").mkdir()
-  (tmp_path / "sft_curriculum" / "train_seconds.json").write_text(json.dumps({"steps": 900, "seconds": 380.0}))
-  assert warmstart.seconds_per_step(str(tmp_path)) == pytest.approx(1080.0 / 2700)
-  monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: ("control", None))
-  experiment.sft_control(cfg, None, "start", 1594.0, lambda s: None)
-  assert experiment.control_size(str(tmp_path))["steps"] == int(1594.0 / (1080.0 / 2700))
 
 
 def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_path, monkeypatch):

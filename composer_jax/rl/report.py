@@ -225,7 +225,7 @@ def _timing(result: dict) -> str:
   the control's size when it was chosen for another RL wall-clock (a control copied from a run whose RL steps
   took longer or shorter), and the phases of the earlier invocations that wrote this run's results.json."""
   phases = result.get("phase_seconds", {})
-  timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items())
+  timing = _minutes(phases)
   rl = result.get("rl_seconds")
   control = result.get("control_seconds", rl)
   sized_apart = rl is not None and abs(control - rl) > 60
@@ -237,9 +237,13 @@ def _timing(result: dict) -> str:
                "of RL")
   earlier = result.get("earlier_phase_seconds", [])
   if earlier:
-    timing += "; earlier invocations of this workdir, oldest first: " + "; ".join(
-        "[" + (", ".join(f"{k} {v / 60:.1f} min" for k, v in p.items()) or "not recorded") + "]" for p in earlier)
-  return timing.removeprefix("; ") or "not recorded"
+    timing = "; ".join(filter(None, [timing, "earlier invocations of this workdir, oldest first: " + "; ".join(
+        f"[{_minutes(p) or 'not recorded'}]" for p in earlier)]))
+  return timing or "not recorded"
+
+
+def _minutes(phases: dict) -> str:
+  return ", ".join(f"{k} {v / 60:.1f} min" for k, v in phases.items())
 
 
 def render(name: str, runs: Sequence[tuple[str, str]], out_dir: str, length_runs: Sequence[str] = ()) -> str:

@@ -168,7 +168,7 @@ def _train(cfg: RunConfig, tok, train, dev, workdir: str, steps: int, learning_r
   t = time.perf_counter()
   out = run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len, batch_size=cfg.sft.batch,
                 learning_rate=learning_rate, seed=seed, init_params=init_params, log_fn=log_fn)
-  os.makedirs(workdir, exist_ok=True)
+  os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
   with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
     json.dump({"steps": steps, "seconds": time.perf_counter() - t}, f)
   return out
