@@ -389,9 +389,6 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   assert [c[0] for c in calls] == ["sft", "rl", "sft_control"]
 
 
-
-
-
 def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_path, monkeypatch):
   """eval.start_only (calibration before a long run): the start is evaluated on every held-out task, no RL step,
   no control and no summary row runs, and results.json says so."""
