@@ -1,6 +1,8 @@
 """The equal-wall-clock SFT control: how many steps it gets (RL's whole wall-clock, resumed parts included, at the
-warm start's rate of SFT steps) and that its size is chosen once."""
+warm start's rate of SFT steps), that its size is chosen once, and that a run grown to more RL steps gets a control
+(and evaluations) of its own."""
 import json
+import os
 import types
 
 import pytest
@@ -50,11 +52,12 @@ def test_the_controls_size_is_chosen_once(tmp_path, monkeypatch):
   (tmp_path / "sft" / "train_seconds.json").write_text(json.dumps({"steps": 400, "seconds": 200.0}))
   steps = []
   monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: steps.append(k["steps"]) or ("control", None))
-  assert experiment.control_size(str(tmp_path)) is None
+  assert experiment.control_size(str(tmp_path), cfg.train.steps) is None
   assert experiment.sft_control(cfg, None, "start", 100.0, lambda s: None) == "control"
   assert experiment.sft_control(cfg, None, "start", 160.0, lambda s: None) == "control"
   assert steps == [200, 200]
-  assert experiment.control_size(str(tmp_path)) == {"steps": 200, "seconds": 100.0, "seconds_per_step": 0.5}
+  assert experiment.control_size(str(tmp_path), cfg.train.steps) == {"steps": 200, "seconds": 100.0,
+                                                                     "seconds_per_step": 0.5}
 
 
 def test_the_control_is_sized_by_the_starts_training_steps_not_its_demonstrations(tmp_path, monkeypatch):
@@ -80,4 +83,43 @@ def test_the_control_is_sized_by_the_starts_training_steps_not_its_demonstration
   assert warmstart.seconds_per_step(str(tmp_path)) == pytest.approx(1080.0 / 2700)
   monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: ("control", None))
   experiment.sft_control(cfg, None, "start", 1594.0, lambda s: None)
-  assert experiment.control_size(str(tmp_path))["steps"] == int(1594.0 / (1080.0 / 2700))
+  assert experiment.control_size(str(tmp_path), cfg.train.steps)["steps"] == int(1594.0 / (1080.0 / 2700))
+
+
+def test_a_run_grown_to_more_rl_steps_evaluates_its_new_policy_against_a_control_of_its_own(tmp_path, monkeypatch):
+  """Rerun with more RL steps (3, then 5): the grown policy is evaluated under its own name, not read back from the
+  3-step policy's results, and its control is sized by all 5 steps' wall-clock and trained from the start in a dir
+  of its own; the 3-step control's record stays, and results.json keeps the first invocation's phase times."""
+  from composer_jax.rl import experiment
+  (tmp_path / "sft").mkdir()
+  (tmp_path / "sft" / "train_seconds.json").write_text(json.dumps({"steps": 100, "seconds": 50.0}))
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_s": 10.0, "reward": 0.0}) + "\n"
+                                                  for s in range(1, 6)))
+  evaluated, controls = [], []
+
+  class Envs:
+    class factory:
+      close = staticmethod(lambda: None)
+  monkeypatch.setattr(experiment, "evaluate_policy",
+                      lambda c, params, tok, tasks, envs, name, **k: evaluated.append((name, params)) or
+                      {"T1": {"success": 0.5}})
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": f"rl{c.train.steps}", "last": {},
+                                                                   "resumed_at": 3 if c.train.steps == 5 else 0})
+  monkeypatch.setattr(experiment.warmstart, "sft", lambda c, tok, init, workdir, **k: controls.append(
+      (os.path.relpath(workdir, tmp_path), init, k["steps"])) or (f"control{k['steps']}", None))
+  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
+  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: [types.SimpleNamespace(id="t", metadata={})])
+  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  d = rl_configs.get_config("colab")
+  d.train.steps = 3
+  first = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None)
+  d.train.steps = 5
+  grown = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None)
+  # the first run's RL took ~0 s here (a 1-step control); the grown one's is steps 1-3's logged 30 s and its own
+  assert controls == [("sft_control@3", "start", 1), ("sft_control@5", "start", 60)]
+  assert evaluated == [("sft", "start"), ("rl@3", "rl3"), ("sft_control@3", "control1"),
+                       ("sft", "start"), ("rl@5", "rl5"), ("sft_control@5", "control60")]
+  assert experiment.control_size(str(tmp_path), 3)["steps"] == 1
+  assert (grown["rl_steps"], grown["control_steps"], first["control_steps"]) == (5, 60, 1)
+  assert grown["earlier_phase_seconds"] == [first["phase_seconds"]]

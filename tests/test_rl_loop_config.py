@@ -374,11 +374,12 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   assert set(result["reward_terms"]) == set(want)
   assert all(result["reward_terms"][k] == pytest.approx(v) for k, v in want.items())
   budget, every, level3 = cfg.harness.context_budget, ["L1", "L2", "L3"], ["L3"]   # only level 3 summarises
+  at = f"@{cfg.train.steps}"   # what depends on the RL policy is named by its step count
   assert calls == [("sft", "start", None, "summarize", 4, budget, every),
-                   ("rl", "rl", None, "summarize", 4, budget, every),
-                   ("sft_control", "control", None, "summarize", 4, budget, every),
-                   ("rl_start_summaries", "rl", "start", "summarize", 4, budget, level3),
-                   ("rl_drop_oldest", "rl", None, "drop_oldest", 8, budget, level3)]
+                   ("rl" + at, "rl", None, "summarize", 4, budget, every),
+                   ("sft_control" + at, "control", None, "summarize", 4, budget, every),
+                   ("rl_start_summaries" + at, "rl", "start", "summarize", 4, budget, level3),
+                   ("rl_drop_oldest" + at, "rl", None, "drop_oldest", 8, budget, level3)]
   saved = json.load(open(tmp_path / "results.json"))
   assert {"rl_start_summaries", "rl_drop_oldest"} <= set(saved) and saved["rl_drop_oldest"] == result["rl_drop_oldest"]
   assert {"eval_rl_start_summaries", "eval_rl_drop_oldest"} <= set(saved["phase_seconds"])
@@ -386,7 +387,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   calls.clear()
   with pytest.raises(ValueError, match=r"eval.summary_levels=\(3,\) matches none of the 2 held-out tasks"):
     experiment.run_experiment(cfg, log_fn=lambda s: None)
-  assert [c[0] for c in calls] == ["sft", "rl", "sft_control"]
+  assert [c[0] for c in calls] == ["sft", "rl" + at, "sft_control" + at]
 
 
 def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_path, monkeypatch):

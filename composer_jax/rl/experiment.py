@@ -5,8 +5,10 @@ CIs: the SFT start, the RL policy, and a control that spends RL's wall-clock on 
 gain is RL's, not more supervised training); with `eval.summaries_from_start`, also the RL policy acting with the
 SFT start's self-summaries, and with `eval.drop_oldest` the RL policy without summaries (oldest turns dropped): do
 RL's trained summaries help, at the same context budget? Those two rows run on the tasks that need a summary
-(`eval.summary_levels`). `eval.start_only` calibrates a start before a long run: the warm start and its evaluation,
-nothing else (does each level reach the ~20% at T=1 that a group of 8 needs to hold a success?).
+(`eval.summary_levels`). What depends on the RL policy is kept per RL step count (`at_step`): a run grown to more
+RL steps evaluates its new policy, sizes and trains its own control afresh, and keeps the earlier results.
+`eval.start_only` calibrates a start before a long run: the warm start and its evaluation, nothing else
+(does each level reach the ~20% at T=1 that a group of 8 needs to hold a success?).
 """
 from __future__ import annotations
 
@@ -40,17 +42,26 @@ def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str, summari
           for t in cfg.eval.temperatures}
 
 
-CONTROL_RECORD = "control.json"   # in workdir/sft_control: the control's size, fixed when first chosen
+def at_step(name: str, rl_steps: int) -> str:
+  """The name of a policy that depends on the RL policy after `rl_steps` steps (RL itself, the control sized by its
+  wall-clock, the summary rows), and so of its dirs (workdir/eval/<name>, workdir/<control's name>): a run grown to
+  more RL steps evaluates its new policy and trains a new control instead of reading back the earlier ones."""
+  return f"{name}@{rl_steps}"
+
+
+CONTROL_RECORD = "control.json"   # in the control's dir: its size, fixed when first chosen
 
 
 def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> dict:
   """More SFT from the same start for about `seconds` of wall-clock (steps at the warm start's measured rate of SFT
   steps, `warmstart.seconds_per_step`: the control reads the start's demonstrations, so making them is not in it).
 
-  The size is chosen once and recorded in workdir/sft_control/control.json: a rerun (an evaluation resumed, or
-  grown to more held-out tasks) trains no further and evaluates the same control, whatever its own RL wall-clock."""
-  control_dir = os.path.join(cfg.workdir, "sft_control")
-  size = control_size(cfg.workdir)
+  It trains in workdir/sft_control@<RL steps>, its size chosen once and recorded there in control.json: a rerun (an
+  evaluation resumed, or grown to more held-out tasks) trains no further and evaluates the same control, whatever
+  its own RL wall-clock; a run grown to more RL steps gets a control of its own, from the start again (SFT's
+  learning-rate schedule spans its steps, so a longer control is not the shorter one continued)."""
+  control_dir = os.path.join(cfg.workdir, at_step("sft_control", cfg.train.steps))
+  size = control_size(cfg.workdir, cfg.train.steps)
   if size is None:
     s_per_step = warmstart.seconds_per_step(cfg.workdir)
     size = {"steps": max(1, int(seconds / s_per_step)), "seconds": seconds, "seconds_per_step": s_per_step}
@@ -64,9 +75,10 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
   return params
 
 
-def control_size(workdir: str) -> dict | None:
-  """The recorded size of the run's control ({steps, seconds, seconds_per_step}), or None before it is chosen."""
-  path = os.path.join(workdir, "sft_control", CONTROL_RECORD)
+def control_size(workdir: str, rl_steps: int) -> dict | None:
+  """The recorded size ({steps, seconds, seconds_per_step}) of the control for `rl_steps` RL steps, or None before
+  it is chosen."""
+  path = os.path.join(workdir, at_step("sft_control", rl_steps), CONTROL_RECORD)
   if not os.path.exists(path):
     return None
   with open(path) as f:
@@ -177,19 +189,21 @@ def earlier_phase_seconds(workdir: str) -> list[dict]:
 
 def _trained_rows(cfg: RunConfig, start, params, rl_seconds: float, tok, tasks, envs, timed, log_fn) -> dict:
   """The RL policy's rows, the equal-time SFT control and the summary rows (`timed(name, fn, ...)` records each
-  phase's wall-clock)."""
-  rows = {"rl": timed("eval_rl", evaluate_policy, cfg, params, tok, tasks, envs, "rl")}
+  phase's wall-clock), each evaluated under its name `at_step` the run's RL steps."""
+  steps = cfg.train.steps
+  rows = {"rl": timed("eval_rl", evaluate_policy, cfg, params, tok, tasks, envs, at_step("rl", steps))}
   if cfg.eval.control and cfg.sft.steps:
     ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
-    rows["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs, "sft_control")
-    if (size := control_size(cfg.workdir)) is not None:
+    rows["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs,
+                                at_step("sft_control", steps))
+    if (size := control_size(cfg.workdir, steps)) is not None:
       rows.update(control_steps=size["steps"], control_seconds=size["seconds"])
   if cfg.eval.summaries_from_start or cfg.eval.drop_oldest:
     needs_summary = summary_tasks(cfg, tasks)
   if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
     rows["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, params, tok, needs_summary,
-                                       envs, "rl_start_summaries", summarizer_params=start)
+                                       envs, at_step("rl_start_summaries", steps), summarizer_params=start)
   if cfg.eval.drop_oldest:   # ... and against no summaries at all
     rows["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_policy, without_summaries(cfg), params, tok,
-                                   needs_summary, envs, "rl_drop_oldest")
+                                   needs_summary, envs, at_step("rl_drop_oldest", steps))
   return rows

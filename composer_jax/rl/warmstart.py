@@ -187,7 +187,7 @@ def seconds_per_step(workdir: str) -> float:
   if not any(r["steps"] for r in records):
     raise ValueError(f"{os.path.join(workdir, 'sft', TRAIN_SECONDS)} is missing: the warm start's SFT step time was "
                      "not recorded (a start copied from a run before it was), so the equal-time control cannot be "
-                     "sized; copy that run's record too, or write sft_control/control.json by hand")
+                     "sized; copy that run's record too, or write sft_control@<RL steps>/control.json by hand")
   return sum(r["seconds"] for r in records) / sum(r["steps"] for r in records)
 
 

@@ -319,7 +319,7 @@ def _recipe_sweep():
           # greedy: 10x the KL β from those starts (copied in; the control is the seed rows' above)
           + [{**NEARMISS_CURRICULUM, "seed": s, "rl.loss.kl_coef": 1e-2, "eval.control": False, "eval.tasks": 1500}
              for s in (0, 1)]
-          # and 50x (copied in: the seed rows' start and control, with its recorded size sft_control/control.json)
+          # and 50x (copied in: the seed rows' start and control, with its recorded size control.json)
           + [{**NEARMISS_CURRICULUM_KL, "seed": s} for s in (0, 1)])
 
 
