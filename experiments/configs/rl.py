@@ -226,7 +226,8 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   `make recipe` from a fresh clone reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL
   run): level 3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those
   controls trained for about half of RL's wall-clock (their rate counted the start's demonstrations); given all of
-  it, the rerun's control left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4.
+  it, the rerun's control left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4;
+  seed 0 grown to 450 steps stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
