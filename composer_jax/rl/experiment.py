@@ -52,6 +52,11 @@ def at_step(name: str, rl_steps: int) -> str:
 CONTROL_RECORD = "control.json"   # in the control's dir: its size, fixed when first chosen
 
 
+def control_dir(workdir: str, rl_steps: int) -> str:
+  """Where the control for `rl_steps` RL steps trains and records its size."""
+  return os.path.join(workdir, at_step("sft_control", rl_steps))
+
+
 def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> dict:
   """More SFT from the same start for about `seconds` of wall-clock (steps at the warm start's measured rate of SFT
   steps, `warmstart.seconds_per_step`: the control reads the start's demonstrations, so making them is not in it).
@@ -60,17 +65,17 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
   evaluation resumed, or grown to more held-out tasks) trains no further and evaluates the same control, whatever
   its own RL wall-clock; a run grown to more RL steps gets a control of its own, from the start again (SFT's
   learning-rate schedule spans its steps, so a longer control is not the shorter one continued)."""
-  control_dir = os.path.join(cfg.workdir, at_step("sft_control", cfg.train.steps))
+  out_dir = control_dir(cfg.workdir, cfg.train.steps)
   size = control_size(cfg.workdir, cfg.train.steps)
   if size is None:
     s_per_step = warmstart.seconds_per_step(cfg.workdir)
     size = {"steps": max(1, int(seconds / s_per_step)), "seconds": seconds, "seconds_per_step": s_per_step}
-    os.makedirs(control_dir, exist_ok=True)
-    with open(os.path.join(control_dir, CONTROL_RECORD), "w") as f:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, CONTROL_RECORD), "w") as f:
       json.dump(size, f)
   log_fn(f"SFT control: {size['steps']} more steps (~{size['seconds']:.0f} s at {size['seconds_per_step']:.2f} "
          "s/step)")
-  params, _ = warmstart.sft(cfg, tok, start_params, control_dir, steps=size["steps"],
+  params, _ = warmstart.sft(cfg, tok, start_params, out_dir, steps=size["steps"],
                             learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
   return params
 
@@ -78,7 +83,7 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
 def control_size(workdir: str, rl_steps: int) -> dict | None:
   """The recorded size ({steps, seconds, seconds_per_step}) of the control for `rl_steps` RL steps, or None before
   it is chosen."""
-  path = os.path.join(workdir, at_step("sft_control", rl_steps), CONTROL_RECORD)
+  path = os.path.join(control_dir(workdir, rl_steps), CONTROL_RECORD)
   if not os.path.exists(path):
     return None
   with open(path) as f:
