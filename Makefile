@@ -16,16 +16,17 @@ $(SGLANG_STAMP): $(STAMP) rollout/engines/sglang-cpu-requirements.txt
 	bash rollout/engines/install_sglang_cpu.sh $(BIN)/python
 	touch $(SGLANG_STAMP)
 
-.PHONY: install run recipe pretrain test test-slow lint
+.PHONY: install run colab pretrain test test-slow lint
 install: $(STAMP)
 
-# The main job: the Colab-scale RL run on the embedded defaults (SFT warm start, asynchronous RL, held-out eval).
+# The main job: the report's RL recipe at Colab scale on the embedded defaults (rl.py:recipe_best: levels 1-3,
+# self-summary chains; SFT warm start, asynchronous RL, the equal-time SFT control, held-out eval): ~2 h on 2 idle cores.
 run: $(STAMP)
-	$(BIN)/python experiments/rl_main.py --workdir=runs/rl_colab
+	$(BIN)/python experiments/rl_main.py --workdir=runs/rl
 
-# The report's RL recipe (levels 1-3, self-summary chains) in its best measured row: ~2 h on 2 idle cores.
-recipe: $(STAMP)
-	$(BIN)/python experiments/rl_main.py --config=experiments/configs/rl.py:recipe_best --workdir=runs/rl_recipe
+# The level-1 run (read, edit, finish): ~15 min on 2 idle cores.
+colab: $(STAMP)
+	$(BIN)/python experiments/rl_main.py --config=experiments/configs/rl.py:colab --workdir=runs/rl_colab
 
 # Colab-scale continued pretraining (the LM stages; not needed by `run`).
 pretrain: $(STAMP)

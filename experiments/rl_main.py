@@ -1,7 +1,7 @@
 r"""The project's main job: SFT warm start on oracle trajectories, asynchronous RL, held-out evaluation.
 
-  python experiments/rl_main.py                          # rl.py:colab, embedded JAX engine, bubblewrap sandboxes
-  python experiments/rl_main.py --config=experiments/configs/rl.py:recipe --workdir=runs/rl_recipe
+  python experiments/rl_main.py                          # rl.py:recipe_best (make run), embedded JAX engine, bubblewrap
+  python experiments/rl_main.py --config=experiments/configs/rl.py:colab --workdir=runs/rl_colab   # make colab
   python experiments/rl_main.py --config.rl.loss.kl_coef=0.01      # one ablation of configs/rl.py:get_sweep()
 
 The last line printed is JSON (also workdir/results.json): success (with 95% CI, per level of a procedural mix) of
@@ -19,7 +19,7 @@ from ml_collections import config_flags  # noqa: E402
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "rl.py")
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_config(arg)).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "runs/rl_colab", "Directory for checkpoints, queue, weights and metrics.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/rl", "Directory for checkpoints, queue, weights and metrics.")
 
 
 def main(argv):

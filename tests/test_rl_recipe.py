@@ -57,8 +57,8 @@ def test_recipe_config_and_its_sweep_rows_build():
   c = configs.from_dict(RunConfig, rl_configs.get_config("recipe"), workdir="/tmp/x")
   assert c.tasks.levels == (1, 2, 3) and c.harness.max_segments >= 2 and c.harness.rewards.length_weight > 0
   assert c.harness.rewards.penalty_cap and c.harness.rewards.todo_weight and c.harness.rewards.malformed_weight
-  assert rl_configs.get_config().tasks.levels == (1,)   # the default run is colab, level 1 (see `_recipe`)
   rows = rl_configs.get_sweep("recipe")
+  assert rl_configs.get_sweep() == rows   # the default run's measurement rows
   assert {"seed": 1} in rows and {"harness.rewards.length_weight": 0.0} in rows
   assert {r.get("harness.rewards.length_q") for r in rows} >= {0.0, 1.0}
   # The default comparison rows at their best KL β: two seeds, 500 held-out tasks per level of the three.
@@ -76,9 +76,15 @@ def test_recipe_config_and_its_sweep_rows_build():
     assert rl_configs._length_weight(q) * c_x == pytest.approx(rl_configs.RECIPE_LEVEL3_COST)
 
 
-def test_recipe_best_is_the_best_measured_row_and_make_recipe_runs_it():
-  """`rl.py:recipe_best` is recipe + NEARMISS_CURRICULUM_KL (the rows measured on both seeds), `seed=` and `steps=`
-  still apply, and `make recipe` runs that variant."""
+def test_the_default_run_is_recipe_best_the_best_measured_row():
+  """The default (`make run`, `rl_main.py` with no --config) is `rl.py:recipe_best` = recipe +
+  NEARMISS_CURRICULUM_KL (the rows measured on both seeds): levels 1-3, summary chains, C(x) and the behavioural
+  terms on; `seed=` and `steps=` still apply."""
+  default = configs.from_dict(RunConfig, rl_configs.get_config(), workdir="/tmp/x")
+  assert default == configs.from_dict(RunConfig, rl_configs.get_config("recipe_best"), workdir="/tmp/x")
+  assert default.tasks.levels == (1, 2, 3) and default.harness.max_segments >= 2
+  assert default.harness.rewards.length_weight > 0 and default.harness.rewards.todo_weight > 0
+  assert default.harness.rewards.malformed_weight > 0 and default.eval.control and default.eval.drop_oldest
   for seed in (0, 1):
     best = rl_configs.get_config(f"recipe_best,seed={seed}")
     row = common.override(rl_configs.get_config(f"recipe,seed={seed}"), rl_configs.NEARMISS_CURRICULUM_KL)
@@ -90,7 +96,10 @@ def test_recipe_best_is_the_best_measured_row_and_make_recipe_runs_it():
   with pytest.raises(ValueError, match="recipe_best is a row of get_sweep"):
     rl_configs.get_sweep("recipe_best")   # recipe's rows override rl.py:recipe, not this row
   with open(os.path.join(os.path.dirname(__file__), "..", "Makefile")) as f:
-    assert "rl.py:recipe_best --workdir=runs/rl_recipe" in f.read()
+    make = f.read()
+  # `make run` runs rl_main's default config; `make colab` the level-1 run.
+  assert "run: $(STAMP)\n\t$(BIN)/python experiments/rl_main.py --workdir=runs/rl\n" in make
+  assert "rl.py:colab --workdir=runs/rl_colab" in make
 
 
 def test_a_sweep_row_with_a_typo_is_an_error_naming_it():
@@ -102,10 +111,10 @@ def test_a_sweep_row_with_a_typo_is_an_error_naming_it():
   assert c.rl.loss.kl_coef == 1e-3   # nothing was set
 
 
-def test_the_default_run_has_the_length_penalty_and_behavioural_terms_on():
-  """`make run`'s rewards are the recipe's: C(x) at q = 0.5, the behavioural terms and the cap (by hand:
+def test_the_level1_run_has_the_length_penalty_and_behavioural_terms_on():
+  """`make colab`'s rewards are the recipe's: C(x) at q = 0.5, the behavioural terms and the cap (by hand:
   λ = 0.1 / C(321), C(x) = ((1 + 0.01 x)^0.5 - 1) / 0.005; a solved 87-token level-1 episode pays 0.035)."""
-  colab = configs.from_dict(RunConfig, rl_configs.get_config(), workdir="/tmp/x").harness.rewards
+  colab = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x").harness.rewards
   recipe = configs.from_dict(RunConfig, rl_configs.get_config("recipe"), workdir="/tmp/x").harness.rewards
   # The recipe charges the effort terms to solved episodes only (rollout/rewards.py); the rest is the same.
   assert colab.effort_scope == "all" and recipe.effort_scope == "solved"

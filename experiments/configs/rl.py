@@ -1,8 +1,8 @@
 r"""RL on a task source (procedural repair tasks by default): SFT warm start on oracle trajectories, then
 (a)synchronous RL with workers.
 
-  python experiments/rl_main.py                                              # = rl.py:colab, runs/rl_colab
-  python experiments/rl_main.py --config=experiments/configs/rl.py:recipe_best --workdir=runs/rl_recipe  # make recipe
+  python experiments/rl_main.py                                              # = rl.py:recipe_best, runs/rl (make run)
+  python experiments/rl_main.py --config=experiments/configs/rl.py:colab --workdir=runs/rl_colab   # make colab
   python experiments/rl_main.py --config=experiments/configs/rl.py:test --workdir=/tmp/rl_test   # seconds-scale
 
 Does: SFT warm start on oracle transcripts, RL for `train.steps`, then held-out evaluation of the SFT start, the RL
@@ -15,14 +15,14 @@ is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.
 sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoints, optim), rl
 (`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
 
-Variants: `colab` (default: level-1 tasks, read, edit, finish; the length penalty C(x) and the behavioural terms on;
-~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays
-measurable), `recipe` (the report's RL recipe at Colab scale: procedural levels 1-3, self-summary chains, length
-penalty and behavioural terms on; `_recipe` says how its budget, weights and SFT start were chosen, and why it is
-not the default: ~50 min, and its RL did not beat its start in the measured runs), `recipe_best` (`make recipe`: the
-recipe in its best measured row, NEARMISS_CURRICULUM_KL: a curriculum start taught half near misses, 300 RL steps at
-KL β 5e-2, 500 held-out tasks per level; ~2 h on 2 idle cores, where RL beat its start and the control on levels 2-3 at
-T=1), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both; `_curriculum` says what it
+Variants: `recipe_best` (default, `make run`: the report's RL recipe at Colab scale in its best measured row,
+NEARMISS_CURRICULUM_KL: procedural levels 1-3, self-summary chains, the length penalty C(x) and the behavioural terms
+on, a curriculum start taught half near misses, 300 RL steps at KL β 5e-2, 500 held-out tasks per level; ~2 h on 2
+idle cores, where RL beat its start and the equal-time control on levels 2-3 at T=1), `recipe` (the recipe as first
+calibrated, which get_sweep's rows override; `_recipe` says how its budget, weights and SFT start were chosen),
+`colab` (`make colab`: level-1 tasks, read, edit, finish, C(x) and the behavioural terms on; ~15 min on 2 idle
+cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays measurable),
+`curriculum` (levels 1-2 from a curriculum start: level 1 first, then both; `_curriculum` says what it
 measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`, and its tokenizer),
 `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
@@ -33,9 +33,10 @@ test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedu
 `--config.rl.loss.kl_coef=0.01`, `--config.harness.rewards.length_weight=0.001`.
 Calibrating a start before a long run: `--config.eval.start_only=True` runs the warm start and evaluates it on the
 held-out tasks (per level), nothing else; its results.json has only the `sft` row.
-Ablations: `get_sweep()`: router replay, length penalty q, KL β, max_staleness, samples per prompt;
-`get_sweep("curriculum")`: its calibration rows and its run; `get_sweep("recipe")`: the recipe's measurement rows
-(seeds, KL β, temperature, summaries vs dropped oldest turns, λ = 0 vs λ > 0 at q = 0, 0.5, 1).
+Ablations: `get_sweep()` = `get_sweep("recipe")`: the default run's measurement rows, each overriding `rl.py:recipe`
+(seeds, KL β, temperature, summaries vs dropped oldest turns, λ = 0 vs λ > 0 at q = 0, 0.5, 1; recipe_best is one of
+them); `get_sweep("colab")`: router replay, length penalty q, KL β, max_staleness, samples per prompt;
+`get_sweep("curriculum")`: its calibration rows and its run.
 """
 import ml_collections
 
@@ -47,7 +48,7 @@ VARIANTS = ("colab", "colab_level1", "colab_pretrained", "curriculum", "recipe",
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, variant="colab", mode="async", steps=0, workers=1, staleness=-1, samples=0,
+  arg = common.parse_arg(arg, variant="recipe_best", mode="async", steps=0, workers=1, staleness=-1, samples=0,
                          backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="", repos="",
                          jsonl="", repos_dir="", set_file="")
   recipe = arg.variant in ("recipe", "recipe_best")
@@ -129,7 +130,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                           start_only=False))
   if recipe:
     _recipe(c)
-  if arg.variant == "recipe_best":   # the recipe's best measured row (`make recipe`)
+  if arg.variant == "recipe_best":   # the recipe's best measured row (the default, `make run`)
     common.override(c, NEARMISS_CURRICULUM_KL)
     c.train.steps = arg.steps or c.train.steps
   if arg.variant == "curriculum":
@@ -212,22 +213,22 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   steps on the level-1 demonstrations, then these 1800 on all; 30 min on 2 cores at load ~2) reaches every level:
   98.0 / 66.5 / 66.0% greedy and 94.5 / 60.0 / 52.5% at T=1 (200 held-out tasks per level).
 
-  Not the default run: measured (experiments/results/README.md, 200 held-out tasks per level) it takes ~50 min on 2
-  idle cores (the SFT start ~21-27: 8 x 512-token steps are attention-bound), and its 80 RL steps did not beat the
-  start on any level while the equal-wall-clock SFT control did (seeds 0 and 1); neither did 240 steps or KL beta
-  1e-2. From a start taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1
-  (T=1) and nothing on levels 2-3, where both starts are at or below ~20%. From the curriculum start taught half
-  near misses (NEARMISS_CURRICULUM), 300 steps (~100 min in all) gained at T=1 +20.0 / +18.8 on levels 2 / 3 with
-  seed 0 and +27.8 / +20.8 with seed 1 (over the control +11.2 / +2.2 and +30.4 / +6.6; 500 held-out tasks per
-  level); greedy, level 3 fell 3.6 and 9.8 points. With 10x the KL beta (1e-2) KL stayed at ~0.03 and level 3
-  gained +17.6 / +28.2 at T=1 (+1.0 / +14.0 over the control) and +1.2 / -7.0 greedy. With 50x (5e-2,
-  NEARMISS_CURRICULUM_KL = the variant recipe_best, `make recipe`) level 3 gained +25.8 / +38.6 at T=1 (+9.2 /
-  +24.4 over the control) and +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start;
-  `make recipe` from a fresh clone reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL
-  run): level 3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those
-  controls trained for about half of RL's wall-clock (their rate counted the start's demonstrations); given all of
-  it, the rerun's control left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4;
-  seed 0 grown to 450 steps stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4.
+  As first calibrated (this variant; measured, experiments/results/README.md, 200 held-out tasks per level) it takes
+  ~50 min on 2 idle cores (the SFT start ~21-27: 8 x 512-token steps are attention-bound), and its 80 RL steps did not
+  beat the start on any level while the equal-wall-clock SFT control did (seeds 0 and 1); neither did 240 steps or KL
+  beta 1e-2. From a start taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1
+  (T=1) and nothing on levels 2-3, where both starts are at or below ~20%. From the curriculum start taught half near
+  misses (NEARMISS_CURRICULUM), 300 steps (~100 min in all) gained at T=1 +20.0 / +18.8 on levels 2 / 3 with seed 0
+  and +27.8 / +20.8 with seed 1 (over the control +11.2 / +2.2 and +30.4 / +6.6; 500 held-out tasks per level);
+  greedy, level 3 fell 3.6 and 9.8 points. With 10x the KL beta (1e-2) KL stayed at ~0.03 and level 3 gained +17.6 /
+  +28.2 at T=1 (+1.0 / +14.0 over the control) and +1.2 / -7.0 greedy. With 50x (5e-2, NEARMISS_CURRICULUM_KL = the
+  variant recipe_best, the default run) level 3 gained +25.8 / +38.6 at T=1 (+9.2 / +24.4 over the control) and +6.4 /
+  +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start; run from a fresh clone (then `make
+  recipe`, now `make run`) reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL run): level
+  3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those controls trained for
+  about half of RL's wall-clock (their rate counted the start's demonstrations); given all of it, the rerun's control
+  left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4; seed 0 grown to 450 steps
+  stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
@@ -325,14 +326,15 @@ def _recipe_sweep():
 
 
 def get_sweep(arg: str | None = None):
-  """Ablations of the variant `arg` names (default colab), each one command (`--config.<key>=<value>` per pair):
-  for `recipe` its measurement rows, for the others router replay, length penalty (λ = 0, q), KL β, staleness,
-  group size."""
-  if arg == "recipe":
+  """Ablations of the variant `arg` names, each one command (`--config.<key>=<value>` per pair): by default and for
+  `recipe` the recipe's measurement rows (each overrides `rl.py:recipe`; the default run, recipe_best, is one of
+  them), for `curriculum` its rows, for colab router replay, length penalty (λ = 0, q), KL β, staleness, group
+  size."""
+  if arg in (None, "", "recipe"):
     return _recipe_sweep()
   if arg == "curriculum":
     return _curriculum_sweep()
-  if arg not in (None, "", "colab", "colab_level1"):
+  if arg not in ("colab", "colab_level1"):
     raise ValueError(f"no sweep for rl variant {arg!r} (recipe_best is a row of get_sweep('recipe'), whose rows "
                      "override rl.py:recipe); valid: colab, colab_level1, curriculum, recipe")
   return ([{"rl.router_replay": r} for r in (True, False)]
