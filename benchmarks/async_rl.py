@@ -4,7 +4,7 @@ r"""Wall-clock per RL step, asynchronous (worker processes + queue) vs synchrono
   PYTHONPATH=. python benchmarks/async_rl.py --variant=colab --steps=20 --init=runs/rl_colab/sft
 
 Both runs share one SFT warm start: the sync run's (the async run starts from its exported SFT params), or with
-`--init` a finished SFT stage (e.g. `make run`'s `runs/rl_colab/sft`), so no SFT runs at all. Step times
+`--init` a finished SFT stage (e.g. `make colab`'s `runs/rl_colab/sft`), so no SFT runs at all. Step times
 exclude the first `--warmup` steps (compiles). The trainer idle fraction of the async run is the share of its step
 time spent waiting for groups. The last line is JSON with `async_speedup` and `trainer_idle_fraction`.
 Expect at most ~`workers + 1`× on idle cores: async overlaps rollout with training, it does not remove work, and on
