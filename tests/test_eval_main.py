@@ -103,14 +103,18 @@ print(P.count_params(cfg)[1])
   assert "ckpt:ckpt_rl@v5" in run.stdout
 
 
-def test_rl_colab_harness_preset_matches_the_rl_run():
-  """`harness=rl_colab` evaluates an RL checkpoint in the loop it was trained in; unknown presets are errors."""
+@pytest.mark.parametrize("preset, variant", [("rl_colab", "colab"), ("rl", "recipe_best")])
+def test_rl_harness_presets_match_their_rl_runs(preset, variant):
+  """`harness=rl_colab` / `harness=rl` evaluate an RL checkpoint in the loop it was trained in (make colab's, make
+  run's); unknown presets are errors."""
   from experiments.configs import eval as eval_config
   from experiments.configs import rl as rl_config
-  h, rl = eval_config.get_config("procedural,harness=rl_colab").harness, rl_config.get_config("colab").harness
-  assert (h.context_budget, h.max_turn_tokens, h.observation_reserve, h.max_turns) == (
-    rl.context_budget, rl.max_turn_tokens, rl.observation_reserve, rl.max_turns)
-  assert h.system_prompt == "short" and h.max_segments == 1
+  h, rl = eval_config.get_config(f"procedural,harness={preset}").harness, rl_config.get_config(variant).harness
+  keys = ("context_budget", "max_turn_tokens", "observation_reserve", "max_turns", "max_segments",
+          "summary_max_tokens", "summary_prompt", "system_prompt")
+  assert {k: h.get(k) for k in keys} == {k: rl.get(k) for k in keys}
+  assert h.tools.max_output_chars == rl.tools.max_output_chars
+  assert h.system_prompt == "short" and h.max_segments == (1 if preset == "rl_colab" else 4)
   assert eval_config.get_config("procedural").harness.system_prompt == "full"
   with pytest.raises(ValueError, match="harness preset"):
     eval_config.get_config("procedural,harness=huge")

@@ -5,7 +5,7 @@ r"""CursorBench-style evaluation: policies x task sets, k samples, gold validati
   python experiments/eval_main.py --config=experiments/configs/eval.py:file,set_file=sets/mine_v1.json
   python experiments/eval_main.py --config=experiments/configs/eval.py:swe,jsonl=tasks.jsonl,repos_dir=/src
   python experiments/eval_main.py --config=experiments/configs/eval.py:procedural,policies=oracle+noop+checkpoint,\
-checkpoint=runs/rl_colab,model=colab
+checkpoint=runs/rl_colab,model=rl_colab,harness=rl_colab
   python experiments/eval_main.py --config=experiments/configs/eval.py:mined,repos=/src/a,build_set=sets/a_v1.json
 
 Variants name the task source (`rollout/tasks/registry.py`): `procedural` (held-out procedural tasks, `levels=1` or
@@ -20,8 +20,10 @@ real patch is 1,100-2,200 tokens with the colab BPE at ~1.3 characters per token
 2-3x fewer); tasks whose oracle still does not fit are flagged. `harness.grade_workers` sets how many episodes are
 graded at once.
 
-`harness=rl_colab` runs the agent loop with the settings RL checkpoints of `rl.py:colab` were trained in (short
-system prompt, 320-token budget, 4 turns, one segment).
+`harness=rl` runs the agent loop with the settings the default RL run's checkpoints (`make run`, `rl.py:recipe_best`)
+were trained in (short system prompt, 496-token budget, up to 4 segments with the short summary prompt, 10 turns;
+evaluate with `levels=1+2+3,model=rl_colab`); `harness=rl_colab` those of `rl.py:colab` (`make colab`: 320-token
+budget, 4 turns, one segment).
 Policies (`policies=a+b`): `oracle`, `noop`, `random` (scripted baselines, cost 0), `checkpoint` (an LM-stage workdir
 `checkpoint=` an LM-stage workdir (params/) or an RL-run workdir (weights/latest.json), both with tokenizer/;
 several joined by ':' appear side by side on the plot; `model=` their model-config variant; embedded JAX engine),
@@ -39,6 +41,9 @@ from experiments.configs import common
 from experiments.configs import model as model_configs
 from experiments.configs import rl as rl_configs
 from rollout.tasks import miner
+
+# harness presets: the rl.py variant whose agent loop each one copies
+RL_HARNESS = {"rl": "recipe_best", "rl_colab": "colab"}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -78,13 +83,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                              tools=dict(max_output_chars=2000), system_prompt="full",
                                              grade_workers=4, seed=c.get_ref("seed")))
   c.auto_budget = arg.variant != "procedural"
-  if arg.harness == "rl_colab":   # the loop an rl.py:colab checkpoint was trained in (a policy is judged in its own)
-    r = rl_configs.get_config("colab").harness
+  if arg.harness in RL_HARNESS:   # the loop an RL run's checkpoint was trained in (a policy is judged in its own)
+    r = rl_configs.get_config(RL_HARNESS[arg.harness]).harness
     c.harness.update(context_budget=r.context_budget, max_turn_tokens=r.max_turn_tokens,
                      observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=r.max_segments,
                      summary_max_tokens=r.summary_max_tokens, system_prompt=r.system_prompt)
+    if "summary_prompt" in r:   # rl.py:colab keeps the harness's default
+      c.harness.summary_prompt = r.summary_prompt
     c.harness.tools.max_output_chars = r.tools.max_output_chars
     c.auto_budget = False
   elif arg.harness != "default":
-    raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, rl_colab")
+    raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, {', '.join(RL_HARNESS)}")
   return c
