@@ -18,11 +18,11 @@ sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoi
 Variants: `recipe_best` (default, `make run`: the report's RL recipe at Colab scale in its best measured row,
 NEARMISS_CURRICULUM_KL: procedural levels 1-3, self-summary chains, the length penalty C(x) and the behavioural terms
 on, a curriculum start taught half near misses, 300 RL steps at KL β 5e-2, 500 held-out tasks per level; ~2 h on 2
-idle cores, where RL beat its start and the equal-time control on levels 2-3 at T=1), `recipe` (the recipe as first
-calibrated, which get_sweep's rows override; `_recipe` says how its budget, weights and SFT start were chosen),
-`colab` (`make colab`: level-1 tasks, read, edit, finish, C(x) and the behavioural terms on; ~15 min on 2 idle
-cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays measurable),
-`curriculum` (levels 1-2 from a curriculum start: level 1 first, then both; `_curriculum` says what it
+idle cores; RL beat its start on levels 2-3 at T=1 in every run, and the equal-time control in all but one seed-0
+run), `recipe` (the recipe as first calibrated, which get_sweep's rows override; `_recipe` says how its budget,
+weights and SFT start were chosen), `colab` (`make colab`: level-1 tasks, read, edit, finish, C(x) and the behavioural
+terms on; ~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays
+measurable), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both; `_curriculum` says what it
 measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`, and its tokenizer),
 `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
@@ -228,7 +228,8 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those controls trained for
   about half of RL's wall-clock (their rate counted the start's demonstrations); given all of it, the rerun's control
   left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4; seed 0 grown to 450 steps
-  stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4.
+  stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4; `make run` from a
+  fresh clone, a third seed-0 RL run from the same start, got +4.4 / -8.4 over its control.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
