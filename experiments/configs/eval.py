@@ -42,8 +42,11 @@ from experiments.configs import model as model_configs
 from experiments.configs import rl as rl_configs
 from rollout.tasks import miner
 
-# harness presets: the rl.py variant whose agent loop each one copies
+# harness presets: the rl.py variant whose agent loop each one copies, and the loop's fields it copies (those the
+# variant sets; rl.py:colab keeps the harness's default summary_prompt)
 RL_HARNESS = {"rl": "recipe_best", "rl_colab": "colab"}
+_LOOP_KEYS = ("context_budget", "max_turn_tokens", "observation_reserve", "max_turns", "max_segments",
+              "summary_max_tokens", "summary_prompt", "system_prompt")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -85,11 +88,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.auto_budget = arg.variant != "procedural"
   if arg.harness in RL_HARNESS:   # the loop an RL run's checkpoint was trained in (a policy is judged in its own)
     r = rl_configs.get_config(RL_HARNESS[arg.harness]).harness
-    c.harness.update(context_budget=r.context_budget, max_turn_tokens=r.max_turn_tokens,
-                     observation_reserve=r.observation_reserve, max_turns=r.max_turns, max_segments=r.max_segments,
-                     summary_max_tokens=r.summary_max_tokens, system_prompt=r.system_prompt)
-    if "summary_prompt" in r:   # rl.py:colab keeps the harness's default
-      c.harness.summary_prompt = r.summary_prompt
+    c.harness.update({k: r[k] for k in _LOOP_KEYS if k in r})
     c.harness.tools.max_output_chars = r.tools.max_output_chars
     c.auto_budget = False
   elif arg.harness != "default":
