@@ -64,8 +64,9 @@ def test_recipe_config_and_its_sweep_rows_build():
   # The default comparison rows at their best KL β: two seeds, 500 held-out tasks per level of the three.
   assert all({**rl_configs.NEARMISS_CURRICULUM_KL, "seed": s} in rows for s in (0, 1))
   assert rl_configs.NEARMISS_CURRICULUM_KL["eval.tasks"] == 500 * len(c.tasks.levels)
-  seed_rows = [r for r in rows if "seed" in r and r.get("sft.demo_accuracy") == 0.5]   # the KL βs 1e-3, 1e-2, 5e-2
-  assert len(seed_rows) == 6 and all(r["eval.tasks"] == 500 * len(c.tasks.levels) for r in seed_rows)
+  # the KL βs 1e-3, 1e-2, 5e-2, and 5e-2 from the longer start
+  seed_rows = [r for r in rows if "seed" in r and r.get("sft.demo_accuracy") == 0.5]
+  assert len(seed_rows) == 8 and all(r["eval.tasks"] == 500 * len(c.tasks.levels) for r in seed_rows)
   for overrides in rows:
     run = configs.from_dict(RunConfig, common.override(rl_configs.get_config("recipe"), overrides), workdir="/tmp/x")
     assert run.tasks.seed == run.seed + 1   # a seed row reseeds the task stream too
@@ -74,6 +75,15 @@ def test_recipe_config_and_its_sweep_rows_build():
     k, x = rl_configs.RECIPE_LENGTH_K, rl_configs.RECIPE_LEVEL3_TOKENS
     c_x = x if q == 0 else (np.log1p(k * x) / k if q == 1 else ((1 + k * x) ** (1 - q) - 1) / (k * (1 - q)))
     assert rl_configs._length_weight(q) * c_x == pytest.approx(rl_configs.RECIPE_LEVEL3_COST)
+
+
+def test_the_longer_start_rows_change_only_the_sft_steps():
+  default = rl_configs.get_config()
+  longer = common.override(rl_configs.get_config(), rl_configs.LONG_START)
+  assert longer.sft.steps == 2 * default.sft.steps
+  longer.sft.steps = default.sft.steps
+  assert longer.to_dict() == default.to_dict()
+  assert all({**rl_configs.LONG_START, "seed": s} in rl_configs.get_sweep() for s in (0, 1))
 
 
 def test_the_default_run_is_recipe_best_the_best_measured_row():

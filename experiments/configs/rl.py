@@ -182,6 +182,9 @@ RECIPE_CURRICULUM = {"sft.curriculum_levels": (1,), "sft.curriculum_steps": 900}
 NEARMISS_CURRICULUM = {**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "train.steps": 300}
 # The best of them: 50x the KL beta (greedy no longer falls), evaluated on 500 held-out tasks per level.
 NEARMISS_CURRICULUM_KL = {**NEARMISS_CURRICULUM, "rl.loss.kl_coef": 5e-2, "eval.tasks": 1500}
+# The same from a start trained twice as long on all levels (sft.steps 1800 -> 3600, ~9 more minutes): seed 0's
+# 1800-step start solves 11.8% of level 3 at T=1, under the ~20% a start needs, seed 1's 44.4%.
+LONG_START = {**NEARMISS_CURRICULUM_KL, "sft.steps": 3600}
 
 
 # The no-summary arm: the oldest turns are dropped instead. Segments are not the context budget (max_turns bounds
@@ -229,7 +232,11 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   about half of RL's wall-clock (their rate counted the start's demonstrations); given all of it, the rerun's control
   left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4; seed 0 grown to 450 steps
   stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4; `make run` from a
-  fresh clone, a third seed-0 RL run from the same start, got +4.4 / -8.4 over its control.
+  fresh clone, a third seed-0 RL run from the same start, got +4.4 / -8.4 over its control. Seed 0's start is the
+  weak one (level 3 at 11.8% at T=1, under the ~20% line): trained twice as long (LONG_START, sft.steps=3600, ~9 min
+  more) it reached 34.8% (greedy 81.4 / 59.6 / 62.0%, T=1 58.4 / 44.6 / 34.8%), and RL from it (one run, seed 0) got at
+  T=1 +23.6 / +30.8 over the start and +17.2 / +25.4 over a control given all of RL's wall-clock on levels 2 / 3, greedy
+  +18.4 / +14.4 / +10.4 on levels 1-3: every target; seed 1 has not been run from a start that long.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
@@ -323,7 +330,10 @@ def _recipe_sweep():
           + [{**NEARMISS_CURRICULUM, "seed": s, "rl.loss.kl_coef": 1e-2, "eval.control": False, "eval.tasks": 1500}
              for s in (0, 1)]
           # and 50x (copied in: the seed rows' start and control, with its recorded size control.json)
-          + [{**NEARMISS_CURRICULUM_KL, "seed": s} for s in (0, 1)])
+          + [{**NEARMISS_CURRICULUM_KL, "seed": s} for s in (0, 1)]
+          # and from the start trained twice as long: calibrated (200 held-out tasks per level), then the run
+          + [{**LONG_START, "eval.start_only": True, "eval.tasks": 600}]
+          + [{**LONG_START, "seed": s} for s in (0, 1)])
 
 
 def get_sweep(arg: str | None = None):
