@@ -236,7 +236,7 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   weak one (level 3 at 11.8% at T=1, under the ~20% line): trained twice as long (LONG_START, sft.steps=3600, ~9 min
   more) it reached 34.8% (greedy 81.4 / 59.6 / 62.0%, T=1 58.4 / 44.6 / 34.8%), and RL from it (one run, seed 0) got at
   T=1 +23.6 / +30.8 over the start and +17.2 / +25.4 over a control given all of RL's wall-clock on levels 2 / 3, greedy
-  +18.4 / +14.4 / +10.4 on levels 1-3: every target; seed 1 has not been run from a start that long.
+  +18.4 / +14.4 / +10.4 on levels 1-3: every measured target; seed 1 has not been run from a start that long.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
