@@ -78,18 +78,18 @@ def test_recipe_config_and_its_sweep_rows_build():
 
 
 def test_the_longer_start_rows_change_only_the_sft_steps():
-  default = rl_configs.get_config()
-  longer = common.override(rl_configs.get_config(), rl_configs.LONG_START)
-  assert longer.sft.steps == 2 * default.sft.steps
-  longer.sft.steps = default.sft.steps
-  assert longer.to_dict() == default.to_dict()
+  kl_row = common.override(rl_configs.get_config("recipe"), rl_configs.NEARMISS_CURRICULUM_KL)
+  longer = common.override(rl_configs.get_config("recipe"), rl_configs.LONG_START)
+  assert longer.sft.steps == 2 * kl_row.sft.steps
+  longer.sft.steps = kl_row.sft.steps
+  assert longer.to_dict() == kl_row.to_dict()
   assert all({**rl_configs.LONG_START, "seed": s} in rl_configs.get_sweep() for s in (0, 1))
 
 
 def test_the_default_run_is_recipe_best_the_best_measured_row():
-  """The default (`make run`, `rl_main.py` with no --config) is `rl.py:recipe_best` = recipe +
-  NEARMISS_CURRICULUM_KL (the rows measured on both seeds): levels 1-3, summary chains, C(x) and the behavioural
-  terms on; `seed=` and `steps=` still apply."""
+  """The default (`make run`, `rl_main.py` with no --config) is `rl.py:recipe_best` = recipe + LONG_START (the
+  rows measured on both seeds): levels 1-3, summary chains, C(x) and the behavioural terms on, the start's second
+  stage 3600 steps; `seed=` and `steps=` still apply."""
   default = configs.from_dict(RunConfig, rl_configs.get_config(), workdir="/tmp/x")
   assert default == configs.from_dict(RunConfig, rl_configs.get_config("recipe_best"), workdir="/tmp/x")
   assert default.tasks.levels == (1, 2, 3) and default.harness.max_segments >= 2
@@ -97,11 +97,12 @@ def test_the_default_run_is_recipe_best_the_best_measured_row():
   assert default.harness.rewards.malformed_weight > 0 and default.eval.control and default.eval.drop_oldest
   for seed in (0, 1):
     best = rl_configs.get_config(f"recipe_best,seed={seed}")
-    row = common.override(rl_configs.get_config(f"recipe,seed={seed}"), rl_configs.NEARMISS_CURRICULUM_KL)
+    row = common.override(rl_configs.get_config(f"recipe,seed={seed}"), rl_configs.LONG_START)
     assert best.to_dict() == row.to_dict()
     run = configs.from_dict(RunConfig, best, workdir="/tmp/x")
     assert (run.seed, run.tasks.seed, run.rl.loss.kl_coef, run.train.steps) == (seed, seed + 1, 5e-2, 300)
     assert run.sft.curriculum_levels == (1,) and run.sft.demo_accuracy == 0.5 and run.eval.tasks == 1500
+    assert (run.sft.curriculum_steps, run.sft.steps) == (900, 3600)
   assert rl_configs.get_config("recipe_best,steps=7").train.steps == 7
   with pytest.raises(ValueError, match="recipe_best is a row of get_sweep"):
     rl_configs.get_sweep("recipe_best")   # recipe's rows override rl.py:recipe, not this row

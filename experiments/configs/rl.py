@@ -16,15 +16,15 @@ sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoi
 (`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
 
 Variants: `recipe_best` (default, `make run`: the report's RL recipe at Colab scale in its best measured row,
-NEARMISS_CURRICULUM_KL: procedural levels 1-3, self-summary chains, the length penalty C(x) and the behavioural terms
-on, a curriculum start taught half near misses, 300 RL steps at KL β 5e-2, 500 held-out tasks per level; ~2 h on 2
-idle cores; RL beat its start on levels 2-3 at T=1 in every run, and the equal-time control in all but one seed-0
-run), `recipe` (the recipe as first calibrated, which get_sweep's rows override; `_recipe` says how its budget,
-weights and SFT start were chosen), `colab` (`make colab`: level-1 tasks, read, edit, finish, C(x) and the behavioural
-terms on; ~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so its end-to-end time stays
-measurable), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both; `_curriculum` says what it
-measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make pretrain`, and its tokenizer),
-`test` (tiny model, few tasks, local workspaces).
+LONG_START: procedural levels 1-3, self-summary chains, the length penalty C(x) and the behavioural terms on, a
+curriculum start taught half near misses (900 + 3600 SFT steps), 300 RL steps at KL β 5e-2, 500 held-out tasks per
+level; ~2 h on 2 idle cores; from it RL beat its start and the equal-time control on levels 2-3 at T=1 by over 15
+and 10 points on both seeds), `recipe` (the recipe as first calibrated, which get_sweep's rows override; `_recipe`
+says how its budget, weights and SFT start were chosen), `colab` (`make colab`: level-1 tasks, read, edit, finish,
+C(x) and the behavioural terms on; ~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so
+its end-to-end time stays measurable), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both;
+`_curriculum` says what it measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make
+pretrain`, and its tokenizer), `test` (tiny model, few tasks, local workspaces).
 Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
 test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
@@ -131,7 +131,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if recipe:
     _recipe(c)
   if arg.variant == "recipe_best":   # the recipe's best measured row (the default, `make run`)
-    common.override(c, NEARMISS_CURRICULUM_KL)
+    common.override(c, LONG_START)
     c.train.steps = arg.steps or c.train.steps
   if arg.variant == "curriculum":
     _curriculum(c)
@@ -182,8 +182,8 @@ RECIPE_CURRICULUM = {"sft.curriculum_levels": (1,), "sft.curriculum_steps": 900}
 NEARMISS_CURRICULUM = {**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "train.steps": 300}
 # The best of them: 50x the KL beta (greedy no longer falls), evaluated on 500 held-out tasks per level.
 NEARMISS_CURRICULUM_KL = {**NEARMISS_CURRICULUM, "rl.loss.kl_coef": 5e-2, "eval.tasks": 1500}
-# The same from a start trained twice as long on all levels (sft.steps 1800 -> 3600, ~9 more minutes): seed 0's
-# 1800-step start solves 11.8% of level 3 at T=1, under the ~20% a start needs, seed 1's 44.4%.
+# The same from a start trained twice as long on all levels (sft.steps 1800 -> 3600, ~9 more minutes; the default,
+# recipe_best): seed 0's 1800-step start solves 11.8% of level 3 at T=1, under the ~20% a start needs, seed 1's 44.4%.
 LONG_START = {**NEARMISS_CURRICULUM_KL, "sft.steps": 3600}
 
 
@@ -224,19 +224,22 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   misses (NEARMISS_CURRICULUM), 300 steps (~100 min in all) gained at T=1 +20.0 / +18.8 on levels 2 / 3 with seed 0
   and +27.8 / +20.8 with seed 1 (over the control +11.2 / +2.2 and +30.4 / +6.6; 500 held-out tasks per level);
   greedy, level 3 fell 3.6 and 9.8 points. With 10x the KL beta (1e-2) KL stayed at ~0.03 and level 3 gained +17.6 /
-  +28.2 at T=1 (+1.0 / +14.0 over the control) and +1.2 / -7.0 greedy. With 50x (5e-2, NEARMISS_CURRICULUM_KL = the
-  variant recipe_best, the default run) level 3 gained +25.8 / +38.6 at T=1 (+9.2 / +24.4 over the control) and +6.4 /
-  +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start; run from a fresh clone (then `make
-  recipe`, now `make run`) reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL run): level
-  3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those controls trained for
-  about half of RL's wall-clock (their rate counted the start's demonstrations); given all of it, the rerun's control
-  left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4; seed 0 grown to 450 steps
-  stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4; `make run` from a
-  fresh clone, a third seed-0 RL run from the same start, got +4.4 / -8.4 over its control. Seed 0's start is the
-  weak one (level 3 at 11.8% at T=1, under the ~20% line): trained twice as long (LONG_START, sft.steps=3600, ~9 min
-  more) it reached 34.8% (greedy 81.4 / 59.6 / 62.0%, T=1 58.4 / 44.6 / 34.8%), and RL from it (one run, seed 0) got at
-  T=1 +23.6 / +30.8 over the start and +17.2 / +25.4 over a control given all of RL's wall-clock on levels 2 / 3, greedy
-  +18.4 / +14.4 / +10.4 on levels 1-3: every measured target; seed 1 has not been run from a start that long.
+  +28.2 at T=1 (+1.0 / +14.0 over the control) and +1.2 / -7.0 greedy. With 50x (5e-2, NEARMISS_CURRICULUM_KL, the
+  default run until the longer start below) level 3 gained +25.8 / +38.6 at T=1 (+9.2 / +24.4 over the control) and
+  +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start; run from a fresh clone (then
+  `make recipe`, now `make run`) reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL run):
+  level 3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those controls trained
+  for about half of RL's wall-clock (their rate counted the start's demonstrations); given all of it, the rerun's
+  control left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4; seed 0 grown to 450
+  steps stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4; `make run` from a
+  fresh clone, a third seed-0 RL run from the same start, got +4.4 / -8.4 over its control. Seed 0's start is the weak
+  one (level 3 at 11.8% at T=1, under the ~20% line): trained twice as long (LONG_START, sft.steps=3600, ~9 min more)
+  it reached 34.8% (greedy 81.4 / 59.6 / 62.0%, T=1 58.4 / 44.6 / 34.8%), and RL from it (one run, seed 0) got at T=1
+  +23.6 / +30.8 over the start and +17.2 / +25.4 over a control given all of RL's wall-clock on levels 2 / 3, greedy
+  +18.4 / +14.4 / +10.4 on levels 1-3: every measured target. Seed 1 from its longer start (level 3 at 55.8% at T=1,
+  87.6% greedy) got at T=1 +33.6 / +24.8 over the start and +26.8 / +10.4 over the control on levels 2 / 3, greedy
+  +13.6 / +15.0 / +0.6 (level 3's +5 short from a start at 87.6%), no level below the start. So LONG_START is the
+  variant recipe_best, the default run.
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
