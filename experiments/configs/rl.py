@@ -216,30 +216,16 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   steps on the level-1 demonstrations, then these 1800 on all; 30 min on 2 cores at load ~2) reaches every level:
   98.0 / 66.5 / 66.0% greedy and 94.5 / 60.0 / 52.5% at T=1 (200 held-out tasks per level).
 
-  As first calibrated (this variant; measured, experiments/results/README.md, 200 held-out tasks per level) it takes
-  ~50 min on 2 idle cores (the SFT start ~21-27: 8 x 512-token steps are attention-bound), and its 80 RL steps did not
-  beat the start on any level while the equal-wall-clock SFT control did (seeds 0 and 1); neither did 240 steps or KL
-  beta 1e-2. From a start taught half near misses (sweep row sft.demo_accuracy=0.5) RL gained +14.5 points at level 1
-  (T=1) and nothing on levels 2-3, where both starts are at or below ~20%. From the curriculum start taught half near
-  misses (NEARMISS_CURRICULUM), 300 steps (~100 min in all) gained at T=1 +20.0 / +18.8 on levels 2 / 3 with seed 0
-  and +27.8 / +20.8 with seed 1 (over the control +11.2 / +2.2 and +30.4 / +6.6; 500 held-out tasks per level);
-  greedy, level 3 fell 3.6 and 9.8 points. With 10x the KL beta (1e-2) KL stayed at ~0.03 and level 3 gained +17.6 /
-  +28.2 at T=1 (+1.0 / +14.0 over the control) and +1.2 / -7.0 greedy. With 50x (5e-2, NEARMISS_CURRICULUM_KL, the
-  default run until the longer start below) level 3 gained +25.8 / +38.6 at T=1 (+9.2 / +24.4 over the control) and
-  +6.4 / +2.4 greedy, level 2 +7.8 / +0.4 greedy, and no level fell below its start; run from a fresh clone (then
-  `make recipe`, now `make run`) reran seed 0 (119 min on 2 idle cores; the same start, another asynchronous RL run):
-  level 3 +31.4 at T=1 (+14.2 over the control), greedy +5.8 / +6.2 / +8.0 on levels 1 / 2 / 3. Those controls trained
-  for about half of RL's wall-clock (their rate counted the start's demonstrations); given all of it, the rerun's
-  control left RL +12.2 / +7.2 on levels 2 / 3 at T=1, and a fresh seed-1 run's +22.2 / +17.4; seed 0 grown to 450
-  steps stayed at its step-300 level while its control (given those steps' time) rose: +8.6 / +1.4; `make run` from a
-  fresh clone, a third seed-0 RL run from the same start, got +4.4 / -8.4 over its control. Seed 0's start is the weak
-  one (level 3 at 11.8% at T=1, under the ~20% line): trained twice as long (LONG_START, sft.steps=3600, ~9 min more)
-  it reached 34.8% (greedy 81.4 / 59.6 / 62.0%, T=1 58.4 / 44.6 / 34.8%), and RL from it (one run, seed 0) got at T=1
-  +23.6 / +30.8 over the start and +17.2 / +25.4 over a control given all of RL's wall-clock on levels 2 / 3, greedy
-  +18.4 / +14.4 / +10.4 on levels 1-3: every measured target. Seed 1 from its longer start (level 3 at 55.8% at T=1,
-  87.6% greedy) got at T=1 +33.6 / +24.8 over the start and +26.8 / +10.4 over the control on levels 2 / 3, greedy
-  +13.6 / +15.0 / +0.6 (level 3's +5 short from a start at 87.6%), no level below the start. So LONG_START is the
-  variant recipe_best, the default run.
+  As first calibrated (this variant, 200 held-out tasks per level) its 80 RL steps did not beat the start on any level
+  while the equal-wall-clock SFT control did (seeds 0 and 1); neither did 240 steps or KL beta 1e-2. What made RL
+  learn levels 2-3, one sweep row at a time (experiments/results/README.md tells each run, recipe.md tabulates them):
+  a start taught half near misses (sft.demo_accuracy=0.5) from the curriculum start, 300 RL steps
+  (NEARMISS_CURRICULUM: +19-28 points on levels 2-3 at T=1, but level 3 fell greedy), 50x the KL beta
+  (NEARMISS_CURRICULUM_KL, 5e-2: greedy stopped falling in two runs, not in a third), and a start trained twice as
+  long (LONG_START, sft.steps=3600, ~9 min more: seed 0's 1800-step start solved 11.8% of level 3 at T=1, under the
+  ~20% line, and RL's margin over its control there swung between runs, +7.2 and -8.4; the longer start solves 34.8%).
+  LONG_START is the variant recipe_best, the default run: from it RL met every measured target with seed 0, and with
+  seed 1 every one but +5 greedy on level 3 (+0.6, from a start at 87.6%).
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
