@@ -224,8 +224,9 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   (NEARMISS_CURRICULUM_KL, 5e-2: greedy stopped falling in two runs, not in a third), and a start trained twice as
   long (LONG_START, sft.steps=3600, ~9 min more: seed 0's 1800-step start solved 11.8% of level 3 at T=1, under the
   ~20% line, and RL's margin over its control there swung between runs, +7.2 and -8.4; the longer start solves 34.8%).
-  LONG_START is the variant recipe_best, the default run: from it RL met every measured target with seed 0, and with
-  seed 1 every one but +5 greedy on level 3 (+0.6, from a start at 87.6%).
+  LONG_START is the variant recipe_best, the default run: from it RL met every measured target with seed 0 in two runs
+  (one `make run` from a fresh clone), and with seed 1 every one but +5 greedy on level 3 (+0.6, from a start at
+  87.6%).
 
   Levels 1-3 (tasks.levels, set in get_config): level 2 does not name the file (list or grep first), level 3 has two
   modules, two bugs and a todo list. Train and held-out sides are disjoint by function core (registry).
