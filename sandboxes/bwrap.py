@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from sandboxes.types import WORKSPACE, BackendUnavailableError, SandboxConfig
 
 SANDBOX_UID = 1000  # uid/gid inside; maps to the backend's unprivileged host uid outside
+HOSTNAME = "sandbox"  # `uname -n` inside; /etc/hosts names it (the host's hosts file names the host)
 # Host /etc is not bound whole (it says a lot about the host); only what programs need to start is shown.
 ETC_FILES = (
   "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime", "ssl/certs",
-  "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf", "hosts", "mime.types", "bash.bashrc", "profile",
-  "inputrc",
+  "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf", "mime.types", "bash.bashrc", "profile", "inputrc",
 )
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
@@ -103,7 +103,7 @@ def build_argv(
   # The backend already runs bwrap as an unprivileged host uid; inside, a user namespace with every capability
   # dropped and no nested user namespaces (without these flags a root-started bwrap keeps its capabilities).
   a += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
-        "--disable-userns", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        "--disable-userns", "--die-with-parent", "--new-session", "--hostname", HOSTNAME]
   for d in SYSTEM_DIRS:
     if os.path.islink(d):
       a += ["--symlink", os.readlink(d), d]
@@ -139,9 +139,12 @@ def build_argv(
 
 
 def etc_files() -> dict[str, str]:
-  """Minimal passwd/group naming the sandbox user (tools like `whoami`, git and ssh look it up)."""
+  """Minimal passwd/group naming the sandbox user (tools like `whoami`, git and ssh look it up), and a hosts file
+  naming only loopback and the sandbox (`hostname -f`, and Python's `socket.gethostbyname(gethostname())`, work
+  without a network)."""
   u = SANDBOX_UID
   return {
+    "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     "passwd": f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:sandbox:/tmp:/bin/sh\n"
               "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
     "group": f"root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n",

@@ -421,10 +421,11 @@ def test_staged_etc_holds_only_world_readable_host_files(tmp_path):
   os.symlink("ca.pem", host / "ssl" / "certs" / "link.pem")
   (host / "ssl" / "private").mkdir(mode=0o700)
   (host / "ssl" / "private" / "key.pem").write_text("secret")
-  (host / "hosts").write_text("127.0.0.1 localhost")
+  (host / "hosts").write_text("127.0.0.1 localhost hostbox")
   (host / "profile").write_text("root only")
   os.chmod(host / "profile", 0o600)
   bwrap.stage_etc(str(tmp_path / "etc"), host_etc=str(host))
   got = sorted(str(p.relative_to(tmp_path / "etc")) for p in (tmp_path / "etc").rglob("*"))
   assert got == ["group", "hosts", "passwd", "ssl", "ssl/certs", "ssl/certs/ca.pem", "ssl/certs/link.pem"]
   assert os.readlink(tmp_path / "etc" / "ssl" / "certs" / "link.pem") == "ca.pem"
+  assert "hostbox" not in (tmp_path / "etc" / "hosts").read_text()  # the host's names stay out
