@@ -87,7 +87,8 @@ class BwrapBackend(Backend):
       warnings.warn("rootless BwrapBackend without a writable (delegated) cgroup: memory is limited by RLIMIT_AS "
                     "and processes by RLIMIT_NPROC over all of this user's processes; memory/pids/disk-in-cgroup "
                     "hits are not reported as such", RuntimeWarning, stacklevel=2)
-    self.store = Store(state_root)
+    # Closed to other host users (the sandbox's group may enter: bwrap runs as it and binds from the store).
+    self.store = Store(state_root, group=None if self.rootless else host_gid)
     self._staged: dict[str, str] = {}
     self._snapshots: dict[str, tuple[str, ...]] = {}  # live snapshot id -> layers
     self._known_layers: set[str] = set()  # layers that _gc may delete once nothing uses them
@@ -424,6 +425,7 @@ class BwrapSandbox(Sandbox):
           return be._register(self.layers)
       layer = be.store.new_layer_dir()
       self._freeze_upper(layer)
+      scan.drop_setid_bits(layer)
       self.layers = (layer,) + self.layers  # from here on the fork's state lives in `layer`
       self._at_limit = set()  # those files moved into a layer with the upper dir
       with be._lock:

@@ -53,13 +53,17 @@ def fits(layers: tuple[str, ...], upper: str, work: str) -> bool:
 
 
 def mount(layers: tuple[str, ...], target: str, upper: str | None = None, work: str | None = None) -> None:
-  """Mounts an overlay at `target`; read-only when `upper` is None (then at least one layer is needed)."""
+  """Mounts an overlay at `target`; read-only when `upper` is None (then at least one layer is needed).
+
+  `nosuid,nodev`: the mount is on the host, listed in every user's /proc/self/mountinfo; a setuid file a command
+  made in it must not run as the sandbox's uid for anyone who reaches it (inside, bwrap's binds are nosuid too).
+  """
   if not layers:
     raise ValueError("an overlay needs at least one lower layer")
   opts = mount_options(layers, upper, work)
   if len(opts) > MAX_OPTIONS_BYTES:
     raise ValueError(f"overlay options are {len(opts)} bytes (> {MAX_OPTIONS_BYTES}); flatten the snapshot first")
-  flags = MS_RDONLY if upper is None else 0
+  flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if upper is None else 0)
   if upper is None and len(layers) == 1:
     opts = f"lowerdir={layers[0]}:{layers[0]}"  # overlayfs wants 2+ lowers without an upper; same dir twice is fine
   if _libc.mount(b"overlay", target.encode(), b"overlay", flags, opts.encode()) != 0:
