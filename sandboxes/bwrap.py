@@ -79,7 +79,7 @@ def default_path(config: SandboxConfig) -> str:
 def build_argv(
   bwrap: str, config: SandboxConfig, workspace: str | tuple[tuple[str, ...], str | None, str | None], etc_dir: str,
   argv: Sequence[str], env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
-  rw_binds: Sequence[tuple[str, str]] = (), seccomp_fd: int | None = None,
+  rw_binds: Sequence[tuple[str, str]] = (), seccomp_fd: int | None = None, devpts: str | None = None,
 ) -> list[str]:
   """The full bwrap command line for one run.
 
@@ -96,6 +96,7 @@ def build_argv(
       (the backend passes staged sources the unprivileged bwrap can reach).
     rw_binds: (host source, path inside) pairs bound read-write (internal use: flattening a snapshot).
     seccomp_fd: an fd (inherited by bwrap) holding the BPF syscall filter to install before the command runs.
+    devpts: a host devpts instance (with a `max`) to show at /dev/pts instead of bwrap's own, uncapped one.
   """
   a = [bwrap, "--unshare-all"]
   if config.network:
@@ -113,8 +114,10 @@ def build_argv(
   # /dev is bwrap's own small tmpfs (device nodes bound from the host); its /dev/shm gets a capped tmpfs of its
   # own and /dev itself is made read-only, so neither is an uncapped writable place.
   tmp = str(config.limits.tmp_bytes)
-  a += ["--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--size", tmp, "--tmpfs", "/tmp"]
+  a += ["--proc", "/proc", "--dev", "/dev"]
+  if devpts is not None:
+    a += ["--dev-bind", devpts, "/dev/pts"]  # /dev/ptmx is bwrap's link to pts/ptmx: it opens this instance
+  a += ["--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--size", tmp, "--tmpfs", "/tmp"]
   for src, dst in ro_binds:  # after /tmp's tmpfs, which would otherwise hide binds below /tmp
     a += ["--ro-bind", src, dst]
   for src, dst in rw_binds:

@@ -26,6 +26,7 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
@@ -81,6 +82,17 @@ def mount_tmpfs(target: str, size_bytes: int | None, inodes: int | None, mode: i
   if _libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
     err = ctypes.get_errno()
     raise OSError(err, f"mount tmpfs at {target} ({opts}) failed: {os.strerror(err)}")
+
+
+def mount_devpts(target: str, max_ptys: int) -> None:
+  """A new devpts instance at `target` holding at most `max_ptys` ptys (bwrap binds it at the sandbox's /dev/pts).
+
+  bwrap's own instance has no `max`: every non-host instance draws on the kernel's one shared budget.
+  """
+  opts = f"newinstance,ptmxmode=0666,mode=0620,max={max_ptys}"
+  if _libc.mount(b"devpts", target.encode(), b"devpts", MS_NOSUID | MS_NOEXEC, opts.encode()) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"mount devpts at {target} ({opts}) failed: {os.strerror(err)}")
 
 
 def bind_readonly(src: str, target: str) -> None:
