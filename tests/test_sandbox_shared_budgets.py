@@ -143,6 +143,8 @@ def test_pty_limit_is_per_fork_and_configurable(backend, tmp_path):
     assert r.stdout_text.split() == ["0", "1", "2"] and "out of pty devices" in r.stderr_text, r
     assert sb.run(["python3", "-c", PTY_ONE]).ok  # a run's ptys go with it
     assert sb.run("script -qc 'tty' /dev/null").stdout_text.startswith("/dev/pts/")  # a terminal program works
+  with pytest.raises(ValueError, match="Limits.ptys"):
+    Limits(ptys=0)
 
 
 # -- 3. POSIX message queues ---------------------------------------------------------------------------------
