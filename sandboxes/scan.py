@@ -52,20 +52,17 @@ def files_at_size(root: str, size: int, max_entries: int = 20_000) -> set[tuple[
   return found
 
 
-def drop_setid_bits(root: str) -> int:
-  """Clears setuid/setgid on every non-directory under `root` (a new layer); returns how many it changed.
+def drop_setid_bits(root: str) -> None:
+  """Clears setuid/setgid on every regular file under `root` (a new layer).
 
   Inside a sandbox they never act (every mount there is `nosuid`), so a snapshot loses nothing, but a layer is a
   directory on the host: a setuid file kept in it would run as the sandbox's host uid for whoever reaches it.
   (Directories keep setgid: it only chooses the group of new entries.)
   """
-  changed = 0
   for e in _entries(root):
     try:
       st = e.stat(follow_symlinks=False)
     except OSError:
       continue
     if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and stat.S_ISREG(st.st_mode):
-      os.chmod(e.path, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), follow_symlinks=False)
-      changed += 1
-  return changed
+      os.chmod(e.path, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))  # a regular file: no link to follow
