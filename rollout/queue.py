@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import re
 import threading
@@ -51,6 +52,15 @@ COUNTERS = "counters/"
 SKIPPED_KEPT = 20   # the consumer state names this many of the most recent unreadable records
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME_RE = re.compile(r"^(\d{20})_v(-?\d+)_n(\d+)$")
+
+
+class QueueWriteError(OSError):
+  """A group could not be written (e.g. the disk is full); nothing of it is listed, the queue stays readable."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error` (an OSError, or tensorstore's ValueError carrying the OS error) says the device is full."""
+  return getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error)
 
 
 def open_store(store: str | dict | ts.KvStore, context: ts.Context | None = None) -> ts.KvStore:
@@ -175,7 +185,14 @@ class QueueProducer:
     with self._lock:
       t = max(time.time_ns(), self._last_t + 1)
       key = GroupKey(self.producer_id, t, policy_version, n_rows).key
-      self.kv.write(key, blob).result()
+      try:
+        self.kv.write(key, blob).result()
+      except (ValueError, OSError) as e:   # tensorstore reports I/O errors as ValueError
+        full = is_disk_full(e)
+        raise QueueWriteError(errno.ENOSPC if full else errno.EIO,
+                              f"queue group {key} ({len(blob)} bytes) was not written"
+                              f"{': the disk is full' if full else ''}; nothing of it is listed and the queue stays "
+                              f"readable (a worker redoes the group when it restarts): {e}") from e
       self._last_t = t
     return key
 
