@@ -1,11 +1,15 @@
 """Fault: the disk fills while a queue entry and a checkpoint are written (a real 8 MiB tmpfs filled to the brim).
 
 Each write fails with one clear error; the last good checkpoint and every queued group stay readable; once space
-is back a restored trainer goes on, and every group is applied exactly once. Needs root (to mount the tmpfs)."""
+is back a restored trainer goes on, and every group is applied exactly once. Mounting the tmpfs needs root; without
+it the test runs itself again as root of a new user namespace (`unshare`), and is skipped only where that is
+not allowed either."""
+import contextlib
 import errno
 import os
 import shutil
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -14,18 +18,32 @@ import pytest
 from composer_jax.train import checkpoint as ckpt_lib
 from rollout.queue import QueueConsumer, QueueProducer, QueueWriteError
 
+IN_NAMESPACE = "COMPOSER_JAX_TEST_IN_USER_NAMESPACE"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-@pytest.fixture
-def small_disk(tmp_path):
-  mnt = tmp_path / "disk"
-  mnt.mkdir()
-  if os.geteuid() != 0:
-    pytest.skip("mounting the small tmpfs this test fills needs root")
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+
+@contextlib.contextmanager
+def _small_disk(path):
+  path.mkdir()
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)], capture_output=True, text=True)
   if r.returncode:
     pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-  yield mnt
-  subprocess.run(["umount", "-l", str(mnt)], check=True)
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _run_as_namespace_root(request, tmp_path) -> None:
+  """Without root, this test runs again as root of a new user and mount namespace, where a tmpfs may be mounted."""
+  if shutil.which("unshare") is None:
+    pytest.skip("mounting the small tmpfs needs root, or `unshare` (util-linux) for a user namespace")
+  r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-m", "pytest", "-q",
+                      "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}", request.node.nodeid],
+                     cwd=ROOT, env={**os.environ, IN_NAMESPACE: "1"}, capture_output=True, text=True, timeout=900)
+  if r.returncode and "unshare:" in r.stderr:
+    pytest.skip(f"mounting the small tmpfs needs root, and user namespaces are not available: {r.stderr.strip()}")
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def _fill(path, leave_bytes):
@@ -39,7 +57,15 @@ def _abstract(state):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
-def test_disk_full_during_queue_append_and_checkpoint_loses_nothing(small_disk):
+def test_disk_full_during_queue_append_and_checkpoint_loses_nothing(request, tmp_path):
+  if os.geteuid() != 0 and not os.environ.get(IN_NAMESPACE):
+    _run_as_namespace_root(request, tmp_path)
+    return
+  with _small_disk(tmp_path / "disk") as small_disk:
+    _fill_and_recover(small_disk)
+
+
+def _fill_and_recover(small_disk):
   url = f"file://{small_disk}/queue"
   rng = np.random.default_rng(0)
   producer = QueueProducer(url, "w0")
