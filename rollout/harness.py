@@ -43,6 +43,12 @@ SHORT_SYSTEM_PROMPT = "Fix the code with tools, then finish."
 # System prompts a config may name (`system_prompt="short"`); any other string is used as the prompt itself.
 SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
 OVERFLOW = ("summarize", "drop_oldest")
+
+
+class SandboxStartError(RuntimeError):
+  """An episode's workspace could not be forked (the sandbox did not start): its group cannot be completed."""
+
+
 SUMMARY_PROMPT = ("Your context is full. Summarize the task, what you did, what you learned and what is left, "
                   "so that you can continue from the summary alone.")
 
@@ -140,7 +146,10 @@ class _Episode:
   def __init__(self, index: int, task: Task, envs: EnvironmentCache, tokenizer, cfg: HarnessConfig):
     self.index, self.task, self.tok, self.cfg = index, task, tokenizer, cfg
     self.envs = envs
-    self.ws = envs.fork(task)
+    try:
+      self.ws = envs.fork(task)
+    except Exception as e:   # noqa: BLE001 - whatever the backend raised, the episode cannot start
+      raise SandboxStartError(f"task {task.id}: episode {index}'s workspace did not start: {e!r}") from e
     self.tools = ToolBox(self.ws, cfg.tools)
     self.bos = cf.special_id(tokenizer, cf.BEGIN_OF_TEXT)
     self.stop_ids = tuple(cf.special_id(tokenizer, t) for t in cf.STOP_TOKENS)
@@ -347,6 +356,9 @@ class _Episode:
                **{k: float(v) for k, v in self.stats.items()}}
     if report.error or setup_reason:
       metrics["grade_error"] = report.error or setup_reason
+    # Not a failing test: the grade is unknown, so this reward (0 + penalties) must not be trained on as is;
+    # `rollout.workers` retries or drops such a group whole, evaluation reports it apart (`grade_timed_out`).
+    metrics["grade_timed_out"] = float(report.timed_out)
     return Trajectory(self.task.id, self.segments, reward, breakdown, metrics, self.messages, self.stop_reason)
 
 
@@ -362,10 +374,16 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
     cfg: loop limits, prompts and reward weights.
 
   Returns:
-    Trajectories in task order, each graded, with its reward breakdown.
+    Trajectories in task order, each graded, with its reward breakdown; `metrics["grade_timed_out"]` is 1.0 where
+    the hidden tests hit their time limit (the reward then says nothing about the episode).
+
+  Raises:
+    SandboxStartError: an episode's workspace could not be forked (the ones already forked are closed).
   """
-  episodes = [_Episode(i, t, envs, tokenizer, cfg) for i, t in enumerate(tasks)]
+  episodes = []
   try:
+    for i, t in enumerate(tasks):
+      episodes.append(_Episode(i, t, envs, tokenizer, cfg))
     while True:
       batch = [(ep, ep.request()) for ep in episodes if ep.active]
       batch = [(ep, req) for ep, req in batch if req is not None]
