@@ -44,6 +44,7 @@ import numpy as np
 import tensorstore as ts
 
 from rollout import queue_codec
+from rollout import tree as tree_lib
 from rollout.staleness import StalenessConfig
 
 GROUPS = "groups/"
@@ -210,7 +211,8 @@ class QueueProducer:
       policy_version = group_version(trajectories)
       if policy_version < 0:
         raise ValueError("no versions_T >= 0 in the group; pass policy_version explicitly")
-    n_rows = sum(len(t.get("segments", [None])) for t in trajectories)
+    n_rows = (len(tree_lib.group_rows(trajectories)) if tree_lib.is_tree_group(trajectories)  # shared rows once
+              else sum(len(t.get("segments", [None])) for t in trajectories))
     arrays, skeleton = queue_codec.pack_tree(tree)
     return self.append(arrays, skeleton, policy_version=policy_version, n_rows=n_rows)
 

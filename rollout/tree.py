@@ -217,3 +217,14 @@ def token_credit(trajectories: Sequence[dict], tree: Tree | None = None) -> list
                    "train_T": (gen_T & owned).astype(np.float32)})
     out.append(rows)
   return out
+
+
+def group_rows(trajectories: Sequence[dict]) -> list[tuple[int, int]]:
+  """(trajectory, segment) of each training row a group needs, in order: every segment of a flat group; of a tree
+  group's leaves, the segments that train some token, and each leaf's last one (which carries its reward). A leaf's
+  segment before the branch point is context only, and its owner's copy is the one trained."""
+  if not is_tree_group(trajectories):
+    return [(ti, si) for ti, t in enumerate(trajectories) for si in range(len(t["segments"]))]
+  credit = token_credit(trajectories)
+  return [(ti, si) for ti, t in enumerate(trajectories) for si, c in enumerate(credit[ti])
+          if c["train_T"].any() or si == len(t["segments"]) - 1]

@@ -9,9 +9,9 @@ from composer_jax.rl import losses
 from rollout import tree as tree_lib
 from tests import tree_testlib as tl
 
-# root ─ A (tokens 1 2) ─ leaf A0 (3, env 150, 4) r=1 ; leaf A1 (5) r=0
+# root ─ A (tokens 1 2) ─ leaf A0 (3, env 60, 4) r=1 ; leaf A1 (5) r=0
 #      └ B (tokens 6)   ─ leaf B0 (7) r=1            ; leaf B1 (8 9) r=1
-NODES = {(0,): [1, 2], (0, 0): [3, 150, 4], (0, 1): [5], (1,): [6], (1, 0): [7], (1, 1): [8, 9]}
+NODES = {(0,): [1, 2], (0, 0): [3, 60, 4], (0, 1): [5], (1,): [6], (1, 0): [7], (1, 1): [8, 9]}
 REWARDS = {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 1.0, (1, 1): 1.0}
 
 
@@ -90,8 +90,8 @@ def test_multiplicity_is_identical_leaves():
 
 def test_branch_across_a_summary_boundary():
   """Leaves share all of segment 0 (ending in a generated summary) and segment 1 up to the branch point."""
-  seg0 = list(tl.PROMPT) + [1, 2, 150, 3, 4]                  # turn, tool output, summary tokens 3 4
-  seg1_head = list(tl.PROMPT) + [103, 104]                      # the next segment's prompt holds the summary
+  seg0 = list(tl.PROMPT) + [1, 2, 60, 3, 4]                  # turn, tool output, summary tokens 3 4
+  seg1_head = list(tl.PROMPT) + [55, 56]                      # the next segment's prompt holds the summary
   leaves = []
   for j, (tail, r) in enumerate([([5, 6], 1.0), ([7], 0.0), ([8], 0.0)]):
     segs = [tl.segment(seg0), tl.segment(seg1_head + [9] + tail)]

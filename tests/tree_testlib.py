@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-ENV = 100   # token ids >= ENV are environment tokens (gen_mask 0), the rest model-generated
+ENV = 48    # token ids >= ENV are environment tokens (gen_mask 0), the rest generated (the step tests: vocab 64)
 PROMPT = (ENV + 1, ENV + 2, ENV + 3)
 
 
@@ -16,7 +16,7 @@ def segment(tokens, n_layers: int = 0, top_k: int = 2) -> dict:
   routed = None
   if n_layers:
     routed = ((t[:, None, None] + pos[:, None, None] + np.arange(n_layers)[:, None] + np.arange(top_k)) % 8)
-  return {"tokens_T": t, "gen_mask_T": gen, "logprobs_T": np.where(gen > 0, -0.05 * (t % 7) - 0.01, 0.0)
+  return {"tokens_T": t, "gen_mask_T": gen, "logprobs_T": np.where(gen > 0, -3.9 - 0.1 * (t % 7), 0.0)
           .astype(np.float32), "versions_T": np.where(gen > 0, 0, -1).astype(np.int32),
           "turns_T": np.zeros(len(t), np.int32), "routed_TxNxK": None if routed is None else routed.astype(np.int32),
           "prompt_len": len(PROMPT), "turns": [], "ends_with_summary": False}
