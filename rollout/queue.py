@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from rollout import queue_codec
+from rollout import queue_codec, tree_codec
 from rollout import tree as tree_lib
 from rollout.staleness import StalenessConfig
 
@@ -213,6 +213,7 @@ class QueueProducer:
         raise ValueError("no versions_T >= 0 in the group; pass policy_version explicitly")
     n_rows = (len(tree_lib.group_rows(trajectories)) if tree_lib.is_tree_group(trajectories)  # shared rows once
               else sum(len(t.get("segments", [None])) for t in trajectories))
+    tree["trajectories"] = tree_codec.share_prefixes(trajectories)   # a tree group's shared prefixes once
     arrays, skeleton = queue_codec.pack_tree(tree)
     return self.append(arrays, skeleton, policy_version=policy_version, n_rows=n_rows)
 
@@ -231,7 +232,7 @@ class ConsumedGroup:
     return queue_codec.unpack_tree(self.arrays, self.meta)
 
   def trajectories(self) -> list[dict]:
-    return self.tree()["trajectories"]
+    return tree_codec.restore_prefixes(self.tree()["trajectories"])
 
 
 def _empty_state() -> dict:
