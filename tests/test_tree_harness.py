@@ -166,3 +166,20 @@ def test_worker_appends_tree_groups(setting, tmp_path):
   assert t.nodes[(0,)].advantage == 0.0 and t.nodes[(0,)].count == 3
   digest = {hashlib.sha256(np.asarray(x["segments"][0]["tokens_T"]).tobytes()).hexdigest() for x in trajs}
   assert len(digest) == 3
+
+
+def test_a_branch_that_does_not_start_fails_the_group_whole(setting, monkeypatch):
+  """A fork at a branch point that fails is a SandboxStartError (the worker retries or drops the group whole)."""
+  pool, tok, envs = setting
+  real, calls = envs.factory.fork, []
+
+  def flaky(snapshot):
+    calls.append(snapshot)
+    if len(calls) > 2:          # the two episodes from the prompt start; the first branch does not
+      raise OSError("overlay mount failed")
+    return real(snapshot)
+  monkeypatch.setattr(envs.factory, "fork", flaky)
+  with pytest.raises(harness.SandboxStartError, match="a branch of episode 0 did not start: OSError"):
+    tree_harness.rollout_tree(BranchingEngine(tok), tok, pool[0], envs, HCFG,
+                              tree_harness.TreeConfig(branch_turns=(0, 1), fanouts=(2, 2)))
+  assert len(calls) == 3
