@@ -1,5 +1,6 @@
 """rollout/tree_harness.py: a group run as a tree — forked sandboxes equal a replay (on the unisolated local backend
 and on bubblewrap's overlay forks), shared context, the worker."""
+import dataclasses
 import hashlib
 import os
 
@@ -9,7 +10,7 @@ import pytest
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import warmstart
 from rollout import chat_format as cf
-from rollout import harness, tree_harness, workers
+from rollout import harness, tree_codec, tree_harness, workers
 from rollout import tree as tree_lib
 from rollout.engines import scripted
 from rollout.engines.protocol import GenerateResult
@@ -20,6 +21,7 @@ from rollout.tasks import procedural
 from rollout.tasks.environment import EnvironmentCache, grade
 from rollout.tools import ToolBox
 from rollout.workspace import LocalFactory, SandboxFactory, SandboxWorkspace
+from tests.test_tree_codec import assert_same
 
 HCFG = harness.HarnessConfig(system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=1024, max_turn_tokens=128,
                              observation_reserve=128, max_turns=4, max_segments=1,
@@ -183,3 +185,42 @@ def test_a_branch_that_does_not_start_fails_the_group_whole(setting, monkeypatch
     tree_harness.rollout_tree(BranchingEngine(tok), tok, pool[0], envs, HCFG,
                               tree_harness.TreeConfig(branch_turns=(0, 1), fanouts=(2, 2)))
   assert len(calls) == 3
+
+
+class SummarizingEngine(BranchingEngine):
+  """BranchingEngine that also answers summary requests (with the request's seed, so branches' summaries differ)."""
+
+  def _message(self, req) -> dict:
+    if req.prompt_ids[-1] == cf.special_id(self.tok, cf.SUMMARY):
+      return {"content": f"wrote the notes, seed {req.params.seed % 1000}"}
+    return super()._message(req)
+
+
+def test_branches_that_cross_a_summary_boundary(setting):
+  """A context this small asks for a summary right at the branch point: each branch writes its own summary and
+  continues in new segments; credit, storage and the sandbox state hold across the boundary."""
+  pool, tok, envs = setting
+  hcfg = dataclasses.replace(HCFG, context_budget=256, max_turn_tokens=64, observation_reserve=96,
+                             summary_max_tokens=32, max_segments=3, max_turns=6)
+  envs.factory.closed.clear()
+  trajs = tree_harness.rollout_tree(SummarizingEngine(tok), tok, pool[0], envs, hcfg,
+                                    tree_harness.TreeConfig(branch_turns=(0, 1), fanouts=(2, 2)))
+  leaves = [t.to_dict() for t in trajs]
+  (s, o) = trajs[0].tree["starts"][1]
+  assert trajs[2].tree["starts"][1] == [s, o] and s == 0
+  for t in (trajs[0], trajs[2]):
+    assert len(t.segments) == 3 and t.segments[0].ends_with_summary
+    summary = t.segments[0].gen_mask_T[o:]
+    assert summary.all() and len(summary) > 1                  # the summary was generated after the branch point
+  assert not np.array_equal(trajs[0].segments[0].tokens_T, trajs[2].segments[0].tokens_T)
+  credit = tree_lib.token_credit(leaves)
+  tree = tree_lib.build(leaves)
+  for i in (0, 2):   # each branch trains its own summary with its own node's advantage, the trunk once (leaf 0)
+    np.testing.assert_array_equal(credit[i][0]["train_T"][o:], 1)
+    np.testing.assert_array_equal(credit[i][0]["advantage_T"][o:], tree.nodes[tuple(trajs[i].tree["path"])].advantage)
+    assert credit[i][0]["train_T"][:o].any() == (i == 0)
+  stored = tree_codec.share_prefixes(leaves)
+  assert stored[2]["shared_prefix"]["until"] == [0, o]
+  assert_same(tree_codec.restore_prefixes(stored), leaves)
+  for traj, got in zip(trajs, envs.factory.closed[-3:], strict=True):
+    assert got == replay(envs, pool[0], traj), traj.tree
