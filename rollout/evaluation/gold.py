@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from rollout.evaluation.gold_cache import GoldCache
 from rollout.tasks.environment import EnvironmentBuildError, EnvironmentCache, TestReport, apply_patch, grade
 from rollout.tasks.progress import Progress
 from rollout.tasks.task import Task
@@ -98,15 +99,21 @@ def check_task(task: Task, envs: EnvironmentCache, runs: int = 2) -> GoldCheck:
   return GoldCheck(task.id, True, "", post, max(r.wall_s for r in sides["gold"]))
 
 
-def validate(tasks: Sequence[Task], envs: EnvironmentCache, runs: int = 2,
-             progress: bool = True) -> tuple[list[Task], list[GoldCheck]]:
-  """Returns (valid tasks in order, every task's check); a progress bar counts valid tasks and invalid reasons."""
+def validate(tasks: Sequence[Task], envs: EnvironmentCache, runs: int = 2, progress: bool = True,
+             cache: GoldCache | None = None) -> tuple[list[Task], list[GoldCheck]]:
+  """Returns (valid tasks in order, every task's check); a progress bar counts valid tasks and invalid reasons.
+  With a `cache`, a task whose task, environment and grader are unchanged since a stored check is not graded
+  again (`gold_cache.py`)."""
   if runs < 2:
     raise ValueError(f"gold validation runs each side at least twice (to find flaky tests), got runs={runs}")
   checks = []
   with Progress("gold validation", len(tasks), progress) as bar:
     for t in tasks:
-      c = check_task(t, envs, runs)
+      key = cache.key(t, envs, runs) if cache else None
+      stored = cache.get(key) if cache else None
+      c = GoldCheck(**stored) if stored else check_task(t, envs, runs)
+      if cache and not stored:
+        cache.put(key, c)
       checks.append(c)
       if c.valid:
         bar.kept()
