@@ -134,12 +134,10 @@ def test_rejections_name_their_reason(repo, mined):
     shas["init"]: "root commit (no parent to start from)", shas["docs"]: "no code file changed",
     shas["refactor"]: "no test goes from failing to passing", shas["code_only"]: "no test file changed",
     shas["issue_ref"]: "prompt not self-contained (0 words after dropping references < min_prompt_words=3)",
-    shas["revert"]: f"reverts the change of the older commit {shas['triple'][:12]} in the set (its gold diff is the "
-                    "inverse of that commit's)", shas["shift"]: "no test file changed",
-    shas["silent_revert"]: f"reverts the change of the older commit {shas['dup2'][:12]} in the set (its gold diff "
-                           "is the inverse of that commit's)",
-    shas["reland"]: f"repeats the change of the older commit {shas['dup2'][:12]} in the set (its gold diff is the "
-                    "same as that commit's)"}
+    shas["revert"]: f"reverts an older commit in the set (its gold diff is the inverse of {shas['triple'][:12]}'s)",
+    shas["shift"]: "no test file changed",
+    shas["silent_revert"]: f"reverts an older commit in the set (its gold diff is the inverse of {shas['dup2'][:12]}'s)",
+    shas["reland"]: f"repeats an older commit in the set (its gold diff is the same as {shas['dup2'][:12]}'s)"}
   assert "17 commits, kept 8, rejected 9" in lines[-1] and "prompt not self-contained x1" in lines[-1]
 
 

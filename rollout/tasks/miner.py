@@ -6,7 +6,8 @@ For each non-merge commit C with parent P (newest first, `max_commits` of them):
      are not self-contained are rejected;
   3. gold patch = the code diff; hidden tests = the test diff. A commit whose gold diff undoes (or repeats) the
      gold diff of an older commit in the set is rejected (`diffkey.py`: a revert is found by its diff, whatever
-     its message says), and so is one whose message names a reverted commit in the set;
+     its message says), and so is one whose message names a reverted commit in the set; so is a commit older than
+     a copy of the project the workspace's interpreter can read (`copies.py`: an installed or vendored copy);
   4. validate in workspaces forked from the repository at P (holding only P's history): run the changed test files
      with the test patch applied, `runs_per_side` times without and with the gold patch, reading each run's
      machine-readable report. fail_to_pass = tests that fail, error or cannot even be collected in every run before
@@ -26,7 +27,7 @@ import re
 import shlex
 from collections.abc import Mapping
 
-from rollout.tasks import diffkey, prompts
+from rollout.tasks import copies, diffkey, prompts
 from rollout.tasks.environment import EnvironmentCache, TestRun, apply_patch, git, run_tests
 from rollout.tasks.progress import Progress
 from rollout.tasks.task import Environment, HiddenTests, Task
@@ -178,13 +179,16 @@ def gold_diff(repo: str, c: Candidate, code: list[str]) -> str:
 
 
 def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfig = MinerConfig(),
-                in_set: frozenset[str] = frozenset(), older: Mapping[str, str] | None = None) -> Task | Rejection:
+                in_set: frozenset[str] = frozenset(), older: Mapping[str, str] | None = None,
+                readable: copies.ReadableCopies | None = None) -> Task | Rejection:
   """One candidate commit -> a validated Task, or a Rejection with the reason.
 
   Args:
     in_set: shas of the commits mined together with it (a commit whose message reverts one of them is no task).
     older: gold-diff fingerprint (`diffkey.fingerprint`) -> sha of the commits in the set older than `c`: a commit
       whose gold diff is the inverse of one of them (a revert) or equal to one (a re-land, a cherry-pick) is no task.
+    readable: copies of the project the workspace's interpreter can read (`copies.find`): a commit whose parent is
+      older than one of them is no task (its future would be readable).
   """
   if not c.parent:
     return Rejection(c.commit, "root commit (no parent to start from)")
@@ -197,8 +201,8 @@ def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfi
   for what, fp in (("repeats", diffkey.fingerprint(change)),
                    ("reverts", diffkey.fingerprint(diffkey.inverse(change)))):
     if fp and fp in (older or {}):
-      return Rejection(c.commit, f"{what} the change of the older commit {older[fp][:12]} in the set (its gold diff "
-                       f"is {'the inverse of' if what == 'reverts' else 'the same as'} that commit's)")
+      return Rejection(c.commit, f"{what} an older commit in the set (its gold diff is "
+                       f"{'the inverse of' if what == 'reverts' else 'the same as'} {older[fp][:12]}'s)")
   reverted = prompts.reverted_commit(c.subject, c.body)
   if reverted and any(s.startswith(reverted) for s in in_set):
     return Rejection(c.commit, f"reverts a commit in the set ({reverted[:12]})")
@@ -206,6 +210,10 @@ def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfi
   why = prompts.not_self_contained(prompt, cfg.min_prompt_words)
   if why:
     return Rejection(c.commit, why)
+  newer = readable.newer_than(c.parent) if readable else None
+  if newer:
+    return Rejection(c.commit, f"a readable copy of the project is newer than the parent ({newer.copy_path} is a "
+                     f"version of {newer.repo_path} made after {c.parent[:12]})")
   test_patch = git(repo, "diff", "--no-renames", c.parent, c.commit, "--", *test_paths, error=MiningError)
   env = Environment(repo=repo, commit=c.parent, setup=cfg.setup)
   command = cfg.test_command.format(files=" ".join(shlex.quote(p) for p in to_run))
@@ -256,11 +264,12 @@ def mine(repo: str, envs: EnvironmentCache, cfg: MinerConfig = MinerConfig(),
   cands = candidates(repo, cfg)
   in_set = frozenset(c.commit for c in cands)
   fps = [_gold_fingerprint(repo, c, cfg) for c in cands]
+  readable = copies.find(repo, envs)
   tasks, rejected = [], []
   with Progress(f"mine {os.path.basename(repo)}", len(cands), cfg.progress) as bar:
     for i, c in enumerate(cands):  # newest first: the commits after c in `cands` are older than it
       older = {fp: cand.commit for fp, cand in zip(fps[i + 1:], cands[i + 1:], strict=True) if fp}
-      out = mine_commit(repo, c, envs, cfg, in_set, older)
+      out = mine_commit(repo, c, envs, cfg, in_set, older, readable)
       if isinstance(out, Task):
         tasks.append(out)
         bar.kept()
