@@ -14,9 +14,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from rollout.evaluation.gold_cache import GoldCache
-from rollout.tasks.environment import EnvironmentBuildError, EnvironmentCache, TestReport, apply_patch, grade
+from rollout.tasks.environment import EnvironmentBuildError, EnvironmentCache, TestReport, apply_patch, describe, grade
 from rollout.tasks.progress import Progress
 from rollout.tasks.task import Task
+
+NO_APPLY = "gold patch does not apply"  # to a frozen set's environment: the environment has changed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +55,8 @@ def _grade_side(task: Task, envs: EnvironmentCache, gold: bool) -> tuple[TestRep
     if gold:
       res = apply_patch(ws, task.gold_patch)
       if not res.ok:
-        return f"gold patch does not apply: {res.output.strip()[-200:]}", {}
+        return (f"{NO_APPLY} (task field gold_patch, to {describe(task.environment)}): "
+                f"{res.output.strip()[-300:]}"), {}
       post = {p: ws.read_file(p) for p in _changed_paths(task.gold_patch) if ws.exists(p)}
     return grade(ws, task.tests), post
   finally:

@@ -14,6 +14,7 @@ Output layout under `out_dir`:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ from rollout.evaluation import contamination, gold, metrics, report, runner, sta
 from rollout.evaluation.gold_cache import GoldCache
 from rollout.evaluation.policies import oracle_turn_tokens
 from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks.progress import reason_kind
 from rollout.tasks.task import Task
 
 VALIDITY = {"oracle": 1.0, "noop": 0.0}  # policy -> the score it must get on every sample of every valid task
@@ -85,7 +87,9 @@ def _valid_tasks(name: str, tasks: Sequence[Task], envs: EnvironmentCache, sdir:
       valid = [t for t in valid if t.id not in flagged]
   log(f"[{name}] {len(valid)}/{len(tasks)} tasks valid for evaluation")
   if not valid:
-    raise ValueError(f"set {name!r} has no valid tasks; see {sdir}/gold.jsonl")
+    kinds = collections.Counter(reason_kind(c.reason) for c in checks if not c.valid)
+    raise ValueError(f"set {name!r} has no valid tasks ({'; '.join(f'{k} x{n}' for k, n in kinds.most_common(3))}"
+                     f"); every task's reason is in {sdir}/gold.jsonl")
   return valid, checks, flagged
 
 
