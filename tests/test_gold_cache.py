@@ -29,7 +29,7 @@ def setup(tmp_path, monkeypatch):
   f = LocalFactory(root=str(tmp_path / "ws"))
   calls = []
   real = gold.check_task
-  monkeypatch.setattr(gold, "check_task", lambda t, envs, runs: calls.append(t.id) or real(t, envs, runs))
+  monkeypatch.setattr(gold, "check_task", lambda t, *args: calls.append(t.id) or real(t, *args))
   yield repo, task, environment.EnvironmentCache(f), calls, str(tmp_path / "cache")
   f.close()
 

@@ -1,16 +1,19 @@
 """rollout/tasks/copies.py: a copy of the mined project that the workspace's interpreter can read (here the real
 `more_itertools` that setuptools bundles in this venv) dates the history: commits older than the copy are refused
 (the copy would show the agent their future), later ones are mined; a same-named project that shares no file
-version with the history decides nothing."""
+version with the history decides nothing; gold validation applies the same rule to a set mined elsewhere."""
 
 import os
 
 import pytest
 import setuptools
 
+from rollout.evaluation import gold
+from rollout.evaluation.gold_cache import GoldCache
 from rollout.tasks import copies, environment, miner
+from rollout.tasks.task import Environment, HiddenTests, Task
 from rollout.workspace import LocalFactory
-from tests.tasks_testlib import FAST, commit, init_repo
+from tests.tasks_testlib import FAST, commit, git, init_repo
 
 VENDORED = os.path.join(os.path.dirname(setuptools.__file__), "_vendor", "more_itertools")
 TEST = "from more_itertools import first\n\n\ndef test_first():\n    assert first([3, 4]) == 3\n"
@@ -86,3 +89,16 @@ def test_the_sandbox_interpreter_shows_the_bundled_copy(repo):
     factory.close()
   assert any(p.copy_path.startswith(os.path.realpath(VENDORED) + "/") for p in found.placed)
   assert found.newer_than(shas["root"]) is not None and found.newer_than(shas["release"]) is None
+
+
+def test_gold_validation_refuses_a_task_older_than_a_readable_copy(repo, tmp_path):
+  """A set mined where no copy was readable, evaluated where one is: gold validation checks this interpreter."""
+  path, shas = repo
+  gold_patch = git(path, "diff", shas["root"], shas["old_fix"], "--", "more_itertools")
+  task = Task("miner/more_itertools/old_fix", "python", "first returns the second item",
+              Environment(repo=path, commit=shas["root"]),
+              HiddenTests(FAST.test_command.format(files="tests/test_more.py"), ("tests/test_more.py::test_first",),
+                          files={"tests/test_more.py": TEST}), gold_patch=gold_patch)
+  envs = environment.EnvironmentCache(LocalFactory(root=str(tmp_path / "ws")))
+  _, checks = gold.validate([task], envs, progress=False, cache=GoldCache(str(tmp_path / "cache")))
+  assert not checks[0].valid and checks[0].reason.startswith("a readable copy of the project is newer than the parent")

@@ -3,11 +3,12 @@
 Gold validation grades every task four times (two runs a side); on a frozen set of real repositories that was
 most of an evaluation (16 of 22 minutes on 13 tasks). Its outcome depends only on
   the task          its JSON (prompt, environment spec, hidden tests and labels, gold patch),
-  the environment   what the workspace is built from: the commit a repository name resolves to, the bytes of a
-                    base directory, inline files and setup commands; and the interpreter the tests run with (its
-                    version, prefix and every installed distribution's version) and the sandbox configuration,
+  the environment   what the workspace is built from: the commit a repository name resolves to (and the
+                    repository's HEAD, whose history dates readable copies of the project), the bytes of a base
+                    directory, inline files and setup commands; the interpreter the tests run with (its version,
+                    prefix and every installed distribution's version) and the sandbox configuration,
   the grader        the source of the code that builds, grades and validates (`environment.py`, `grade_report.py`,
-                    `workspace.py`, `gold.py`) and the number of runs a side,
+                    `workspace.py`, `gold.py`, `copies.py`) and the number of runs a side,
 so a check is stored under a sha256 of all of these and reused when every one is unchanged; change any (a moved
 branch, an upgraded package, an edited grader) and the task is validated again. Outcomes that depend on the
 machine's state rather than the task (a grading timeout, an environment that did not build) are never stored.
@@ -56,11 +57,12 @@ def environment_key(env) -> str | None:
   """The content an `Environment` builds from, or None when it cannot be resolved (then nothing is stored)."""
   d = {"files": sorted(env.files.items()), "setup": list(env.setup)}
   if env.repo:
-    out = subprocess.run(["git", "-C", env.repo, "rev-parse", "--verify", "--quiet", f"{env.commit}^{{commit}}"],
+    # HEAD too: the history after the task's commit dates the copies of the project the interpreter can read.
+    out = subprocess.run(["git", "-C", env.repo, "rev-parse", f"{env.commit}^{{commit}}", "HEAD^{commit}"],
                          capture_output=True, text=True)
     if out.returncode != 0:
       return None
-    d["commit"] = out.stdout.strip()
+    d["commit"], d["head"] = out.stdout.split()
   if env.base_dir:
     if not os.path.isdir(env.base_dir):
       return None
@@ -80,9 +82,9 @@ def grader_key() -> str:
   """The source of the code that decides a gold check."""
   from rollout import workspace
   from rollout.evaluation import gold
-  from rollout.tasks import environment, grade_report
+  from rollout.tasks import copies, environment, grade_report
   h = hashlib.sha256()
-  for mod in (environment, grade_report, workspace, gold):
+  for mod in (environment, grade_report, workspace, gold, copies):
     with open(mod.__file__, "rb") as f:
       h.update(f.read())
   return h.hexdigest()

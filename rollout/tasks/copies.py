@@ -117,6 +117,12 @@ class ReadableCopies:
     upto = set(git(self.repo, "rev-list", "--full-history", parent, "--", *prefixes).split())
     return next((p for p in self.placed if not p.commits & upto), None)
 
+  def refusal(self, parent: str) -> str:
+    """Why a task starting at `parent` must not be used ("" when no readable copy is newer than it)."""
+    newer = self.newer_than(parent)
+    return "" if newer is None else (f"a readable copy of the project is newer than the parent ({newer.copy_path} is "
+                                     f"a version of {newer.repo_path} made after {parent[:12]})")
+
 
 def _versions(repo: str, prefixes: Sequence[str]) -> dict[tuple[str, str], set[str]]:
   """(repository path, blob id) -> the commits that made that version, over HEAD's whole history."""

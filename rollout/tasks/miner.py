@@ -210,10 +210,9 @@ def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfi
   why = prompts.not_self_contained(prompt, cfg.min_prompt_words)
   if why:
     return Rejection(c.commit, why)
-  newer = readable.newer_than(c.parent) if readable else None
-  if newer:
-    return Rejection(c.commit, f"a readable copy of the project is newer than the parent ({newer.copy_path} is a "
-                     f"version of {newer.repo_path} made after {c.parent[:12]})")
+  why = readable.refusal(c.parent) if readable else ""
+  if why:
+    return Rejection(c.commit, why)
   test_patch = git(repo, "diff", "--no-renames", c.parent, c.commit, "--", *test_paths, error=MiningError)
   env = Environment(repo=repo, commit=c.parent, setup=cfg.setup)
   command = cfg.test_command.format(files=" ".join(shlex.quote(p) for p in to_run))
