@@ -129,14 +129,14 @@ def mined(repo, tmp_path_factory):
 def test_rejections_name_their_reason(repo, mined):
   _, shas = repo
   _, tasks, reasons, lines = mined
+  inverse = "reverts an older commit in the set (its gold diff is the inverse of {}'s)"
   assert set(tasks) == {shas[k] for k in ("mul", "sub", "clamp_v1", "clamp_fix", "flaky", "triple", "dup1", "dup2")}
   assert reasons == {
     shas["init"]: "root commit (no parent to start from)", shas["docs"]: "no code file changed",
     shas["refactor"]: "no test goes from failing to passing", shas["code_only"]: "no test file changed",
     shas["issue_ref"]: "prompt not self-contained (0 words after dropping references < min_prompt_words=3)",
-    shas["revert"]: f"reverts an older commit in the set (its gold diff is the inverse of {shas['triple'][:12]}'s)",
-    shas["shift"]: "no test file changed",
-    shas["silent_revert"]: f"reverts an older commit in the set (its gold diff is the inverse of {shas['dup2'][:12]}'s)",
+    shas["revert"]: inverse.format(shas["triple"][:12]), shas["shift"]: "no test file changed",
+    shas["silent_revert"]: inverse.format(shas["dup2"][:12]),
     shas["reland"]: f"repeats an older commit in the set (its gold diff is the same as {shas['dup2'][:12]}'s)"}
   assert "17 commits, kept 8, rejected 9" in lines[-1] and "prompt not self-contained x1" in lines[-1]
 
