@@ -49,7 +49,8 @@ def repo(tmp_path_factory):
 def test_project_names(tmp_path):
   init_repo(tmp_path)
   commit(tmp_path, {"pkg/__init__.py": "", "src/other/__init__.py": "", "single.py": "", "setup.py": "",
-                    "conftest.py": "", "test_x.py": "", "docs/conf.py": "", "pkg/sub/__init__.py": ""}, "tree")
+                    "conftest.py": "", "test_x.py": "", "docs/conf.py": "", "pkg/sub/__init__.py": "",
+                    "tests/__init__.py": "", "docs/__init__.py": ""}, "tree")
   assert copies.project_names(str(tmp_path)) == {"pkg": "pkg", "other": "src/other", "single": "single.py"}
 
 

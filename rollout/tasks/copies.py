@@ -7,8 +7,8 @@ the fix, and everything after it. Hiding those paths would need per-task mounts 
 refused when a readable copy is *newer* than the task's starting commit.
 
 How a copy is found and dated:
-  1. the project's import names: top-level packages (`X/__init__.py`, `src/X/__init__.py`) and modules (`X.py`,
-     not setup / conftest / test files) of the repository's HEAD;
+  1. the project's import names: top-level packages (`X/__init__.py`, `src/X/__init__.py`; not `tests`, `docs`,
+     ...) and modules (`X.py`, not setup / conftest / test files) of the repository's HEAD;
   2. a probe run inside a workspace walks the interpreter's `sys.path` (the workspace itself left out) for a
      package directory of one of those names at any depth (vendored copies sit in `_vendor/`, `vendored/`, ...)
      or a module file at the top of a path entry or in a vendoring directory, and hashes every file as git does
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from rollout.tasks.environment import EnvironmentCache, git
 from rollout.tasks.task import Environment
 
+_SCAFFOLDING = {"test", "tests", "testing", "doc", "docs", "example", "examples", "benchmarks", "scripts", "tools"}
 _NOT_PROJECT = re.compile(r"^(setup|conftest|noxfile|fabfile|tasks|test_.*|.*_test)\.py$")
 _PROBE_OUT = ".readable_copies.json"
 # Runs in the workspace: prints nothing, writes {copy path: {"name": ..., "files": {relative path: blob id}}}.
@@ -82,10 +83,13 @@ with open(out_path, "w") as f:
 
 
 def project_names(repo: str, rev: str = "HEAD") -> dict[str, str]:
-  """Import name -> repository path of the package directory or module file, at `rev`."""
+  """Import name -> repository path of the package directory or module file, at `rev` (a `tests` or `docs`
+  package is the project's scaffolding, not the project: many installed distributions ship one of that name)."""
   out = {}
   for path in git(repo, "ls-tree", "-r", "--name-only", rev).splitlines():
     parts = path.split("/")
+    if parts[0] in _SCAFFOLDING:
+      continue
     if len(parts) == 2 and parts[1] == "__init__.py" and parts[0].isidentifier():
       out[parts[0]] = parts[0]
     elif len(parts) == 3 and parts[0] == "src" and parts[2] == "__init__.py" and parts[1].isidentifier():
