@@ -110,15 +110,14 @@ class PlacedFile:
 class ReadableCopies:
   """The placed files of every readable copy of a repository's project (see the module docstring)."""
 
-  def __init__(self, repo: str, placed: Sequence[PlacedFile]):
-    self.repo, self.placed = repo, tuple(placed)
+  def __init__(self, repo: str, roots: Sequence[str], placed: Sequence[PlacedFile]):
+    self.repo, self.roots, self.placed = repo, tuple(roots), tuple(placed)  # roots: the project's package paths
 
   def newer_than(self, parent: str) -> PlacedFile | None:
     """A copy file made only by commits after `parent` (the task starting there would read its future), or None."""
     if not self.placed:
       return None
-    prefixes = sorted({p.repo_path for p in self.placed})
-    upto = set(git(self.repo, "rev-list", "--full-history", parent, "--", *prefixes).split())
+    upto = set(git(self.repo, "rev-list", "--full-history", parent, "--", *self.roots).split())
     return next((p for p in self.placed if not p.commits & upto), None)
 
   def refusal(self, parent: str) -> str:
@@ -145,8 +144,9 @@ def _versions(repo: str, prefixes: Sequence[str]) -> dict[tuple[str, str], set[s
 def find(repo: str, envs: EnvironmentCache) -> ReadableCopies:
   """The readable copies of `repo`'s project, as a workspace of `envs` sees its interpreter."""
   names = project_names(repo)
+  roots = sorted(names.values())
   if not names:
-    return ReadableCopies(repo, ())
+    return ReadableCopies(repo, roots, ())
   ws = envs.factory.fork(envs.snapshot(Environment()))
   try:
     res = ws.run(f"python -c {shlex.quote(PROBE)} {' '.join(sorted(names))} {_PROBE_OUT}", timeout_s=300)
@@ -156,7 +156,7 @@ def find(repo: str, envs: EnvironmentCache) -> ReadableCopies:
     found = json.loads(ws.read_file(_PROBE_OUT))
   finally:
     ws.close()
-  versions = _versions(repo, sorted(names.values()))
+  versions = _versions(repo, roots)
   placed = []
   for copy_path, copy in sorted(found.items()):
     root = names[copy["name"]]
@@ -165,4 +165,4 @@ def find(repo: str, envs: EnvironmentCache) -> ReadableCopies:
       if (repo_path, blob) in versions:
         placed.append(PlacedFile(f"{copy_path}/{rel}" if rel else copy_path, repo_path,
                                  frozenset(versions[(repo_path, blob)])))
-  return ReadableCopies(repo, placed)
+  return ReadableCopies(repo, roots, placed)
