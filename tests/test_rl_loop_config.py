@@ -299,7 +299,7 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
   monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
   monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, n=None: dev)
   monkeypatch.setattr(warmstart.setup, "make_envs", lambda c: Envs)
-  monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, envs, h: oracle.extend(t.id for t in tasks)
+  monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, *a, **k: oracle.extend(t.id for t in tasks)
                       or [[{"role": "user", "content": t.id}] for t in tasks])
   monkeypatch.setattr(warmstart, "run_sft", run_sft)
   assert warmstart.warm_start(cfg, log_fn=lambda s: None) == "params of sft"
