@@ -21,6 +21,11 @@ def main(argv):
   from composer_jax import eval_run
   from composer_jax.compile_cache import enable_compilation_cache
   cfg = cli.convert(eval_run.EvalConfig, _CONFIG.value)   # a typo'd key or policy fails here, before anything slow
+  if cfg.builder.path:   # the set file's directory (the docs' sets/) is made now, not found missing after mining
+    parent = os.path.dirname(os.path.abspath(cfg.builder.path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+      cli.fail(f"build_set={cfg.builder.path}: {parent} is a file, not a directory")
+    os.makedirs(parent, exist_ok=True)
   enable_compilation_cache()   # a second run skips its compiles
   eval_run.run(cfg)
 

@@ -1,6 +1,9 @@
 """RL (and its SFT warm start) on any task source of the registry: a small mined set from a git repository the test
 builds. Mined tasks have no scripted oracle, so the warm start's demonstrations apply their gold patches."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -8,7 +11,10 @@ from composer_jax import configs
 from composer_jax.rl import loop, setup
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
+from rollout.tasks import procedural, registry, setfile
 from tests.tasks_testlib import FAST, commit, init_repo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mined_repo(path):
@@ -80,3 +86,46 @@ def test_a_finite_pool_is_frozen_once_and_checked_against_the_config(tmp_path):
       setup.train_pool(other)
   finally:
     del registry.SOURCES["rl_test_source"]
+
+
+def _set_file(path, tasks):
+  dicts = [t.to_dict() for t in tasks]
+  setfile.write_set(str(path), {"format": setfile.FORMAT, "name": path.stem, "version": "1", "tasks": dicts,
+                                "sha256": setfile.tasks_digest(dicts)})
+  return path
+
+
+def _rl_main(*args, timeout=900):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "rl_main.py"), *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_set_without_held_out_tasks_is_refused_before_any_work(tmp_path):
+  """The README's `tasks=file` command on a set too small for a held-out side: one line at once (it failed ~3 min
+  in, after SFT and RL)."""
+  tasks = [t for t in procedural.generate(12, seed=1, split="train", level=1) if registry.split_of(t.id, 20) == "train"]
+  path = _set_file(tmp_path / "small_v1.json", tasks[:3])
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert r.stderr.strip() == ("error: the 'file' task source has no held-out tasks to evaluate on (3 training tasks "
+                              "at tasks.heldout_percent=20): raise tasks.heldout_percent or use a bigger set")
+  assert not (tmp_path / "run" / "sft").exists()
+
+
+@pytest.mark.slow   # ~6 min on the loaded 2-core machine: demonstrations, 20 SFT steps, 2 RL steps, 2 evaluations
+def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
+  """`rl_main.py --config=experiments/configs/rl.py:colab,tasks=file,set_file=...` as the README writes it, sized
+  down by flags: the warm start, RL and the held-out evaluation of both policies run on a 40-task set file."""
+  path = _set_file(tmp_path / "x_v1.json", procedural.generate(40, seed=1, split="train", level=1))
+  run = tmp_path / "run"
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={run}",
+               "--config.sft.steps=20", "--config.train.steps=2", "--config.eval.tasks=8",
+               "--config.eval.control=False", "--config.progress_bar=False")
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  result = json.loads(r.stdout.strip().splitlines()[-1])
+  held = len(setup.heldout_tasks(setup.load_run_config(str(run))))
+  assert result["eval_tasks"] == held and 0 < held <= 8
+  assert all(result[p][t]["n"] == held for p in ("sft", "rl") for t in ("T0", "T1"))
+  assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]

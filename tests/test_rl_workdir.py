@@ -161,3 +161,25 @@ def test_evaluating_an_rl_checkpoint_reads_its_model_from_the_run_config(tmp_pat
     eval_configs.get_config(f"procedural,policies=checkpoint,checkpoint={both}")
   named = eval_configs.get_config(f"procedural,policies=checkpoint,checkpoint={both},model=rl_colab")
   assert named.checkpoint.model.hidden_size == 96
+
+
+@pytest.mark.slow   # ~75 s on the loaded 2-core machine (a subprocess through its demonstrations into SFT)
+def test_ctrl_c_of_rl_main_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+  """The issue's Ctrl-C: a 112-line traceback and a leftover `*.orbax-checkpoint-tmp`; now one line, exit 130."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", "rl_main.py"),
+                           "--config=experiments/configs/rl.py:test,mode=sync", "--config.sft.steps=2000",
+                           f"--workdir={tmp_path}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  ckpts = tmp_path / "sft" / "checkpoints"
+  deadline = time.time() + 300
+  while not _has_checkpoint(ckpts)() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("interrupted: training stopped at step ") and last.endswith(
+      "checkpointed in " + str(ckpts) + ": rerun the same command to resume"), err[-3000:]
+  assert not _no_tmp_dirs(tmp_path)

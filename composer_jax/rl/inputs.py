@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from composer_jax.rl import setup
 from composer_jax.rl.config import RunConfig, RunInputError
+from composer_jax.sampling.engine import bucket
 from rollout.evaluation import budget
 from rollout.tasks import miner
 
@@ -41,8 +42,9 @@ def check_budgets(cfg: RunConfig, tokenizer, tasks) -> None:
   flags = (f"--config.harness.max_turn_tokens={fitted.max_turn_tokens} "
            f"--config.harness.summary_max_tokens={fitted.max_turn_tokens} "
            f"--config.harness.context_budget={fitted.context_budget}")
-  if fitted.context_budget > cfg.model.max_position_embeddings:
-    flags += f" --config.model.max_position_embeddings={fitted.context_budget}"
+  positions = bucket(fitted.context_budget - fitted.max_turn_tokens, 1) + bucket(fitted.max_turn_tokens, 1)
+  if positions > cfg.model.max_position_embeddings:   # as `RunConfig` checks it: padded prompt + padded turn
+    flags += f" --config.model.max_position_embeddings={positions}"
   raise RunInputError(f"the oracle of the {cfg.tasks.kind!r} tasks does not fit the harness budgets "
                       f"(harness.max_turn_tokens={h.max_turn_tokens}, harness.context_budget={h.context_budget}; "
                       f"its gold patches need {fitted.max_turn_tokens} and {fitted.context_budget}): rerun with "
