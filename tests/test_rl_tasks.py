@@ -11,6 +11,7 @@ from composer_jax import configs
 from composer_jax.rl import loop, setup
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
+from rollout.evaluation import policies as budget_lib
 from rollout.tasks import procedural, registry, setfile
 from tests.tasks_testlib import FAST, commit, init_repo
 
@@ -129,3 +130,29 @@ def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
   assert result["eval_tasks"] == held and 0 < held <= 8
   assert all(result[p][t]["n"] == held for p in ("sft", "rl") for t in ("T0", "T1"))
   assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_naming_the_flags():
+  """The issue's mined and SWE sets: `max_turn_tokens=48` cut the oracle's write_file of the gold patch, reported
+  minutes in as "the oracle failed 4 tasks: check the sandbox/grader". Now checked before the demonstrations."""
+  from composer_jax.rl import inputs
+  from composer_jax.rl.config import RunInputError
+  from composer_jax.train import tokenizer as tokenizer_lib
+  from rollout.tasks.task import Environment, HiddenTests, Task
+  body = "".join(f"+def helper_{i}(x):\n+    return x * {i} + {i * 7}\n" for i in range(2))
+  task = Task(id="m/1", language="python", prompt="Add helpers", environment=Environment(files={"calc.py": ""}),
+              tests=HiddenTests(command="pytest", fail_to_pass=("tests/test_calc.py::test_h",)),
+              gold_patch=f"diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -0,0 +1,60 @@\n{body}")
+  tok = tokenizer_lib.train_tokenizer([task.gold_patch], tokenizer_lib.TokenizerConfig(vocab_size=512))
+  colab = configs.from_dict(RunConfig, rl_configs.get_config("colab,tasks=file,set_file=x.json"), workdir="/tmp/x")
+  small = configs.replace(colab, **{"harness.max_turn_tokens": 48, "harness.summary_max_tokens": 48,
+                                    "harness.context_budget": 320})
+  with pytest.raises(RunInputError, match=r"harness\.max_turn_tokens=48, harness\.context_budget=320; its gold "
+                                          r"patches need (\d+) and (\d+)\): rerun with --config\.harness\."
+                                          r"max_turn_tokens=\1 --config\.harness\.summary_max_tokens=\1 "
+                                          r"--config\.harness\.context_budget=\2"):
+    inputs.check_budgets(small, tok, [task])
+  need = max(budget_lib.oracle_turn_tokens(task, tok))
+  assert 48 < need <= colab.harness.max_turn_tokens   # rl.py's budgets for repository sources hold this one
+  inputs.check_budgets(colab, tok, [task])
+  inputs.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])

@@ -82,9 +82,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if not procedural:
     # A repository task's oracle writes its gold patch in one write_file call: a whole diff in one turn. The run
     # checks before its demonstrations that the set's oracle fits (`composer_jax/rl/inputs.py`) and names the
-    # values that do when it does not. The engine pads a prompt (up to 640 tokens) and a turn to powers of two:
-    # 1,024 + 512 positions, more than rl_colab's 1,024 (positions size only the RoPE tables, no parameter).
-    budget, turn = 1024, 384
+    # values that do when it does not. 256-token turns in a 1,024-token context hold a patch of ~230 tokens (the
+    # context also holds the prompt, every turn, their tool results and one more turn). The engine pads a prompt
+    # (up to 768 tokens) and a turn to powers of two: 1,024 + 256 positions, more than rl_colab's 1,024
+    # (positions size only the RoPE tables, no parameter).
+    budget, turn = 1024, 256
     c.model.max_position_embeddings = 2048
   c.harness = ml_collections.ConfigDict(dict(
       system_prompt="short", context_budget=budget, max_turn_tokens=turn, observation_reserve=64, max_turns=4,
