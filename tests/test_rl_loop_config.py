@@ -39,6 +39,8 @@ def _cfg(**overrides):
     # 4 groups x 8 trajectories = 32 rows, but one group of 8 five-segment chains needs 40.
     ({"harness.max_segments": 5}, "set train.rows_per_step >= 40"),
     ({"harness.sampling.temperature": 0.7}, r"rl.temperature=1.0 must be the rollouts' sampling temperature"),
+    ({"harness.context_budget": 8192, "model.max_position_embeddings": 4096},
+     r"harness.context_budget=8192 exceeds the model's positions \(model.max_position_embeddings=4096\)"),
 ])
 def test_bad_run_config_is_a_clear_error(kw, match):
   with pytest.raises(ValueError, match=match):

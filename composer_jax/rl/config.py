@@ -17,7 +17,6 @@ import dataclasses
 
 from composer_jax.model.config import ModelConfig
 from composer_jax.rl.step import RLConfig
-from composer_jax.sampling.engine import bucket
 from composer_jax.train.config import OptimConfig
 from composer_jax.train.tokenizer import TokenizerConfig
 from rollout.harness import HarnessConfig
@@ -209,12 +208,10 @@ class RunConfig:
       raise ValueError(f"rl.temperature={self.rl.temperature} must be the rollouts' sampling temperature "
                        f"(harness.sampling.temperature={self.harness.sampling.temperature}): the trainer scores the "
                        "policy at it, as the engines recorded its logprobs")
-    h = self.harness   # the engines pad a prompt and a turn each to a power of two, within the model's positions
-    positions = bucket(max(h.context_budget - h.max_turn_tokens, 1), 1) + bucket(h.max_turn_tokens, 1)
-    if positions > self.model.max_position_embeddings:
-      raise ValueError(f"harness.context_budget={h.context_budget} with harness.max_turn_tokens={h.max_turn_tokens} "
-                       f"needs model.max_position_embeddings >= {positions} (a prompt and a turn, each padded to a "
-                       f"power of two), got {self.model.max_position_embeddings}")
+    if self.harness.context_budget > self.model.max_position_embeddings:
+      raise ValueError(f"harness.context_budget={self.harness.context_budget} exceeds the model's positions "
+                       f"(model.max_position_embeddings={self.model.max_position_embeddings}): lower the one or "
+                       "raise the other")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")
