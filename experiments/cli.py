@@ -138,6 +138,6 @@ def run(main, *, example: str, input_errors: tuple[type[BaseException], ...] = (
     except input_errors as e:
       fail(e)
     except KeyboardInterrupt as e:
-      print(f"\ninterrupted: {e}" if str(e) else "\ninterrupted", file=sys.stderr)
+      print(f"\ninterrupted: {e or 'rerun the same command to resume from what finished'}", file=sys.stderr)
       sys.exit(130)
   app.run(guarded, flags_parser=_parser(example))

@@ -115,20 +115,21 @@ def test_a_set_without_held_out_tasks_is_refused_before_any_work(tmp_path):
   assert not (tmp_path / "run" / "sft").exists()
 
 
-@pytest.mark.slow   # ~6 min on the loaded 2-core machine: demonstrations, 20 SFT steps, 2 RL steps, 2 evaluations
+@pytest.mark.slow   # 10-15 min on the loaded 2-core machine: demonstrations, 20 SFT steps, 2 RL steps, 2 evaluations
 def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
   """`rl_main.py --config=experiments/configs/rl.py:colab,tasks=file,set_file=...` as the README writes it, sized
   down by flags: the warm start, RL and the held-out evaluation of both policies run on a 40-task set file."""
   path = _set_file(tmp_path / "x_v1.json", procedural.generate(40, seed=1, split="train", level=1))
   run = tmp_path / "run"
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={run}",
-               "--config.sft.steps=20", "--config.train.steps=2", "--config.eval.tasks=8",
-               "--config.eval.control=False", "--config.progress_bar=False")
+               "--config.sft.steps=20", "--config.train.steps=2", "--config.eval.tasks=4",
+               "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
+               timeout=1800)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
   held = len(setup.heldout_tasks(setup.load_run_config(str(run))))
-  assert result["eval_tasks"] == held and 0 < held <= 8
-  assert all(result[p][t]["n"] == held for p in ("sft", "rl") for t in ("T0", "T1"))
+  assert result["eval_tasks"] == held and 0 < held <= 4
+  assert all(result[p]["T1"]["n"] == held for p in ("sft", "rl"))
   assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
 
 
