@@ -17,13 +17,14 @@ class Interrupted(KeyboardInterrupt):
 
 
 class StopAtStep:
-  """While entered (in the main thread; elsewhere it does nothing), Ctrl-C sets `requested` instead of raising."""
+  """While entered (in the main thread, and `enabled`; else it does nothing), Ctrl-C sets `requested` instead of
+  raising."""
 
-  def __init__(self, what: str):
-    self.what, self.requested, self._previous = what, False, None
+  def __init__(self, what: str, enabled: bool = True):
+    self.what, self.enabled, self.requested, self._previous = what, enabled, False, None
 
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
+    if self.enabled and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGINT, self._handle)
     return self
 

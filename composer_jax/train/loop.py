@@ -9,10 +9,12 @@ Meshes and processes: params, optimizer state and batches are placed by `Shardin
 for divisibility first). With several processes (`composer_jax.parallel.distributed`) every process runs this same
 loop; `train_iter` yields only this process's rows of the global batch (`layout.process_batch_shard` says which),
 only process 0 writes metrics and the progress bar, and all processes take part in each orbax checkpoint.
+
+Ctrl-C (one process) stops the loop after the step in flight: it checkpoints that step with the data iterator and
+raises `interrupt.Interrupted`, so a rerun resumes exactly there.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import math
@@ -217,11 +219,12 @@ def _train(*, model_cfg, train_cfg, optim_cfg, workdir, train_iter, eval_batches
     distributed.barrier("train_steps_compiled")
   finish = _Finisher(run, train_cfg, optim_cfg, workdir, train_iter, eval_batches, start, primary)
   pending = None                                    # (step, metrics on device) of the previous step
-  stop = interrupt.StopAtStep("training") if jax.process_count() == 1 else contextlib.nullcontext()
   try:
-    with stop:
+    # Ctrl-C stops a single-process run after the step in flight (processes of a multi-process run would not agree
+    # on which step); it checkpoints that step below and raises `interrupt.Interrupted`.
+    with interrupt.StopAtStep("training", enabled=jax.process_count() == 1) as stop:
       for step_no in range(start + 1, train_cfg.steps + 1):
-        if getattr(stop, "requested", False):
+        if stop.requested:
           break
         batch, first_batch = (first_batch if first_batch is not None else run.put(next(train_iter))), None
         run.state, metrics = run.train_step(run.state, batch)
