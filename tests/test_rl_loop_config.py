@@ -297,7 +297,7 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
     trained.append((os.path.basename(workdir), steps, init_params, [m[0]["content"] for m in train],
                     [m[0]["content"] for m in heldout]))
     return f"params of {os.path.basename(workdir)}", {}
-  monkeypatch.setattr(warmstart, "_tokenizer", lambda c: None)
+  monkeypatch.setattr(warmstart, "run_tokenizer", lambda c: None)
   monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
   monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, n=None: dev)
   monkeypatch.setattr(warmstart.setup, "make_envs", lambda c: Envs)
@@ -324,7 +324,7 @@ def test_the_tokenizer_is_fitted_to_the_curriculums_first_levels(tmp_path, monke
   monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
   monkeypatch.setattr(warmstart, "fit_tokenizer", lambda tasks, *a: fitted.append([t.id for t in tasks]) or "tok")
   monkeypatch.setattr(warmstart.tokenizer_lib, "save_tokenizer", lambda tok, path: None)
-  assert warmstart._tokenizer(cfg) == "tok"
+  assert warmstart.run_tokenizer(cfg) == "tok"
   assert fitted == [[t.id for t in pool[:256] if not curriculum or t.metadata["level"] == 1]]
 
 

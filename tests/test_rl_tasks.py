@@ -113,6 +113,8 @@ def test_a_set_without_held_out_tasks_is_refused_before_any_work(tmp_path):
   assert r.stderr.strip() == ("error: the 'file' task source has no held-out tasks to evaluate on (3 training tasks "
                               "at tasks.heldout_percent=20): raise tasks.heldout_percent or use a bigger set")
   assert not (tmp_path / "run" / "sft").exists()
+  # Nothing that a fixed rerun (a bigger tasks.heldout_percent) would be refused against: no stored config, no pool.
+  assert sorted(os.listdir(tmp_path / "run")) == ["lock"]
 
 
 @pytest.mark.slow   # 10-15 min on the loaded 2-core machine: demonstrations, 20 SFT steps, 2 RL steps, 2 evaluations

@@ -142,10 +142,16 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_
   """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers.
   With `eval.start_only`, the warm start and its evaluation only.
 
-  First it claims the workdir (`rl.workdir.claim`: one live run; a resume only with the stored config, but for the
-  fields named in `allow_changes`) and checks its task sets (`rl.inputs`), so bad input fails before any work."""
-  with workdir_lib.claim(cfg, allow_changes):
-    inputs.check_tasks(cfg)
+  First it locks the workdir (one live run), refuses a resume with another config but for the fields named in
+  `allow_changes` (`rl.workdir`), and checks its task sets and budgets (`rl.inputs`), so bad input fails before
+  any work; only then is the config stored as the workdir's (a run refused for its input leaves none that a fixed
+  rerun would differ from)."""
+  with workdir_lib.lock(cfg.workdir):
+    workdir_lib.check_resume(cfg, allow_changes)
+    pool, _ = inputs.check_tasks(cfg)
+    if cfg.tasks.kind != "procedural":   # a repository set's gold patches (procedural budgets are the config's)
+      inputs.check_budgets(cfg, warmstart.run_tokenizer(cfg), pool)
+    workdir_lib.save_config(cfg)
     return _run_experiment(cfg, log_fn)
 
 

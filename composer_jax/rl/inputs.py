@@ -3,6 +3,9 @@ oracle demonstrations of a finite set. Each problem is a `RunInputError` naming 
 the minutes of demonstrations, SFT and RL that would otherwise end in it."""
 from __future__ import annotations
 
+import glob
+import os
+
 from composer_jax.rl import setup
 from composer_jax.rl.config import RunConfig, RunInputError
 from composer_jax.sampling.engine import bucket
@@ -15,16 +18,23 @@ _LOAD_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, miner.MiningE
 
 def check_tasks(cfg: RunConfig) -> tuple[list, list]:
   """The training pool and the held-out tasks (finite sources are frozen into the workdir on first load); raises
-  `RunInputError` when either cannot load or is empty."""
+  `RunInputError` when either cannot load or is empty, leaving no frozen pool behind (a rerun with the set or
+  `tasks.heldout_percent` fixed must not find the refused one frozen)."""
+  frozen = set(glob.glob(os.path.join(cfg.workdir, "tasks_*.json")))
   try:
-    pool = setup.train_pool(cfg)
-    heldout = setup.heldout_tasks(cfg)
-  except _LOAD_ERRORS as e:
-    raise RunInputError(f"cannot load the {cfg.tasks.kind!r} task source: {e}") from None
-  if not heldout:
-    raise RunInputError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on "
-                        f"({len(pool)} training tasks at tasks.heldout_percent={cfg.tasks.heldout_percent}): raise "
-                        "tasks.heldout_percent or use a bigger set")
+    try:
+      pool = setup.train_pool(cfg)
+      heldout = setup.heldout_tasks(cfg)
+    except _LOAD_ERRORS as e:
+      raise RunInputError(f"cannot load the {cfg.tasks.kind!r} task source: {e}") from None
+    if not heldout:
+      raise RunInputError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on "
+                          f"({len(pool)} training tasks at tasks.heldout_percent={cfg.tasks.heldout_percent}): "
+                          "raise tasks.heldout_percent or use a bigger set")
+  except RunInputError:
+    for path in set(glob.glob(os.path.join(cfg.workdir, "tasks_*.json"))) - frozen:
+      os.remove(path)
+    raise
   return pool, heldout
 
 

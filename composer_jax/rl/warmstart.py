@@ -234,7 +234,7 @@ def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] =
   return params
 
 
-def _tokenizer(cfg: RunConfig):
+def run_tokenizer(cfg: RunConfig):
   """The run's tokenizer: already in the workdir, else the init checkpoint's, else fitted to training tasks (with a
   curriculum, to those of its first levels: measured, a BPE fitted to the mix left the level-2 start at 17-22%
   greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md)."""
@@ -254,7 +254,7 @@ def _tokenizer(cfg: RunConfig):
 
 def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   """The starting params (resumable: a finished SFT in `workdir/sft` is loaded, not redone); see the docstring."""
-  tok = _tokenizer(cfg)
+  tok = run_tokenizer(cfg)
   inputs.check_budgets(cfg, tok, setup.train_pool(cfg))   # before the demonstrations that would fail on them
   sft_dir = os.path.join(cfg.workdir, "sft")
   if cfg.sft.steps and os.path.isdir(os.path.join(sft_dir, "params")):
