@@ -133,7 +133,6 @@ def test_bad_input_gets_a_clear_error(args, message):
   assert "AttributeError" not in run.stderr and "FileNotFoundError: ''" not in run.stderr
 
 
-@pytest.mark.slow   # ~2 min on the loaded 2-core machine: the repository is mined twice (pytest per side of a commit)
 def test_build_set_makes_its_directory_and_refuses_to_write_an_empty_set(tmp_path):
   """The docs' `build_set=sets/a_v1.json` where there is no sets/: a traceback after mining; filters that exclude
   every task: "wrote 0 tasks" with exit 0. Now the directory is made first, and an empty set is an error."""
