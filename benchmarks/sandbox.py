@@ -9,7 +9,8 @@ end would take ~30 s and measure the disk, not the sandbox. Fork and run figures
 Implementations are alternated over `--rounds` rounds (warm-up excluded) and each figure is the median of all
 its samples, with the 1-minute load average beside it: wall times on a loaded machine are "under load".
 Targets (issue 18): exec overhead <= 15 ms wall at load <= 2, of which the hardening (syscall filter, empty
-launcher environment, tmpfs writable layer) <= 3 ms; close <= 5 ms; median fork <= 10 ms.
+launcher environment, tmpfs writable layer) <= 3 ms; close <= 5 ms; median fork <= 10 ms. The pty cap (a devpts
+instance per fork) is priced against forks without it (`Limits(ptys=None)`), alternated the same way.
 The last line is one JSON object: exec_overhead_ms, fork_ms_median, close_ms_median, hardening_ms, load_avg_1m, ...
 """
 
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from sandboxes import BwrapBackend, SandboxPool
+from sandboxes import BwrapBackend, Limits, SandboxConfig, SandboxPool
 
 
 def make_repo(root: str, n_files: int) -> None:
@@ -78,22 +79,27 @@ def rounds_of(variants: dict, n: int, rounds: int) -> dict[str, dict[str, float]
               "load": statistics.median(loads)} for k in variants}
 
 
-def fork_close(backend, snap, n: int) -> tuple[float, float, float]:
-  """Median ms of fork, of close of a fork that ran a command (what a rollout closes), and of close unused."""
-  forks, closes_used, closes_fresh = [], [], []
-  for _ in range(n):
-    t = time.perf_counter()
-    sb = backend.fork(snap)
-    forks.append((time.perf_counter() - t) * 1e3)
-    sb.run(["true"])
-    t = time.perf_counter()
-    sb.close()
-    closes_used.append((time.perf_counter() - t) * 1e3)
-    sb = backend.fork(snap)
-    t = time.perf_counter()
-    sb.close()
-    closes_fresh.append((time.perf_counter() - t) * 1e3)
-  return statistics.median(forks), statistics.median(closes_used), statistics.median(closes_fresh)
+def fork_close(backend, snap, n: int, rounds: int = 1, configs: dict | None = None) -> dict[str, tuple]:
+  """Per config (alternated over `rounds`): median ms of fork, of close of a fork that ran a command (what a
+  rollout closes), and of close unused."""
+  configs = configs or {"default": None}
+  samples = {k: ([], [], []) for k in configs}
+  for _ in range(rounds):
+    for k, cfg in configs.items():
+      forks, closes_used, closes_fresh = samples[k]
+      for _ in range(n):
+        t = time.perf_counter()
+        sb = backend.fork(snap, cfg)
+        forks.append((time.perf_counter() - t) * 1e3)
+        sb.run(["true"])
+        t = time.perf_counter()
+        sb.close()
+        closes_used.append((time.perf_counter() - t) * 1e3)
+        sb = backend.fork(snap, cfg)
+        t = time.perf_counter()
+        sb.close()
+        closes_fresh.append((time.perf_counter() - t) * 1e3)
+  return {k: tuple(statistics.median(x) for x in v) for k, v in samples.items()}
 
 
 def report(out: dict, sandbox: dict, plain: dict, unfilt: dict, preexec: dict, python_figs: dict) -> None:
@@ -108,6 +114,9 @@ def report(out: dict, sandbox: dict, plain: dict, unfilt: dict, preexec: dict, p
   print(f"  CPU per launch (load-independent): sandbox {sandbox['cpu_ms']:.2f} ms vs plain {plain['cpu_ms']:.2f} ms")
   print(f"  syscall filter: {out['hardening_ms']:.2f} ms wall, {out['hardening_cpu_ms']:.2f} ms CPU "
         f"(sandbox without it: {unfilt['wall_ms']:.2f} ms)")
+  print(f"  pty cap (the fork's own devpts): fork {out['pty_cap_fork_ms']:+.2f} ms, close "
+        f"{out['pty_cap_close_ms']:+.2f} ms, `true` {out['pty_cap_exec_ms']:+.2f} ms wall / "
+        f"{out['pty_cap_exec_cpu_ms']:+.2f} ms CPU")
   print(f"  launcher='preexec' (fork of this {out['ballast_gb']} GB-ballast process): "
         f"{preexec['wall_ms']:.2f} ms")
   print(f"`python3 -c pass`: sandbox {python_figs['sandbox']['wall_ms']:.1f} ms vs plain "
@@ -139,17 +148,22 @@ def main() -> None:
     import_s = time.perf_counter() - t
     snap_unfiltered = unfiltered.import_dir(repo)
 
+    # Limits.ptys=None: no devpts instance of the fork's own (bwrap's, uncapped), to price the pty cap.
+    no_pty_cap = SandboxConfig(limits=Limits(ptys=None))
     fork_close(backend, snap, 3)  # warm-up
-    fork_ms, close_ms, close_fresh_ms = fork_close(backend, snap, args.n * args.rounds)
+    figs = fork_close(backend, snap, args.n, args.rounds, {"default": None, "no_pty_cap": no_pty_cap})
+    (fork_ms, close_ms, close_fresh_ms), no_cap_figs = figs["default"], figs["no_pty_cap"]
     fork_load = os.getloadavg()[0]
 
     # The interpreter the sandbox finds as `python3` (not a pyenv shim script, which would add ~200 ms).
     python = os.path.join(sys.base_prefix, "bin", "python3")
-    with backend.fork(snap) as sb, unfiltered.fork(snap_unfiltered) as sb_unfiltered:
+    with (backend.fork(snap) as sb, unfiltered.fork(snap_unfiltered) as sb_unfiltered,
+          backend.fork(snap, no_pty_cap) as sb_no_cap):
       variants = {
         "plain": lambda: subprocess.run(["true"], capture_output=True),
         "sandbox": lambda: sb.run(["true"]),
         "sandbox_no_seccomp": lambda: sb_unfiltered.run(["true"]),
+        "sandbox_no_pty_cap": lambda: sb_no_cap.run(["true"]),
       }
       for fn in variants.values():
         fn()  # warm: stages the host Python bind, page cache
@@ -179,6 +193,9 @@ def main() -> None:
     "exec_overhead_cpu_ms": round(sandbox["cpu_ms"] - plain["cpu_ms"], 3),
     "hardening_ms": round(sandbox["wall_ms"] - unfilt["wall_ms"], 3),
     "hardening_cpu_ms": round(sandbox["cpu_ms"] - unfilt["cpu_ms"], 3),
+    "pty_cap_fork_ms": round(fork_ms - no_cap_figs[0], 3), "pty_cap_close_ms": round(close_ms - no_cap_figs[1], 3),
+    "pty_cap_exec_ms": round(sandbox["wall_ms"] - exec_figs["sandbox_no_pty_cap"]["wall_ms"], 3),
+    "pty_cap_exec_cpu_ms": round(sandbox["cpu_ms"] - exec_figs["sandbox_no_pty_cap"]["cpu_ms"], 3),
     "exec_load_avg_1m": sandbox["load"],
     "exec_overhead_preexec_ms": round(preexec_figs["sandbox_preexec"]["wall_ms"] - plain["wall_ms"], 3),
     "ballast_gb": args.ballast_gb,

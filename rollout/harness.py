@@ -15,11 +15,12 @@ prompt + task + summary (`overflow='drop_oldest'` instead drops the oldest turns
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,12 @@ SHORT_SYSTEM_PROMPT = "Fix the code with tools, then finish."
 # System prompts a config may name (`system_prompt="short"`); any other string is used as the prompt itself.
 SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
 OVERFLOW = ("summarize", "drop_oldest")
+
+
+class SandboxStartError(RuntimeError):
+  """An episode's workspace could not be forked (the sandbox did not start): its group cannot be completed."""
+
+
 SUMMARY_PROMPT = ("Your context is full. Summarize the task, what you did, what you learned and what is left, "
                   "so that you can continue from the summary alone.")
 
@@ -140,7 +147,10 @@ class _Episode:
   def __init__(self, index: int, task: Task, envs: EnvironmentCache, tokenizer, cfg: HarnessConfig):
     self.index, self.task, self.tok, self.cfg = index, task, tokenizer, cfg
     self.envs = envs
-    self.ws = envs.fork(task)
+    try:
+      self.ws = envs.fork(task)
+    except Exception as e:   # noqa: BLE001 - whatever the backend raised, the episode cannot start
+      raise SandboxStartError(f"task {task.id}: episode {index}'s workspace did not start: {e!r}") from e
     self.tools = ToolBox(self.ws, cfg.tools)
     self.bos = cf.special_id(tokenizer, cf.BEGIN_OF_TEXT)
     self.stop_ids = tuple(cf.special_id(tokenizer, t) for t in cf.STOP_TOKENS)
@@ -154,6 +164,18 @@ class _Episode:
     self.tool_wall_s = 0.0
     self.finished, self.final_message = False, ""
     self._start_segment(summary=None)
+
+  def fork(self, index: int, ws) -> _Episode:
+    """This episode continued as another: the same context, transcript and tool state, in `ws` (a fork of this
+    episode's current workspace: its files, not a replay of its commands); `index` gives its requests their own
+    seeds. Tree rollouts (`rollout.tree_harness`) branch episodes with it between turns."""
+    new = copy.copy(self)
+    new.index, new.ws = index, ws
+    new.tools = ToolBox(ws, self.cfg.tools)
+    new.tools.todo, new.tools.originals = copy.deepcopy(self.tools.todo), dict(self.tools.originals)
+    new.builder, new.messages = copy.deepcopy(self.builder), copy.deepcopy(self.messages)
+    new.segments, new.calls_seen, new.stats = list(self.segments), set(self.calls_seen), dict(self.stats)
+    return new
 
   # ---- token plumbing ------------------------------------------------------------------------------------------
 
@@ -347,11 +369,15 @@ class _Episode:
                **{k: float(v) for k, v in self.stats.items()}}
     if report.error or setup_reason:
       metrics["grade_error"] = report.error or setup_reason
+    # Not a failing test: the grade is unknown, so this reward (0 + penalties) must not be trained on as is;
+    # `rollout.workers` retries or drops such a group whole, evaluation reports it apart (`grade_timed_out`).
+    metrics["grade_timed_out"] = float(report.timed_out)
     return Trajectory(self.task.id, self.segments, reward, breakdown, metrics, self.messages, self.stop_reason)
 
 
 def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
-                 cfg: HarnessConfig = HarnessConfig()) -> list[Trajectory]:
+                 cfg: HarnessConfig = HarnessConfig(), *,
+                 branch: Callable[[list[_Episode]], list[_Episode]] | None = None) -> list[Trajectory]:
   """Rolls out one episode per task (repeat a task for G samples), all stepped together.
 
   Args:
@@ -360,12 +386,21 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
     tasks: the tasks, one episode each.
     envs: environment snapshots and workspace forks.
     cfg: loop limits, prompts and reward weights.
+    branch: called with all episodes after every step; the episodes it returns (forks, `_Episode.fork`) join the
+      loop (tree rollouts: `rollout.tree_harness`).
 
   Returns:
-    Trajectories in task order, each graded, with its reward breakdown.
+    Trajectories in task order (then any forks in the order they were made), each graded, with its reward
+    breakdown; `metrics["grade_timed_out"]` is 1.0 where the hidden tests hit their time limit (the reward then says
+    nothing about the episode).
+
+  Raises:
+    SandboxStartError: an episode's workspace could not be forked (the ones already forked are closed).
   """
-  episodes = [_Episode(i, t, envs, tokenizer, cfg) for i, t in enumerate(tasks)]
+  episodes = []
   try:
+    for i, t in enumerate(tasks):
+      episodes.append(_Episode(i, t, envs, tokenizer, cfg))
     while True:
       batch = [(ep, ep.request()) for ep in episodes if ep.active]
       batch = [(ep, req) for ep, req in batch if req is not None]
@@ -376,6 +411,8 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
         raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
       for (ep, _), res in zip(batch, results, strict=True):
         ep.consume(res)
+      if branch is not None:
+        episodes += branch(episodes)
     if cfg.grade_workers <= 1 or len(episodes) <= 1:
       return [ep.close_and_score() for ep in episodes]
     with concurrent.futures.ThreadPoolExecutor(min(cfg.grade_workers, len(episodes))) as pool:

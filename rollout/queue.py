@@ -5,11 +5,14 @@ Storage is a tensorstore KvStore (`file:///path/`, `memory://`, and for several 
 
   groups/<producer>/<t_ns:020d>_v<version>_n<rows>   one group (see `queue_codec`: arrays + JSON, checksummed)
   committed.json                                     the last cursor a trainer checkpoint has made durable
+  counters/<producer>.json                           what a producer did not queue (`QueueProducer.count`: groups
+                                                     retried or dropped whole), summed into the consumer's `stats()`
 
 Guarantees and how they are met:
 - Atomic visibility: a group is one key written in one `write` (the file driver writes `<key>.__lock` and renames;
   object stores publish a PUT whole), so a producer killed mid-write leaves nothing listable. The blob's CRC makes
-  any other corruption an error rather than bad data.
+  any other corruption an error rather than bad data. An unreadable record (corrupt, truncated, or from a newer
+  codec version) is skipped, counted (`corrupt`, `newer_format`) and named in the log; it never stops the consumer.
 - Order: each producer appends sequentially (`append` returns only once the key is visible) with strictly
   increasing key names, so a per-producer cursor "last key consumed" is exact. Producers must have stable, unique
   ids (e.g. `host3-worker7`); several threads in one process should use several ids.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import re
 import threading
@@ -39,13 +43,25 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from rollout import queue_codec
+from rollout import queue_codec, tree_codec
+from rollout import tree as tree_lib
 from rollout.staleness import StalenessConfig
 
 GROUPS = "groups/"
 COMMITTED = "committed.json"
+COUNTERS = "counters/"
+SKIPPED_KEPT = 20   # the consumer state names this many of the most recent unreadable records
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME_RE = re.compile(r"^(\d{20})_v(-?\d+)_n(\d+)$")
+
+
+class QueueWriteError(OSError):
+  """A group could not be written (e.g. the disk is full); nothing of it is listed, the queue stays readable."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error` (an OSError, or tensorstore's ValueError carrying the OS error) says the device is full."""
+  return getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error)
 
 
 def open_store(store: str | dict | ts.KvStore, context: ts.Context | None = None) -> ts.KvStore:
@@ -108,6 +124,20 @@ def _read_committed(kv: ts.KvStore) -> dict[str, str]:
   return json.loads(r.value) if r.state == "value" else {}
 
 
+def _read_json(kv: ts.KvStore, key: str) -> dict:
+  r = kv.read(key).result()
+  return json.loads(r.value) if r.state == "value" else {}
+
+
+def read_counters(kv: ts.KvStore) -> dict[str, int]:
+  """Every producer's `count`s, summed by name."""
+  keys = kv.list(ts.KvStore.KeyRange(COUNTERS, COUNTERS[:-1] + chr(ord("/") + 1))).result()
+  total: dict[str, int] = collections.Counter()
+  for k in keys:
+    total.update(_read_json(kv, k.decode()))
+  return dict(total)
+
+
 def group_version(tree: Any) -> int:
   """Oldest policy version (≥ 0) among arrays named `versions_T` in a group tree; -1 if there is none."""
   arrays, _ = queue_codec.pack_tree(tree)
@@ -131,6 +161,14 @@ class QueueProducer:
     if committed is not None:
       last.append(GroupKey.parse(f"{GROUPS}{producer_id}/{committed}").t_ns)
     self._last_t = max(last, default=0)
+    self._counts = collections.Counter(_read_json(self.kv, f"{COUNTERS}{producer_id}.json"))
+
+  def count(self, name: str, n: int = 1) -> None:
+    """Adds `n` to this producer's counter `name` (e.g. a group dropped whole), which the consumer's `stats()` sums
+    over producers: what never reached the queue still shows in the trainer's metrics."""
+    with self._lock:
+      self._counts[name] += n
+      self.kv.write(f"{COUNTERS}{self.producer_id}.json", json.dumps(self._counts, sort_keys=True).encode()).result()
 
   def append(self, arrays: dict[str, np.ndarray], meta: Any = None, *, policy_version: int, n_rows: int = 1) -> str:
     """Writes one group and returns its key once it is visible to consumers.
@@ -148,7 +186,14 @@ class QueueProducer:
     with self._lock:
       t = max(time.time_ns(), self._last_t + 1)
       key = GroupKey(self.producer_id, t, policy_version, n_rows).key
-      self.kv.write(key, blob).result()
+      try:
+        self.kv.write(key, blob).result()
+      except (ValueError, OSError) as e:   # tensorstore reports I/O errors as ValueError
+        full = is_disk_full(e)
+        raise QueueWriteError(errno.ENOSPC if full else errno.EIO,
+                              f"queue group {key} ({len(blob)} bytes) was not written"
+                              f"{': the disk is full' if full else ''}; nothing of it is listed and the queue stays "
+                              f"readable (a worker redoes the group when it restarts): {e}") from e
       self._last_t = t
     return key
 
@@ -166,7 +211,9 @@ class QueueProducer:
       policy_version = group_version(trajectories)
       if policy_version < 0:
         raise ValueError("no versions_T >= 0 in the group; pass policy_version explicitly")
-    n_rows = sum(len(t.get("segments", [None])) for t in trajectories)
+    n_rows = (len(tree_lib.group_rows(trajectories)) if tree_lib.is_tree_group(trajectories)  # shared rows once
+              else sum(len(t.get("segments", [None])) for t in trajectories))
+    tree["trajectories"] = tree_codec.share_prefixes(trajectories)   # a tree group's shared prefixes once
     arrays, skeleton = queue_codec.pack_tree(tree)
     return self.append(arrays, skeleton, policy_version=policy_version, n_rows=n_rows)
 
@@ -185,12 +232,12 @@ class ConsumedGroup:
     return queue_codec.unpack_tree(self.arrays, self.meta)
 
   def trajectories(self) -> list[dict]:
-    return self.tree()["trajectories"]
+    return tree_codec.restore_prefixes(self.tree()["trajectories"])
 
 
 def _empty_state() -> dict:
   return {"cursor": {}, "consumed": 0, "consumed_rows": 0, "dropped_stale": 0, "kept_stale": 0, "corrupt": 0,
-          "staleness_hist": {}}
+          "newer_format": 0, "skipped": [], "staleness_hist": {}}
 
 
 class QueueConsumer:
@@ -265,10 +312,8 @@ class QueueConsumer:
         if r.state != "value":
           raise queue_codec.CorruptRecordError(f"listed key {g.key} vanished")
         arrays, meta = queue_codec.decode(r.value)
-      except queue_codec.CorruptRecordError as e:
-        warnings.warn(f"skipping unreadable queue record {g.key}: {e}", stacklevel=2)
-        st["corrupt"] += 1
-        st["cursor"][g.producer] = g.name
+      except queue_codec.UnreadableRecordError as e:
+        self._skip(g, e)
         continue
       s = trainer_version - g.version
       group = ConsumedGroup(g, s, decision == "keep_stale", arrays, meta)
@@ -283,14 +328,25 @@ class QueueConsumer:
       out.append(group)
     return out
 
+  def _skip(self, g: GroupKey, error: queue_codec.UnreadableRecordError) -> None:
+    """Steps over an unreadable record: counted by kind, named in the log and in the state's `skipped` list."""
+    st = self._state
+    kind = "newer_format" if isinstance(error, queue_codec.NewerFormatError) else "corrupt"
+    st[kind] += 1
+    st["skipped"] = (st["skipped"] + [{"key": g.key, "reason": str(error)}])[-SKIPPED_KEPT:]
+    st["cursor"][g.producer] = g.name
+    warnings.warn(f"skipping unreadable queue record {g.key} ({kind}): {error}", stacklevel=3)
+
   def stats(self) -> dict[str, Any]:
-    """Queue-side metrics: depth, totals, dropped/kept stale counts and the staleness histogram of consumed groups."""
+    """Queue-side metrics: depth, totals, dropped/kept stale counts, unreadable records skipped, the producers'
+    counters (`QueueProducer.count`) and the staleness histogram of consumed groups."""
     groups, rows = self.depth()
     st = self._state
     hist = collections.OrderedDict(sorted(((int(k), v) for k, v in st["staleness_hist"].items())))
-    return {"queue_depth_groups": groups, "queue_depth_rows": rows, "consumed_groups": st["consumed"],
-            "consumed_rows": st["consumed_rows"], "dropped_stale": st["dropped_stale"],
-            "kept_stale": st["kept_stale"], "corrupt": st["corrupt"], "staleness_hist": dict(hist)}
+    return {**read_counters(self.kv), "queue_depth_groups": groups, "queue_depth_rows": rows,
+            "consumed_groups": st["consumed"], "consumed_rows": st["consumed_rows"],
+            "dropped_stale": st["dropped_stale"], "kept_stale": st["kept_stale"], "corrupt": st["corrupt"],
+            "newer_format": st["newer_format"], "staleness_hist": dict(hist)}
 
   def commit(self, saved_state: dict) -> int:
     """Garbage-collects every group at or before `saved_state`'s cursor; returns how many keys were deleted.

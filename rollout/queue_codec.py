@@ -4,6 +4,11 @@ Layout of a blob (little-endian):
 
   b"CJQ1" | u32 header_len | header (UTF-8 JSON) | array bytes, concatenated | u32 crc32 of everything before it
 
+The magic's last byte is the format version (`VERSION`). A record from a newer writer (b"CJQ2", ...) raises
+`NewerFormatError`, one that is truncated or damaged `CorruptRecordError`; both are `UnreadableRecordError`s, which
+the queue consumer skips, counts apart and names in its log, so a mixed-version fleet or a torn write never stops
+the trainer.
+
 The header holds `meta` (any JSON value) and, per array, its name, stored dtype, shape, byte offset and, when it
 was compacted, the original dtype and a row mask. Decoding checks magic, lengths and the checksum, so a truncated
 or corrupt blob raises `CorruptRecordError` instead of returning garbage. The format knows nothing about
@@ -25,12 +30,21 @@ from typing import Any
 
 import numpy as np
 
-MAGIC = b"CJQ1"
+VERSION = 1
+MAGIC = b"CJQ" + str(VERSION).encode()
 _ARRAY_TAG = "__array__"
 
 
-class CorruptRecordError(ValueError):
+class UnreadableRecordError(ValueError):
+  """A stored record this reader cannot decode (see the two subclasses)."""
+
+
+class CorruptRecordError(UnreadableRecordError):
   """A stored record is truncated or fails its checksum."""
+
+
+class NewerFormatError(UnreadableRecordError):
+  """A stored record was written by a newer codec version than this reader's `VERSION`."""
 
 
 def _compact(a: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
@@ -86,21 +100,32 @@ def encode(arrays: dict[str, np.ndarray], meta: Any = None, *, compact: bool = T
 
 
 def decode(blob: bytes) -> tuple[dict[str, np.ndarray], Any]:
-  """Inverse of `encode`: (arrays, meta). Raises CorruptRecordError on truncated or corrupt input."""
+  """Inverse of `encode`: (arrays, meta).
+
+  Raises:
+    NewerFormatError: the record names a codec version above `VERSION` (upgrade the reader).
+    CorruptRecordError: anything else that is not a whole record of this version (truncated, damaged, foreign).
+  """
+  version = blob[3:4]
+  if blob[:3] == MAGIC[:3] and version.isdigit() and int(version) > VERSION:
+    raise NewerFormatError(f"queue record of codec version {int(version)}; this reader decodes version {VERSION}")
   if len(blob) < 12 or blob[:4] != MAGIC:
     raise CorruptRecordError(f"not a queue record (len={len(blob)}, magic={blob[:4]!r})")
   (crc,) = struct.unpack("<I", blob[-4:])
   if zlib.crc32(blob[:-4]) != crc:
     raise CorruptRecordError("record checksum mismatch (truncated or corrupted write)")
   (hlen,) = struct.unpack("<I", blob[4:8])
-  header = json.loads(blob[8:8 + hlen])
-  data = memoryview(blob)[8 + hlen:-4]
-  arrays = {}
-  for e in header["arrays"]:
-    raw = data[e["offset"]:e["offset"] + e["nbytes"]]
-    a = np.frombuffer(raw, dtype=np.dtype(e["dtype"])).reshape(e["shape"]).copy()
-    arrays[e["name"]] = _expand(a, e)
-  return arrays, header["meta"]
+  try:   # a checksummed record is whole; a malformed header is a writer's bug, still never a reader's crash
+    header = json.loads(blob[8:8 + hlen])
+    data = memoryview(blob)[8 + hlen:-4]
+    arrays = {}
+    for e in header["arrays"]:
+      raw = data[e["offset"]:e["offset"] + e["nbytes"]]
+      a = np.frombuffer(raw, dtype=np.dtype(e["dtype"])).reshape(e["shape"]).copy()
+      arrays[e["name"]] = _expand(a, e)
+    return arrays, header["meta"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise CorruptRecordError(f"record header does not describe its data: {e!r}") from None
 
 
 def pack_tree(tree: Any) -> tuple[dict[str, np.ndarray], Any]:

@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from sandboxes.types import WORKSPACE, BackendUnavailableError, SandboxConfig
 
 SANDBOX_UID = 1000  # uid/gid inside; maps to the backend's unprivileged host uid outside
+HOSTNAME = "sandbox"  # `uname -n` inside; /etc/hosts names it (the host's hosts file names the host)
 # Host /etc is not bound whole (it says a lot about the host); only what programs need to start is shown.
 ETC_FILES = (
   "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime", "ssl/certs",
-  "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf", "hosts", "mime.types", "bash.bashrc", "profile",
-  "inputrc",
+  "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf", "mime.types", "bash.bashrc", "profile", "inputrc",
 )
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
@@ -79,7 +79,7 @@ def default_path(config: SandboxConfig) -> str:
 def build_argv(
   bwrap: str, config: SandboxConfig, workspace: str | tuple[tuple[str, ...], str | None, str | None], etc_dir: str,
   argv: Sequence[str], env: Mapping[str, str] | None = None, ro_binds: Sequence[tuple[str, str]] = (),
-  rw_binds: Sequence[tuple[str, str]] = (), seccomp_fd: int | None = None,
+  rw_binds: Sequence[tuple[str, str]] = (), seccomp_fd: int | None = None, devpts: str | None = None,
 ) -> list[str]:
   """The full bwrap command line for one run.
 
@@ -96,6 +96,7 @@ def build_argv(
       (the backend passes staged sources the unprivileged bwrap can reach).
     rw_binds: (host source, path inside) pairs bound read-write (internal use: flattening a snapshot).
     seccomp_fd: an fd (inherited by bwrap) holding the BPF syscall filter to install before the command runs.
+    devpts: a host devpts instance (with a `max`) to show at /dev/pts instead of bwrap's own, uncapped one.
   """
   a = [bwrap, "--unshare-all"]
   if config.network:
@@ -103,7 +104,7 @@ def build_argv(
   # The backend already runs bwrap as an unprivileged host uid; inside, a user namespace with every capability
   # dropped and no nested user namespaces (without these flags a root-started bwrap keeps its capabilities).
   a += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL",
-        "--disable-userns", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        "--disable-userns", "--die-with-parent", "--new-session", "--hostname", HOSTNAME]
   for d in SYSTEM_DIRS:
     if os.path.islink(d):
       a += ["--symlink", os.readlink(d), d]
@@ -113,8 +114,10 @@ def build_argv(
   # /dev is bwrap's own small tmpfs (device nodes bound from the host); its /dev/shm gets a capped tmpfs of its
   # own and /dev itself is made read-only, so neither is an uncapped writable place.
   tmp = str(config.limits.tmp_bytes)
-  a += ["--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--size", tmp, "--tmpfs", "/tmp"]
+  a += ["--proc", "/proc", "--dev", "/dev"]
+  if devpts is not None:
+    a += ["--dev-bind", devpts, "/dev/pts"]  # /dev/ptmx is bwrap's link to pts/ptmx: it opens this instance
+  a += ["--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--size", tmp, "--tmpfs", "/tmp"]
   for src, dst in ro_binds:  # after /tmp's tmpfs, which would otherwise hide binds below /tmp
     a += ["--ro-bind", src, dst]
   for src, dst in rw_binds:
@@ -139,9 +142,12 @@ def build_argv(
 
 
 def etc_files() -> dict[str, str]:
-  """Minimal passwd/group naming the sandbox user (tools like `whoami`, git and ssh look it up)."""
+  """Minimal passwd/group naming the sandbox user (tools like `whoami`, git and ssh look it up), and a hosts file
+  naming only loopback and the sandbox (`hostname -f`, and Python's `socket.gethostbyname(gethostname())`, work
+  without a network)."""
   u = SANDBOX_UID
   return {
+    "hosts": f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     "passwd": f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:sandbox:/tmp:/bin/sh\n"
               "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
     "group": f"root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n",

@@ -27,13 +27,16 @@ _MAX_LINKS = 40  # like the kernel's ELOOP bound
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def to_relative(path: str) -> str:
-  """The normalised workspace-relative form of a user path (relative, or absolute under /workspace).
+def to_relative(path: str | os.PathLike) -> str:
+  """The normalised workspace-relative form of a user path (relative, or absolute under /workspace; a str or a
+  `pathlib` path).
 
   Raises:
-    ValueError: not a non-empty string without NUL bytes.
+    ValueError: not a non-empty string (or path object) without NUL bytes.
     SandboxError: the path leaves the workspace.
   """
+  if isinstance(path, os.PathLike):
+    path = os.fspath(path)
   if not isinstance(path, str) or not path or "\0" in path:
     raise ValueError(f"path must be a non-empty string without NUL bytes, got {path!r}")
   norm = posixpath.normpath(path)
@@ -46,6 +49,14 @@ def to_relative(path: str) -> str:
   if norm == ".." or norm.startswith("../"):
     raise SandboxError(f"path {path!r} is outside the workspace {WORKSPACE}")
   return norm
+
+
+def check_file_name(path: str | os.PathLike) -> None:
+  """Refuses a path that names a directory (`new/`, `new/.`): writing it would make a file the caller did not
+  name. (`pathlib` drops a trailing slash, so only strings can hold one.)"""
+  to_relative(path)  # the type and range checks first, with their messages
+  if isinstance(path, str) and (path.endswith("/") or path.endswith("/.")):
+    raise IsADirectoryError(errno.EISDIR, "a file name is needed, not a directory path", path)
 
 
 def _parts(path: str) -> list[str]:
@@ -190,8 +201,7 @@ def write_file(root: str, path: str, data: bytes | str, mode: int = 0o644,
     data = data.encode()
   if not isinstance(data, bytes | bytearray | memoryview):
     raise TypeError(f"data must be bytes or str, got {type(data).__name__}")
-  if path.endswith("/") or path.endswith("/."):
-    raise IsADirectoryError(errno.EISDIR, "a file name is needed, not a directory path", path)
+  check_file_name(path)
   with _walk(root, path, make_dirs=owner if owner is not None else True) as at:
     fd = _open_regular(at, path, os.O_WRONLY | os.O_CREAT, mode)
   with os.fdopen(fd, "wb") as f:

@@ -87,7 +87,8 @@ class BwrapBackend(Backend):
       warnings.warn("rootless BwrapBackend without a writable (delegated) cgroup: memory is limited by RLIMIT_AS "
                     "and processes by RLIMIT_NPROC over all of this user's processes; memory/pids/disk-in-cgroup "
                     "hits are not reported as such", RuntimeWarning, stacklevel=2)
-    self.store = Store(state_root)
+    # Closed to other host users (the sandbox's group may enter: bwrap runs as it and binds from the store).
+    self.store = Store(state_root, group=None if self.rootless else host_gid)
     self._staged: dict[str, str] = {}
     self._snapshots: dict[str, tuple[str, ...]] = {}  # live snapshot id -> layers
     self._known_layers: set[str] = set()  # layers that _gc may delete once nothing uses them
@@ -282,7 +283,7 @@ class BwrapSandbox(Sandbox):
   """A fork: an overlay of the snapshot's layers under its own upper dir (on its own tmpfs), plus its own cgroup.
 
   Layout under the fork's dir: `t/` the tmpfs holding `u/` (upper) and `w/` (overlay work dir); `m/` the merged
-  mount that is bound at /workspace.
+  mount that is bound at /workspace; `p/` its devpts instance (`Limits.ptys`), bound at /dev/pts.
   """
 
   def __init__(self, backend: BwrapBackend, layers: tuple[str, ...], config: SandboxConfig):
@@ -293,12 +294,17 @@ class BwrapSandbox(Sandbox):
     self.tmpfs, self.merged = os.path.join(self.dir, "t"), os.path.join(self.dir, "m")
     self.upper, self.work = os.path.join(self.tmpfs, "u"), os.path.join(self.tmpfs, "w")
     self.cgroup = None
+    self.devpts = None
     self._at_limit: set[tuple[str, int]] = set()  # files at file_size_bytes after the last run
     self._owner = backend.owner
     try:
       os.makedirs(self.tmpfs)
       os.makedirs(self.merged)
       self._mount()
+      if config.limits.ptys is not None and not backend.rootless:
+        self.devpts = os.path.join(self.dir, "p")
+        os.makedirs(self.devpts)
+        overlay.mount_devpts(self.devpts, config.limits.ptys)
       if backend.cgroup_parents:
         name = os.path.basename(backend.store.path) + "-" + os.path.basename(self.dir)
         # Record the dirs before creating them, so a crash in between still leaves them findable by cleanup.
@@ -350,7 +356,7 @@ class BwrapSandbox(Sandbox):
     fd = os.open(be._seccomp, os.O_RDONLY | os.O_CLOEXEC) if be._seccomp else None
     try:
       full = bwrap.build_argv(be.bwrap, self.config, workspace or self._workspace(), be._etc, argv, env,
-                              be.ro_binds(self.config), rw_binds, seccomp_fd=fd)
+                              be.ro_binds(self.config), rw_binds, seccomp_fd=fd, devpts=self.devpts)
       checks.total_size(full, BWRAP_MAX_ARGS)
       full, popen_kw = self._launcher(full)
       checks.total_size(full)
@@ -424,6 +430,7 @@ class BwrapSandbox(Sandbox):
           return be._register(self.layers)
       layer = be.store.new_layer_dir()
       self._freeze_upper(layer)
+      scan.drop_setid_bits(layer)
       self.layers = (layer,) + self.layers  # from here on the fork's state lives in `layer`
       self._at_limit = set()  # those files moved into a layer with the upper dir
       with be._lock:

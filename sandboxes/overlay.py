@@ -26,6 +26,7 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
@@ -53,13 +54,17 @@ def fits(layers: tuple[str, ...], upper: str, work: str) -> bool:
 
 
 def mount(layers: tuple[str, ...], target: str, upper: str | None = None, work: str | None = None) -> None:
-  """Mounts an overlay at `target`; read-only when `upper` is None (then at least one layer is needed)."""
+  """Mounts an overlay at `target`; read-only when `upper` is None (then at least one layer is needed).
+
+  `nosuid,nodev`: the mount is on the host, listed in every user's /proc/self/mountinfo; a setuid file a command
+  made in it must not run as the sandbox's uid for anyone who reaches it (inside, bwrap's binds are nosuid too).
+  """
   if not layers:
     raise ValueError("an overlay needs at least one lower layer")
   opts = mount_options(layers, upper, work)
   if len(opts) > MAX_OPTIONS_BYTES:
     raise ValueError(f"overlay options are {len(opts)} bytes (> {MAX_OPTIONS_BYTES}); flatten the snapshot first")
-  flags = MS_RDONLY if upper is None else 0
+  flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if upper is None else 0)
   if upper is None and len(layers) == 1:
     opts = f"lowerdir={layers[0]}:{layers[0]}"  # overlayfs wants 2+ lowers without an upper; same dir twice is fine
   if _libc.mount(b"overlay", target.encode(), b"overlay", flags, opts.encode()) != 0:
@@ -77,6 +82,17 @@ def mount_tmpfs(target: str, size_bytes: int | None, inodes: int | None, mode: i
   if _libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
     err = ctypes.get_errno()
     raise OSError(err, f"mount tmpfs at {target} ({opts}) failed: {os.strerror(err)}")
+
+
+def mount_devpts(target: str, max_ptys: int) -> None:
+  """A new devpts instance at `target` holding at most `max_ptys` ptys (bwrap binds it at the sandbox's /dev/pts).
+
+  bwrap's own instance has no `max`: every non-host instance draws on the kernel's one shared budget.
+  """
+  opts = f"newinstance,ptmxmode=0666,mode=0620,max={max_ptys}"
+  if _libc.mount(b"devpts", target.encode(), b"devpts", MS_NOSUID | MS_NOEXEC, opts.encode()) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"mount devpts at {target} ({opts}) failed: {os.strerror(err)}")
 
 
 def bind_readonly(src: str, target: str) -> None:

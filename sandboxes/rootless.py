@@ -94,8 +94,7 @@ class RootlessSandbox(BwrapSandbox):
                           output_limit=max(2, max_bytes)).stdout
 
   def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-    if path.endswith("/") or path.endswith("/."):
-      raise IsADirectoryError(errno.EISDIR, "a file name is needed, not a directory path", path)
+    fsops.check_file_name(path)
     script = ('mkdir -p -- "$(dirname -- "$1")" && if [ -e "$1" ]; then ' + _REGULAR + 'fi; '
               'cat > "$1" && chmod "$2" "$1"')
     data = data.encode() if isinstance(data, str) else data

@@ -1,8 +1,10 @@
-"""Scans of a fork's overlay upper dir (only what the fork changed): disk usage and files at the size limit."""
+"""Scans of a fork's overlay upper dir (only what the fork changed): disk usage, files at the size limit, and
+setuid/setgid bits to drop before it becomes a layer."""
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 
 
@@ -48,3 +50,19 @@ def files_at_size(root: str, size: int, max_entries: int = 20_000) -> set[tuple[
       if st.st_size == size:
         found.add((e.path, st.st_mtime_ns))
   return found
+
+
+def drop_setid_bits(root: str) -> None:
+  """Clears setuid/setgid on every regular file under `root` (a new layer).
+
+  Inside a sandbox they never act (every mount there is `nosuid`), so a snapshot loses nothing, but a layer is a
+  directory on the host: a setuid file kept in it would run as the sandbox's host uid for whoever reaches it.
+  (Directories keep setgid: it only chooses the group of new entries.)
+  """
+  for e in _entries(root):
+    try:
+      st = e.stat(follow_symlinks=False)
+    except OSError:
+      continue
+    if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and stat.S_ISREG(st.st_mode):
+      os.chmod(e.path, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))  # a regular file: no link to follow

@@ -3,7 +3,8 @@
 Namespaces, dropped capabilities and an unprivileged uid already make most of these calls fail; the filter is
 the second wall, for kernel bugs and for per-uid kernel state that namespaces do not separate (all forks run as
 one host uid). Everything not listed is allowed, so ordinary programs (compilers, test runners, package
-managers, debuggers inside the sandbox) are unaffected; a denied call fails with EPERM, as under Docker.
+managers, debuggers inside the sandbox) are unaffected; a denied call fails with EPERM, as under Docker, and
+the few that draw on a budget shared by all forks fail with ENOSYS, as if the kernel lacked them.
 
 The filter is built with libseccomp (through `pyseccomp`, a ctypes binding) rather than hand-written BPF, for the
 native architecture; a syscall made through another ABI (32-bit `int 0x80` on x86-64, x32) kills the process, so
@@ -14,6 +15,7 @@ command, so it does not need to allow anything bwrap itself uses.
 from __future__ import annotations
 
 import errno
+import platform
 
 from sandboxes.types import BackendUnavailableError
 
@@ -37,8 +39,34 @@ DENIED = {
   # new mounts and namespaces: bwrap has made every one the sandbox needs
   "mount": "mounts", "umount2": "mounts", "pivot_root": "mounts", "chroot": "mounts", "fsopen": "mounts",
   "fsconfig": "mounts", "fsmount": "mounts", "fspick": "mounts", "move_mount": "mounts", "open_tree": "mounts",
-  "mount_setattr": "mounts", "unshare": "namespaces", "setns": "namespaces",
+  "mount_setattr": "mounts", "open_tree_attr": "mounts", "unshare": "namespaces", "setns": "namespaces",
+  # per-process LDT: 16-bit segments, the base of several kernel exploits; Docker denies it too
+  "modify_ldt": "LDT (attack surface)",
 }
+# name -> why it fails with ENOSYS, as on a kernel built without it, so that programs take their fallback (EPERM
+# would read as a fatal error to them). Each is a budget namespaces do not split.
+ABSENT = {
+  # AIO contexts come out of one system-wide budget (fs.aio-max-nr): one fork could take it all, from the host
+  # and every other fork, and /proc/sys/fs/aio-nr would be a channel. glibc's aio_* use threads, not this.
+  "io_setup": "system-wide AIO budget",
+  # queue bytes are charged to the host uid, which all forks share (RLIMIT_MSGQUEUE, 800 KiB): 9 queues in one
+  # fork made mq_open fail in every other. SysV queues, semaphores and shared memory are per ipc namespace.
+  "mq_open": "per-uid message queue budget",
+}
+# Syscalls newer than some libseccomp releases know by name. Since Linux 5.1 (number 424) a new syscall has one
+# number on every architecture but alpha, ia64 and mips; elsewhere an unknown name is skipped.
+UNIFIED_NUMBERS = {"open_tree_attr": 467}
+UNIFIED_ARCHES = ("x86_64", "aarch64", "riscv64", "s390x", "ppc64le", "ppc64", "loongarch64")
+
+
+def syscall_number(name: str) -> int | None:
+  """The native number of `name`, or None where this architecture has no such syscall (e.g. iopl on arm64)."""
+  import pyseccomp
+
+  nr = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name)
+  if nr < 0 and name in UNIFIED_NUMBERS and platform.machine() in UNIFIED_ARCHES:
+    return UNIFIED_NUMBERS[name]
+  return nr if nr >= 0 else None
 
 
 def build(path: str) -> None:
@@ -59,9 +87,10 @@ def build(path: str) -> None:
     f.set_attr(pyseccomp.Attr.CTL_OPTIMIZE, 2)
   except OSError:
     pass  # libseccomp < 2.5: the linear filter is as correct, a little slower per syscall
-  for name in DENIED:
-    if pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) < 0:
-      continue  # not on this architecture (e.g. iopl on arm64)
-    f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+  for names, err in ((DENIED, errno.EPERM), (ABSENT, errno.ENOSYS)):
+    for name in names:
+      nr = syscall_number(name)
+      if nr is not None:
+        f.add_rule(pyseccomp.ERRNO(err), nr)
   with open(path, "wb") as out:
     f.export_bpf(out)

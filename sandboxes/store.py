@@ -46,9 +46,16 @@ def _owner_alive(store: str) -> bool:
 
 
 class Store:
-  """One backend instance's state directory."""
+  """One backend instance's state directory.
 
-  def __init__(self, state_root: str | None = None):
+  Args:
+    state_root: the shared parent dir (made 0711: traversable, not listable).
+    group: as root, the sandbox's host gid: the store is root:group 0710, so bwrap (run as that gid) reaches the
+      workspaces and staged binds in it and no other host user does; None (rootless, where bwrap runs as the
+      caller): 0700.
+  """
+
+  def __init__(self, state_root: str | None = None, group: int | None = None):
     self.state_root = os.path.abspath(state_root or DEFAULT_STATE_ROOT)
     self.made_state_root = not os.path.exists(self.state_root)  # removed again if the backend fails to start
     # 0o711: the unprivileged sandbox uid must traverse to its workspace and staged binds, but not list stores.
@@ -61,7 +68,9 @@ class Store:
     tmp = self.path + ".tmp"
     for sub in ("l", "s", "ro"):
       os.makedirs(os.path.join(tmp, sub), mode=0o711)
-    os.chmod(tmp, 0o711)
+    if group is not None:
+      os.chown(tmp, 0, group)
+    os.chmod(tmp, 0o700 if group is None else 0o710)
     with open(os.path.join(tmp, "owner"), "w") as f:
       f.write(f"{pid} {_start_time(pid)}\n")
     os.rename(tmp, self.path)

@@ -47,6 +47,10 @@ class Limits:
     disk_poll_s: how often the rootless `disk_bytes` check walks the changed files.
     tmp_bytes: size of the private tmpfs at /tmp.
     open_files: RLIMIT_NOFILE.
+    ptys: pseudo-terminals the sandbox may hold at once (the `max` of its own devpts instance; opening one more
+      fails as "out of pty devices"). All sandboxes and containers on a host share one budget of ptys
+      (`kernel.pty.max` - `kernel.pty.reserve`, 3,072 by default), so without a cap one fork could take them all.
+      None: no cap of its own. Not enforced in rootless mode (bwrap makes the devpts instance there).
   """
 
   memory_bytes: int | None = 1024 * MiB
@@ -59,11 +63,12 @@ class Limits:
   disk_poll_s: float = 0.5
   tmp_bytes: int = 256 * MiB
   open_files: int = 1024
+  ptys: int | None = 16
 
   def __post_init__(self):
     required = ("tmp_bytes", "open_files", "disk_poll_s")  # the rest may be None (unlimited)
     for name in ("memory_bytes", "max_pids", "file_size_bytes", "disk_bytes", "disk_inodes", "tmp_bytes",
-                 "open_files", "cpu_seconds", "cpus", "disk_poll_s"):
+                 "open_files", "ptys", "cpu_seconds", "cpus", "disk_poll_s"):
       v = getattr(self, name)
       if v is None and name not in required:
         continue

@@ -21,7 +21,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 UID = 60000
 
 SCRIPT = textwrap.dedent("""
-  import json, os, socket, sys, warnings
+  import json, os, pathlib, socket, sys, warnings
   from sandboxes import BwrapBackend, Limits, SandboxConfig
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     r = a.run("id -u; cat f.txt; echo new > g.txt; rm f.txt; mkdir -p d/e && echo deep > d/e/x")
     out["run"] = [r.exit_code, r.stdout_text]
     out["a"], out["b"] = a.list_dir(), b.list_dir()
-    a.write_file("w/host.txt", "from host")
+    a.write_file(pathlib.Path("w/host.txt"), "from host")  # a pathlib path works as a str does
     out["read"] = [a.read_file("w/host.txt").decode(), a.read_file("g.txt", max_bytes=2).decode()]
     out["exists"] = [a.exists("g.txt"), a.exists("f.txt"), a.exists("/workspace/d/e")]
     s1 = a.snapshot()

@@ -1,10 +1,13 @@
-"""Two real SGLang servers: a dead server's requests go elsewhere, weight updates reach the survivors, and
-sglang-router balances (and, in 0.3.2, drops the routing log — a canary for lifting `FleetConfig`'s refusal).
+"""Two real SGLang servers: a dead server's requests go elsewhere, weight updates reach the survivors, a replacement
+regrows the fleet on the current weights, and sglang-router balances (and, in 0.3.2, drops the routing log — a canary
+for lifting `FleetConfig`'s refusal).
 
-Slow: two server starts plus the router; 164 s on a loaded 2-core machine (426 s when it was overloaded).
+Slow: three server starts (two, then a replacement) plus the router; before the replacement, 164 s on a loaded
+2-core machine (426 s when it was overloaded).
 """
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -58,9 +61,22 @@ def test_two_servers_fail_over_update_and_router(tmp_path):
       router.stop()
 
     ckpt1 = lib.save_checkpoint(str(tmp_path / "v1"), seed=1)
-    fleet.update_weights(ckpt1, version=1)  # only the live server is updated
+    fleet.update_weights(ckpt1, version=1)  # only the live server is updated; a replacement starts on version 0
+    assert fleet.counts["servers_lost"] == 1 and len(fleet.servers) == 1
     r = fleet.generate(reqs[:2])
     assert {x.policy_version for x in r} == {1}
     for req, x in zip(reqs[:2], r, strict=True):
       np.testing.assert_array_equal(x.output_ids, lib.reference(1, req.prompt_ids, x.output_ids)[0])
-  assert not any(s.alive() for s in fleet.servers)
+    # The fleet regrows: the replacement loads version 1 before it serves, and answers like the reference.
+    deadline = time.monotonic() + 600
+    while fleet.counts["servers_regrown"] < 1:
+      assert time.monotonic() < deadline, "the replacement server never came up"
+      time.sleep(1.0)
+      fleet.heal()
+    new = fleet.servers[-1]
+    assert len(fleet.live_servers()) == 2 and new.url != dead.url
+    for req in reqs[:2]:
+      x = generate_one(new.url, req, fleet.layout)
+      assert x.policy_version == 1
+      np.testing.assert_array_equal(x.output_ids, lib.reference(1, req.prompt_ids, x.output_ids)[0])
+  assert not any(p.alive() for p in fleet.processes())

@@ -118,6 +118,7 @@ class RolloutConfig:
   publish_every: int = 1            # publish weights every N trainer steps
   backend: str = "sandbox"          # workspaces: 'sandbox' (bubblewrap) or 'local'
   sglang: SGLangConfig = SGLangConfig()
+  stall_timeout_s: float = 1800.0   # async: a worker that starts no group for this long is hung, killed, restarted
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -136,7 +137,7 @@ class RolloutConfig:
       raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
-    _positive(self, "workers", "publish_every")
+    _positive(self, "workers", "publish_every", "stall_timeout_s")
     if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":
       raise ValueError(f"publish_every={self.publish_every} > max_staleness + 1 = {self.max_staleness + 1}: "
                        "every group would be dropped as stale before new weights arrive")

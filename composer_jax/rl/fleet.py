@@ -4,8 +4,10 @@ Weight sync: at every publish the trainer writes the policy as a Hugging Face ch
 `workdir/hf/v<version>`) and the fleet loads it with `/update_weights_from_disk`, one server at a time so the others
 keep serving. Every sample carries the weight version of the server that produced it, so staleness is exact.
 `workdir/fleet.json` holds the server URLs and the served version and checkpoint; worker processes attach to those
-servers (`attach`) and never start or stop them. The servers run in their own process groups and are stopped by
-`FleetPublisher.close()` (and at the trainer's exit).
+servers (`attach`) and never start or stop them. A server that dies is replaced by the trainer's fleet
+(`SGLangFleet.heal`, at every publish); the next publish lists the replacement in `fleet.json`, and workers re-read
+the list before each group (`Follower.load_newer`), so the fleet shrinks and regrows under them. The servers run in
+their own process groups and are stopped by `FleetPublisher.close()` (and at the trainer's exit).
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ class FleetPublisher:
 
   def _write(self, version: int, path: str) -> None:
     _write_state(self.cfg.workdir, {"urls": [s.url for s in self.fleet.live_servers()], "version": version,
-                                    "model_path": path, "pgids": [s.popen.pid for s in self.fleet.servers]})
+                                    "model_path": path, "pgids": [s.popen.pid for s in self.fleet.processes()]})
 
   def publish(self, params, version: int) -> float:
     """Exports `params` and loads them on every server as `version`; returns the seconds the servers took."""
@@ -130,7 +132,8 @@ class FleetPublisher:
 
   @staticmethod
   def follow(cfg: RunConfig):
-    """A worker's client of the fleet; it follows the version the trainer last pushed (for its throttle)."""
+    """A worker's client of the fleet; it follows the version the trainer last pushed (for its throttle) and the
+    trainer's list of servers (which shrinks and regrows)."""
     from composer_jax.rl.publishers import Follower
     engine = attach(cfg)
 
@@ -138,7 +141,12 @@ class FleetPublisher:
       v = served_version(cfg.workdir)
       return engine.policy_version if v is None else v
 
-    return Follower(engine, version)
+    def load_newer() -> None:
+      state = _read_state(cfg.workdir)
+      if state is not None and state["urls"]:
+        engine.use_servers(state["urls"])
+
+    return Follower(engine, version, load_newer)
 
 
 def served_version(workdir: str) -> int | None:

@@ -2,6 +2,12 @@
 
 `weights/v<version>.npz` holds the params flattened by tree path; `weights/latest.json` names the newest. Both are
 written to a temp name and renamed, so a reader never sees half a file. Workers poll `latest()` between groups.
+
+A trainer killed during a publish leaves the pointer on the previous version (workers keep serving it) and a temp
+file; one killed after a publish but before that step's checkpoint has published versions its restart will redo
+with other weights. `recover(directory, version)`, run when the trainer (re)starts at checkpoint `version`, deletes
+both, so every version number names one set of weights: the redone version is published once, and workers that
+loaded a withdrawn one go back to `version` (they follow the pointer, not "newer").
 """
 from __future__ import annotations
 
@@ -24,16 +30,42 @@ def publish(directory: str, params, version: int, keep: int = 3) -> str:
   tmp = path + ".tmp.npz"
   np.savez(tmp, **_flat(params))
   os.replace(tmp, path)
-  ptr_tmp = os.path.join(directory, "latest.json.tmp")
-  with open(ptr_tmp, "w") as f:
-    json.dump({"version": version, "path": os.path.basename(path)}, f)
-  os.replace(ptr_tmp, os.path.join(directory, "latest.json"))
+  _point(directory, version, path)
   old = sorted(int(n[1:-4]) for n in os.listdir(directory) if n.startswith("v") and n.endswith(".npz")
                 and ".tmp" not in n)
   for v in old[:-keep]:
     if v != version:
       os.remove(os.path.join(directory, f"v{v}.npz"))
   return path
+
+
+def recover(directory: str, version: int) -> list[int]:
+  """Deletes temp files of a killed publish and versions newer than `version` (the checkpoint the trainer resumes
+  from); re-points `latest.json` at `version` if it named a deleted one. Returns the deleted versions."""
+  if not os.path.isdir(directory):
+    return []
+  for name in os.listdir(directory):
+    if ".tmp" in name:
+      os.remove(os.path.join(directory, name))
+  withdrawn = sorted(int(n[1:-4]) for n in os.listdir(directory)
+                     if n.startswith("v") and n.endswith(".npz") and int(n[1:-4]) > version)
+  got = latest(directory)
+  if got is not None and got[0] > version:   # the pointer moves first: a reader never finds it naming a gone file
+    if os.path.exists(os.path.join(directory, f"v{version}.npz")):
+      _point(directory, version, os.path.join(directory, f"v{version}.npz"))
+    else:
+      os.remove(os.path.join(directory, "latest.json"))
+  for v in withdrawn:
+    os.remove(os.path.join(directory, f"v{v}.npz"))
+  return withdrawn
+
+
+def _point(directory: str, version: int, path: str) -> None:
+  """Atomically makes `latest.json` name `path` as `version`."""
+  ptr_tmp = os.path.join(directory, "latest.json.tmp")
+  with open(ptr_tmp, "w") as f:
+    json.dump({"version": version, "path": os.path.basename(path)}, f)
+  os.replace(ptr_tmp, os.path.join(directory, "latest.json"))
 
 
 def latest(directory: str) -> tuple[int, str] | None:

@@ -78,6 +78,9 @@ class WeightFiles:
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
     self.dir = weights_dir(cfg)
+    withdrawn = publish.recover(self.dir, version)
+    if withdrawn:
+      log_fn(f"withdrew weights v{withdrawn} published after the checkpoint at step {version}: those steps are redone")
     got = publish.latest(self.dir)
     if got is None or got[0] != version:
       publish.publish(self.dir, params, version)
@@ -102,15 +105,21 @@ class WeightFiles:
     # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
     engine = JaxEngine(jax.device_put(publish.load(path, like), jax.devices()[0]), cfg.model, engine_config(cfg),
                        policy_version=version)
+    return Follower(engine, lambda: engine.policy_version, follow_pointer(wdir, like, engine))
 
-    def load_newer() -> None:
-      while (got := publish.latest(wdir)) is not None and got[0] > engine.policy_version:
-        try:
-          engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
-        except FileNotFoundError:
-          continue   # pruned between the pointer read and the load: a newer one is there
 
-    return Follower(engine, lambda: engine.policy_version, load_newer)
+def follow_pointer(wdir: str, like, engine) -> Callable[[], None]:
+  """A worker's `load_newer` for weight files: loads the version `latest.json` names whenever it differs from the
+  engine's — newer, or older after a restarted trainer withdrew versions it had published (`publish.recover`)."""
+
+  def load() -> None:
+    while (got := publish.latest(wdir)) is not None and got[0] != engine.policy_version:
+      try:
+        engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
+      except FileNotFoundError:
+        continue   # pruned or withdrawn between the pointer read and the load: the pointer has moved on
+
+  return load
 
 
 def _fleet():

@@ -3,14 +3,17 @@
   sync    InProcess   roll the step's groups out here with the current policy (the publisher's engine), then take
                       them from the queue: staleness 0, the trainer waits for every rollout
   async   WorkerPool  worker processes (`python -m composer_jax.rl.worker`) fill the queue while the trainer trains;
-                      the trainer only waits when the queue has too few fresh groups (a dead worker is restarted)
+                      the trainer only waits when the queue has too few fresh groups (a dead worker is restarted,
+                      a hung one — no heartbeat for `rollout.stall_timeout_s` — killed and restarted)
 
 Either way groups pass through the same tensorstore queue, so the consumer's cursor, the staleness filter and the
 exactly-once bookkeeping are the same code in both modes.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +21,7 @@ from typing import Protocol
 
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import setup
+from composer_jax.rl import worker as worker_lib
 from composer_jax.rl.config import RunConfig
 from rollout import workers
 from rollout.queue import QueueConsumer, QueueProducer
@@ -86,8 +90,18 @@ class InProcess:
     self.envs.factory.close()
 
 
+class WorkersHung(RuntimeError):
+  """Every worker's groups hang: restarts did not help, and waiting longer would wait forever."""
+
+
 class WorkerPool:
-  """Worker processes, restarted if one dies (its unfinished group is redone; nothing queued is lost)."""
+  """Worker processes, restarted if one dies or hangs (its unfinished group is redone; nothing queued is lost).
+
+  A worker hangs when its heartbeat (`worker.beat_path`, touched between groups) is older than
+  `rollout.stall_timeout_s`: it is killed with its process group and restarted. Restarts and stalls are counted in
+  the queue (`worker_restarts`, `worker_stalls`: the trainer's metrics, beside `trainer_idle_s`); when the workers
+  stalled 2 × `rollout.workers` times with no group finished in between, `next` raises `WorkersHung`.
+  """
 
   def __init__(self, cfg: RunConfig, engine, tok, consumer: QueueConsumer, log_fn=print):
     self.cfg, self.consumer, self.log_fn = cfg, consumer, log_fn
@@ -96,23 +110,61 @@ class WorkerPool:
     stop = os.path.join(self.logs, "STOP")
     if os.path.exists(stop):
       os.remove(stop)
+    self.counts = QueueProducer(setup.queue_url(cfg), "supervisor")   # appends nothing: only `count`s
+    self.started: dict[int, float] = {}
     self.procs = [self._start(i) for i in range(cfg.rollout.workers)]
     self.restarts = 0
+    self.stalls, self._last_done = 0, self._newest_group_done()   # stalls since a worker last finished a group
+
+  def command(self, i: int) -> list[str]:
+    return [sys.executable, "-m", "composer_jax.rl.worker", self.cfg.workdir, str(i)]
 
   def _start(self, i: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     out = open(os.path.join(self.logs, f"worker{i}.log"), "a")
-    return subprocess.Popen([sys.executable, "-m", "composer_jax.rl.worker", self.cfg.workdir, str(i)],
-                            stdout=out, stderr=subprocess.STDOUT, env=env)
+    self.started[i] = time.time()
+    # Its own process group: a hung worker is killed with whatever it started.
+    return subprocess.Popen(self.command(i), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+  def _mtime(self, path: str) -> float:
+    try:
+      return os.path.getmtime(path)
+    except FileNotFoundError:
+      return 0.0
+
+  def _newest_group_done(self) -> float:
+    """When a worker last finished (queued or dropped) a group: the newest of their stream-index files."""
+    return max(self._mtime(os.path.join(self.logs, f"worker{i}.json")) for i in range(self.cfg.rollout.workers))
+
+  def _restart(self, i: int, why: str, counter: str) -> None:
+    self.log_fn(f"worker{i} {why}; restarting it (see {self.logs}/worker{i}.log)")
+    self.counts.count(counter)
+    self.procs[i] = self._start(i)
 
   def check(self) -> None:
+    """Restarts dead and hung workers; raises when they keep dying or every one of them keeps hanging."""
+    timeout = self.cfg.rollout.stall_timeout_s
+    done = self._newest_group_done()
+    if done > self._last_done:
+      self.stalls, self._last_done = 0, done
     for i, p in enumerate(self.procs):
       if p.poll() is not None:
-        self.log_fn(f"worker{i} exited with {p.returncode}; restarting it (see {self.logs}/worker{i}.log)")
         self.restarts += 1
         if self.restarts > 10 * self.cfg.rollout.workers:
           raise RuntimeError(f"workers keep dying; see {self.logs}/worker*.log")
-        self.procs[i] = self._start(i)
+        self._restart(i, f"exited with {p.returncode}", "worker_restarts")
+        continue
+      quiet = time.time() - max(self.started[i], self._mtime(worker_lib.beat_path(self.cfg.workdir, i)))
+      if quiet > timeout:
+        with contextlib.suppress(ProcessLookupError):
+          os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        self.stalls += 1
+        self._restart(i, f"started no group for {quiet:.0f} s (rollout.stall_timeout_s={timeout:g}): its group "
+                      "hangs; killed", "worker_stalls")
+    if self.stalls >= 2 * len(self.procs):
+      raise WorkersHung(f"{self.stalls} worker stalls (no heartbeat for rollout.stall_timeout_s={timeout:g} s) and "
+                        f"no group finished since: every worker's groups hang; see {self.logs}/worker*.log")
 
   def next(self, version: int) -> tuple[list, float]:
     return take_groups(self.consumer, self.cfg, version, wait=self.check), 0.0

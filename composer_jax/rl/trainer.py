@@ -28,10 +28,23 @@ from rollout.staleness import StalenessConfig
 
 
 def _truncate_applied(path: str, step: int) -> None:
+  """Keeps the applied log's lines of steps <= `step` (the restored checkpoint's).
+
+  A torn last line (the disk filled while it was appended) is dropped: the step it recorded raised before its
+  checkpoint, so it is redone. A damaged line anywhere else is refused, naming the file and the line.
+  """
   if not os.path.exists(path):
     return
   with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+    lines = [line for line in f if line.strip()]
+  rows = []
+  for i, line in enumerate(lines):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if i == len(lines) - 1:
+        break
+      raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg}); the applied log is damaged") from None
   with open(path + ".tmp", "w") as f:
     for r in rows:
       if r["step"] <= step:

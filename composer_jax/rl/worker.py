@@ -4,7 +4,9 @@ It reads the run's pickled `RunConfig`, gets its engine from the run's publisher
 `JaxEngine` on the published weight files, reloading newer ones, or a client of the trainer's SGLang fleet) and runs
 `rollout.workers.run_worker`, throttled to what the trainer can use before it goes stale. It asks the kernel to
 SIGKILL it when its parent (the trainer) dies, so a killed trainer never leaves a second producer with the same id
-running beside the restarted one's workers.
+running beside the restarted one's workers. It touches `workers/worker<i>.beat` before each group and while it waits
+for new weights, so the trainer's supervisor (`sources.WorkerPool`) tells a group that hangs from a worker that is
+throttled.
 """
 from __future__ import annotations
 
@@ -25,16 +27,29 @@ def _die_with_parent() -> None:
     pass   # not Linux/glibc: the trainer's supervisor still stops workers on a clean exit
 
 
-def throttle(follower, per_version: int, stopping: Callable[[], bool]) -> Callable[[], None]:
+def beat_path(workdir: str, worker_index: int) -> str:
+  """The file worker `worker_index` touches while it is not inside a group (its mtime: the last sign of life)."""
+  return os.path.join(workdir, "workers", f"worker{worker_index}.beat")
+
+
+def beat(path: str) -> None:
+  with open(path, "a"):
+    os.utime(path)
+
+
+def throttle(follower, per_version: int, stopping: Callable[[], bool],
+             heartbeat: Callable[[], None] = lambda: None) -> Callable[[], None]:
   """The worker's `refresh`: load newer weights, then allow at most `per_version` groups per policy version.
 
   Without it a fast worker floods the queue with groups that are then dropped as stale; it waits (polling) until the
-  trainer publishes a newer version, or until the worker is told to stop.
+  trainer publishes a newer version, or until the worker is told to stop. `heartbeat` is called on every poll, so
+  waiting here never looks like a hung group.
   """
   made = {"version": follower.version(), "groups": 0}
 
   def refresh() -> None:
     while True:
+      heartbeat()
       follower.load_newer()
       if made["version"] != follower.version():
         made.update(version=follower.version(), groups=0)
@@ -70,7 +85,8 @@ def main(workdir: str, worker_index: int) -> None:
     workers.run_worker(follower.engine, setup.load_tokenizer(cfg), setup.train_pool(cfg), envs, cfg.harness,
                        QueueProducer(setup.queue_url(cfg), wcfg.producer_id), wcfg,
                        os.path.join(sdir, f"{wcfg.producer_id}.json"),
-                       refresh=throttle(follower, per_version, stopping), should_stop=stopping,
+                       refresh=throttle(follower, per_version, stopping,
+                                        lambda: beat(beat_path(workdir, worker_index))), should_stop=stopping,
                        log_fn=lambda s: print(s, flush=True))
   finally:
     envs.factory.close()

@@ -2,15 +2,27 @@
 
 Resume order: build the abstract state and its shardings → `restore` onto them (params, optimizer
 state, step, RNG) → restore the grain iterator in place → continue from `step`. A checkpoint is written to a
-temporary directory and renamed when complete, so a run killed mid-save resumes from the previous one.
+temporary directory and renamed when complete, so a run killed mid-save resumes from the previous one. A save that
+runs out of disk space raises `CheckpointDiskFullError` (the unfinished copy deleted, the previous checkpoint intact);
+a rerun once space is back resumes from that previous one.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import os
+import shutil
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+
+from rollout.queue import is_disk_full
+
+
+class CheckpointDiskFullError(OSError):
+  """A checkpoint could not be written for lack of space; the previous complete one is intact."""
 
 
 class Checkpointer:
@@ -28,6 +40,7 @@ class Checkpointer:
                                              cleanup_tmp_directories=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
                        "queue": ocp.JsonCheckpointHandler()})
+    self._pending: int | None = None   # the step being saved, until `wait` saw it finish
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -38,7 +51,28 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     if meta is not None:
       items["queue"] = ocp.args.JsonSave(meta)
-    self._mgr.save(step, args=ocp.args.Composite(**items), force=force)
+    self._pending = step
+    with self._disk_full_is_clear():
+      self._mgr.save(step, args=ocp.args.Composite(**items), force=force)
+
+  @contextlib.contextmanager
+  def _disk_full_is_clear(self):
+    """Turns a full disk during a save (raised by `save`, or by `wait` for an async one) into one clear error,
+    after deleting the unfinished checkpoint's temporary directory (orbax leaves it, holding the space)."""
+    try:
+      yield
+    except Exception as e:
+      if not is_disk_full(e) or self._pending is None:
+        raise
+      step, self._pending = self._pending, None
+      for tmp in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+      last = self._mgr.latest_step()
+      raise CheckpointDiskFullError(
+          errno.ENOSPC, f"checkpoint step {step} could not be written to {self.directory}: the disk is full "
+          f"({shutil.disk_usage(self.directory).free} bytes free after removing the unfinished copy). The last "
+          f"complete checkpoint is {'step ' + str(last) if last is not None else 'none'} and it is intact; free "
+          "space and rerun to resume from it") from e
 
   def restore(self, abstract_state, data_iter=None, step: int | None = None):
     """Restores onto `abstract_state` (ShapeDtypeStructs with shardings); the iterator is restored in place."""
@@ -57,7 +91,9 @@ class Checkpointer:
     return self._mgr.restore(step, args=ocp.args.Composite(queue=ocp.args.JsonRestore()))["queue"]
 
   def wait(self) -> None:
-    self._mgr.wait_until_finished()
+    with self._disk_full_is_clear():
+      self._mgr.wait_until_finished()
+    self._pending = None
 
   def close(self) -> None:
     self._mgr.wait_until_finished()
