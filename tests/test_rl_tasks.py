@@ -159,3 +159,31 @@ def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_namin
   assert 48 < need <= colab.harness.max_turn_tokens   # rl.py's budgets for repository sources hold this one
   inputs.check_budgets(colab, tok, [task])
   inputs.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])
+
+
+@pytest.mark.slow   # ~6 min on the loaded 2-core machine: mining, demonstrations, 20 SFT steps, 2 RL steps, 2 evals
+def test_the_readmes_mined_command_runs_end_to_end(tmp_path, monkeypatch):
+  """`rl_main.py --config=experiments/configs/rl.py:colab,tasks=mined,repos=...` as the README writes it, sized down
+  by flags, on a two-task repository whose commits are dated so their task ids, and so their sides, are fixed; the
+  held-out share is the one that puts one task on each side."""
+  for var in ("GIT_AUTHOR_DATE", "GIT_COMMITTER_DATE"):
+    monkeypatch.setenv(var, "2026-01-01T00:00:00+00:00")
+  repo = _mined_repo(tmp_path / "repo")
+  shas = [s[:12] for s in init_log(repo)]
+  ids = [f"miner/repo/{s}" for s in shas]
+  percent = next(p for p in range(1, 100) if {registry.split_of(i, p) for i in ids} == {"train", "heldout"})
+  run = tmp_path / "run"
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=mined,repos={repo}", f"--workdir={run}",
+               f"--config.tasks.heldout_percent={percent}", "--config.sft.steps=20", "--config.train.steps=2",
+               "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
+               timeout=1800)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  result = json.loads(r.stdout.strip().splitlines()[-1])
+  assert result["eval_tasks"] == 1 and all(result[p]["T1"]["n"] == 1 for p in ("sft", "rl"))
+  assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
+
+
+def init_log(repo) -> list[str]:
+  """The shas of the repository's commits after its first, oldest first (the mined ones)."""
+  return subprocess.run(["git", "-C", str(repo), "rev-list", "--reverse", "HEAD"], capture_output=True, text=True,
+                        check=True).stdout.split()[1:]
