@@ -116,9 +116,12 @@ def build_set(cfg: EvalConfig, envs: EnvironmentCache, log: Log = print) -> dict
   built, excluded = builder.build_set(
     cfg.set.repos, envs, builder.SetFilters(b.min_files, b.min_lines, b.max_prompt_chars), cfg.set.miner,
     name=os.path.splitext(os.path.basename(b.path))[0], version=b.version)
-  setfile.write_set(b.path, built)
   for what, why in excluded:
     log(f"excluded {what}: {why}")
+  if not built["tasks"]:
+    raise EvalInputError(f"no mined task passed the filters (min_files={b.min_files}, min_lines={b.min_lines}, "
+                         f"max_prompt_chars={b.max_prompt_chars}; {len(excluded)} excluded): {b.path} not written")
+  setfile.write_set(b.path, built)
   log(f"wrote {len(built['tasks'])} tasks to {b.path} (sha256 {built['sha256'][:12]})")
   return built
 

@@ -7,19 +7,21 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from experiments import cli  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
+_CONFIG = cli.define_config()
 
 
 def main(argv):
   del argv
-  from composer_jax import agent_demo, configs
+  if _CONFIG.value is None:
+    cli.fail("--config is required, e.g. --config=experiments/configs/agent.py:colab")
+  from composer_jax import agent_demo
   from composer_jax.compile_cache import enable_compilation_cache
+  cfg = cli.convert(agent_demo.DemoConfig, _CONFIG.value)   # a bad field fails here, before any work
   enable_compilation_cache()   # a second run skips its compiles
-  agent_demo.run(configs.from_dict(agent_demo.DemoConfig, _CONFIG.value))
+  agent_demo.run(cfg)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, example="experiments/configs/agent.py:colab")

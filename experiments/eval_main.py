@@ -8,29 +8,28 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from experiments import cli  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
+_CONFIG = cli.define_config()
 
 
 def main(argv):
   del argv
   if _CONFIG.value is None:
-    raise app.UsageError("--config is required, e.g. --config=experiments/configs/eval.py:procedural "
-                         "(variants: procedural, mined, swe, file; see experiments/configs/eval.py)")
-  from composer_jax import configs, eval_run
+    cli.fail("--config is required, e.g. --config=experiments/configs/eval.py:procedural "
+             "(variants: procedural, mined, swe, file; see experiments/configs/eval.py)")
+  from composer_jax import eval_run
   from composer_jax.compile_cache import enable_compilation_cache
-  try:
-    cfg = configs.from_dict(eval_run.EvalConfig, _CONFIG.value)
-  except ValueError as e:   # a typo'd key or policy fails here, before anything slow
-    raise app.UsageError(str(e)) from None
+  cfg = cli.convert(eval_run.EvalConfig, _CONFIG.value)   # a typo'd key or policy fails here, before anything slow
+  if cfg.builder.path:   # the set file's directory (the docs' sets/) is made now, not found missing after mining
+    parent = os.path.dirname(os.path.abspath(cfg.builder.path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+      cli.fail(f"build_set={cfg.builder.path}: {parent} is a file, not a directory")
+    os.makedirs(parent, exist_ok=True)
   enable_compilation_cache()   # a second run skips its compiles
-  try:
-    eval_run.run(cfg)
-  except eval_run.EvalInputError as e:
-    raise app.UsageError(str(e)) from None
+  eval_run.run(cfg)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from composer_jax.eval_run import EvalInputError
+  cli.run(main, example="experiments/configs/eval.py:procedural", input_errors=(EvalInputError,))

@@ -10,10 +10,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).", lock_config=True)
+from experiments import cli  # noqa: E402
+
+_CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the tokenizer.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
@@ -24,19 +25,24 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  from composer_jax.train import stages
+  cfg = cli.convert(stages.StageConfig, _CONFIG.value)   # a bad field fails here, before any work
+  problems = [f"--workdir={_WORKDIR.value} is a file, not a directory"] if os.path.isfile(_WORKDIR.value) else []
+  starts = {"checkpoint": cfg.init.checkpoint, "hf": cfg.init.hf}
+  problems += [f"--config.init.{k}={v}: no such directory" for k, v in starts.items() if v and not os.path.isdir(v)]
+  if problems:
+    cli.fail(*problems)
+  logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO, jax its cache set-up
   from composer_jax.compile_cache import enable_compilation_cache
   enable_compilation_cache()   # a second run skips its compiles
-  logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   from composer_jax.parallel import distributed
   distributed.initialize(distributed.DistributedConfig.from_env(
       coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
       auto=_AUTO.value or None))
-  from composer_jax import configs
-  from composer_jax.train import stages
-  last = stages.run(configs.from_dict(stages.StageConfig, _CONFIG.value), _WORKDIR.value)
+  last = stages.run(cfg, _WORKDIR.value)
   if distributed.is_primary():
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()})
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, example="experiments/configs/pretrain.py:colab")

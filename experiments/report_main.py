@@ -10,7 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from experiments import cli  # noqa: E402
 
 _NAME = flags.DEFINE_string("name", "recipe", "Name of the report (file stem and README block).")
 _RUNS = flags.DEFINE_list("runs", [], "label=path pairs: a run's workdir or results.json, in table order.")
@@ -26,15 +28,15 @@ def main(argv):
   for item in _RUNS.value:
     label, sep, path = item.partition("=")
     if not sep or not label or not path:
-      raise app.UsageError(f"--runs item {item!r} is not label=path")
+      cli.fail(f"--runs item {item!r} is not label=path")
     if not os.path.exists(path):
-      raise app.UsageError(f"--runs {label}: {path} does not exist")
+      cli.fail(f"--runs {label}: {path} does not exist")
     runs.append((label, path))
   if not runs:
-    raise app.UsageError("--runs is required: label=path pairs (a run's workdir or its results.json)")
+    cli.fail("--runs is required: label=path pairs (a run's workdir or its results.json)")
   unknown = set(_LENGTH.value) - {label for label, _ in runs}
   if unknown:
-    raise app.UsageError(f"--length_runs {sorted(unknown)} are not labels of --runs")
+    cli.fail(f"--length_runs {sorted(unknown)} are not labels of --runs")
   table = report.render(_NAME.value, runs, _OUT.value, length_runs=_LENGTH.value)
   if _README.value:
     report.replace_block(_README.value, _NAME.value, table)
@@ -42,4 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, example="")

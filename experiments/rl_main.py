@@ -7,6 +7,11 @@ r"""The project's main job: SFT warm start on oracle trajectories, asynchronous 
 The last line printed is JSON (also workdir/results.json): success (with 95% CI, per level of a procedural mix) of
 the SFT start, the RL policy and the SFT control, greedy (T0) and at T=1, and each phase's wall-clock. Metrics:
 workdir/metrics.jsonl (pass/level_<n> per step), workdir/tb (TensorBoard), workdir/reward.png.
+
+A workdir holds one run: a second run into it while it is live stops at once; rerunning the same command resumes
+(Ctrl-C stops after the step in flight, checkpointed); a rerun with another config is refused with the fields that
+differ, unless they are named in --resume_with_changes (e.g. `--config.train.steps=200
+--resume_with_changes=train.steps` grows a finished run to 200 RL steps).
 """
 import json
 import os
@@ -14,25 +19,30 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import flags, logging  # noqa: E402
+
+from experiments import cli  # noqa: E402
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "rl.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Config file (get_config(arg)).", lock_config=True)
+_CONFIG = cli.define_config(_DEFAULT)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/rl", "Directory for checkpoints, queue, weights and metrics.")
+_RESUME_WITH_CHANGES = flags.DEFINE_list(
+    "resume_with_changes", [], "Config fields (dotted, e.g. train.steps) a resumed run may change from the config "
+    "its workdir was started with; any other difference is refused.")
 
 
 def main(argv):
   del argv
+  from composer_jax.rl.config import RunConfig
+  cfg = cli.convert(RunConfig, _CONFIG.value, workdir=_WORKDIR.value)   # a bad field fails here, before any work
+  logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO, jax its cache set-up
   from composer_jax.compile_cache import enable_compilation_cache
   enable_compilation_cache()   # a second run skips its compiles
-  logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
-  from composer_jax import configs
   from composer_jax.rl import experiment
-  from composer_jax.rl.config import RunConfig
-  result = experiment.run_experiment(configs.from_dict(RunConfig, _CONFIG.value, workdir=_WORKDIR.value))
+  result = experiment.run_experiment(cfg, allow_changes=tuple(_RESUME_WITH_CHANGES.value))
   print(json.dumps(result))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from composer_jax.rl.config import RunInputError
+  cli.run(main, example="experiments/configs/rl.py:colab", input_errors=(RunInputError,))

@@ -131,3 +131,25 @@ def test_bad_input_gets_a_clear_error(args, message):
   run = subprocess.run(MAIN + args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
   assert run.returncode != 0 and message in run.stdout + run.stderr, run.stderr[-1500:]
   assert "AttributeError" not in run.stderr and "FileNotFoundError: ''" not in run.stderr
+
+
+def test_build_set_makes_its_directory_and_refuses_to_write_an_empty_set(tmp_path):
+  """The docs' `build_set=sets/a_v1.json` where there is no sets/: a traceback after mining; filters that exclude
+  every task: "wrote 0 tasks" with exit 0. Now the directory is made first, and an empty set is an error."""
+  from tests.tasks_testlib import commit, init_repo
+  repo = tmp_path / "repo"
+  init_repo(repo)
+  commit(repo, {"calc.py": "def one():\n    return 1\n", "tests/test_one.py": "def test_one():\n    pass\n"}, "Start")
+  commit(repo, {"calc.py": "def one():\n    return 1\n\n\ndef two():\n    return 2\n",
+                "tests/test_two.py": "from calc import two\n\n\ndef test_two():\n    assert two() == 2\n"},
+         "Add two to calc")
+  out = tmp_path / "sets" / "a_v1.json"
+  env = dict(_env(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+  cmd = MAIN + [f"--config=experiments/configs/eval.py:mined,repos={repo},build_set={out},backend=local"]
+  empty = subprocess.run(cmd + ["--config.builder.min_files=99"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+  assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr[-2000:]
+  assert "error: no mined task passed the filters (min_files=99" in empty.stderr and not out.exists()
+  built = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert built.returncode == 0, built.stderr[-2000:]
+  assert json.loads(out.read_text())["tasks"] and f"wrote 1 tasks to {out}" in built.stdout

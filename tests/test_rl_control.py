@@ -115,7 +115,8 @@ def test_a_run_grown_to_more_rl_steps_evaluates_its_new_policy_against_a_control
   d.train.steps = 3
   first = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None)
   d.train.steps = 5
-  grown = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None)
+  grown = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None,
+                                    allow_changes=("train.steps",))   # growing a run is a change the user names
   # the first run's RL took ~0 s here (a 1-step control); the grown one's is steps 1-3's logged 30 s and its own
   assert controls == [("sft_control@3", "start", 1), ("sft_control@5", "start", 60)]
   assert evaluated == [("sft", "start"), ("rl@3", "rl3"), ("sft_control@3", "control1"),

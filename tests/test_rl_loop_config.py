@@ -39,6 +39,8 @@ def _cfg(**overrides):
     # 4 groups x 8 trajectories = 32 rows, but one group of 8 five-segment chains needs 40.
     ({"harness.max_segments": 5}, "set train.rows_per_step >= 40"),
     ({"harness.sampling.temperature": 0.7}, r"rl.temperature=1.0 must be the rollouts' sampling temperature"),
+    ({"harness.context_budget": 8192, "model.max_position_embeddings": 4096},
+     r"harness.context_budget=8192 exceeds the model's positions \(model.max_position_embeddings=4096\)"),
 ])
 def test_bad_run_config_is_a_clear_error(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -295,11 +297,11 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
     trained.append((os.path.basename(workdir), steps, init_params, [m[0]["content"] for m in train],
                     [m[0]["content"] for m in heldout]))
     return f"params of {os.path.basename(workdir)}", {}
-  monkeypatch.setattr(warmstart, "_tokenizer", lambda c: None)
+  monkeypatch.setattr(warmstart, "run_tokenizer", lambda c: None)
   monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
   monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, n=None: dev)
   monkeypatch.setattr(warmstart.setup, "make_envs", lambda c: Envs)
-  monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, envs, h: oracle.extend(t.id for t in tasks)
+  monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, *a, **k: oracle.extend(t.id for t in tasks)
                       or [[{"role": "user", "content": t.id}] for t in tasks])
   monkeypatch.setattr(warmstart, "run_sft", run_sft)
   assert warmstart.warm_start(cfg, log_fn=lambda s: None) == "params of sft"
@@ -322,7 +324,7 @@ def test_the_tokenizer_is_fitted_to_the_curriculums_first_levels(tmp_path, monke
   monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
   monkeypatch.setattr(warmstart, "fit_tokenizer", lambda tasks, *a: fitted.append([t.id for t in tasks]) or "tok")
   monkeypatch.setattr(warmstart.tokenizer_lib, "save_tokenizer", lambda tok, path: None)
-  assert warmstart._tokenizer(cfg) == "tok"
+  assert warmstart.run_tokenizer(cfg) == "tok"
   assert fitted == [[t.id for t in pool[:256] if not curriculum or t.metadata["level"] == 1]]
 
 

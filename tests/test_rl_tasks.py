@@ -1,6 +1,9 @@
 """RL (and its SFT warm start) on any task source of the registry: a small mined set from a git repository the test
 builds. Mined tasks have no scripted oracle, so the warm start's demonstrations apply their gold patches."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -8,7 +11,11 @@ from composer_jax import configs
 from composer_jax.rl import loop, setup
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
+from rollout.evaluation import policies as budget_lib
+from rollout.tasks import procedural, registry, setfile
 from tests.tasks_testlib import FAST, commit, init_repo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mined_repo(path):
@@ -80,3 +87,103 @@ def test_a_finite_pool_is_frozen_once_and_checked_against_the_config(tmp_path):
       setup.train_pool(other)
   finally:
     del registry.SOURCES["rl_test_source"]
+
+
+def _set_file(path, tasks):
+  dicts = [t.to_dict() for t in tasks]
+  setfile.write_set(str(path), {"format": setfile.FORMAT, "name": path.stem, "version": "1", "tasks": dicts,
+                                "sha256": setfile.tasks_digest(dicts)})
+  return path
+
+
+def _rl_main(*args, timeout=900):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "rl_main.py"), *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_set_without_held_out_tasks_is_refused_before_any_work(tmp_path):
+  """The README's `tasks=file` command on a set too small for a held-out side: one line at once (it failed ~3 min
+  in, after SFT and RL)."""
+  tasks = [t for t in procedural.generate(12, seed=1, split="train", level=1) if registry.split_of(t.id, 20) == "train"]
+  path = _set_file(tmp_path / "small_v1.json", tasks[:3])
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert r.stderr.strip() == ("error: the 'file' task source has no held-out tasks to evaluate on (3 training tasks "
+                              "at tasks.heldout_percent=20): raise tasks.heldout_percent or use a bigger set")
+  assert not (tmp_path / "run" / "sft").exists()
+  # Nothing that a fixed rerun (a bigger tasks.heldout_percent) would be refused against: no stored config, no pool.
+  assert sorted(os.listdir(tmp_path / "run")) == ["lock"]
+
+
+@pytest.mark.slow   # 10-15 min on the loaded 2-core machine: demonstrations, 20 SFT steps, 2 RL steps, 2 evaluations
+def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
+  """`rl_main.py --config=experiments/configs/rl.py:colab,tasks=file,set_file=...` as the README writes it, sized
+  down by flags: the warm start, RL and the held-out evaluation of both policies run on a 40-task set file."""
+  path = _set_file(tmp_path / "x_v1.json", procedural.generate(40, seed=1, split="train", level=1))
+  run = tmp_path / "run"
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={run}",
+               "--config.sft.steps=20", "--config.train.steps=2", "--config.eval.tasks=4",
+               "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
+               timeout=1800)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  result = json.loads(r.stdout.strip().splitlines()[-1])
+  held = len(setup.heldout_tasks(setup.load_run_config(str(run))))
+  assert result["eval_tasks"] == held and 0 < held <= 4
+  assert all(result[p]["T1"]["n"] == held for p in ("sft", "rl"))
+  assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_naming_the_flags():
+  """The issue's mined and SWE sets: `max_turn_tokens=48` cut the oracle's write_file of the gold patch, reported
+  minutes in as "the oracle failed 4 tasks: check the sandbox/grader". Now checked before the demonstrations."""
+  from composer_jax.rl import inputs
+  from composer_jax.rl.config import RunInputError
+  from composer_jax.train import tokenizer as tokenizer_lib
+  from rollout.tasks.task import Environment, HiddenTests, Task
+  body = "".join(f"+def helper_{i}(x):\n+    return x * {i} + {i * 7}\n" for i in range(2))
+  task = Task(id="m/1", language="python", prompt="Add helpers", environment=Environment(files={"calc.py": ""}),
+              tests=HiddenTests(command="pytest", fail_to_pass=("tests/test_calc.py::test_h",)),
+              gold_patch=f"diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -0,0 +1,60 @@\n{body}")
+  tok = tokenizer_lib.train_tokenizer([task.gold_patch], tokenizer_lib.TokenizerConfig(vocab_size=512))
+  colab = configs.from_dict(RunConfig, rl_configs.get_config("colab,tasks=file,set_file=x.json"), workdir="/tmp/x")
+  small = configs.replace(colab, **{"harness.max_turn_tokens": 48, "harness.summary_max_tokens": 48,
+                                    "harness.context_budget": 320})
+  with pytest.raises(RunInputError, match=r"harness\.max_turn_tokens=48, harness\.context_budget=320; its gold "
+                                          r"patches need (\d+) and (\d+)\): rerun with --config\.harness\."
+                                          r"max_turn_tokens=\1 --config\.harness\.summary_max_tokens=\1 "
+                                          r"--config\.harness\.context_budget=\2"):
+    inputs.check_budgets(small, tok, [task])
+  need = max(budget_lib.oracle_turn_tokens(task, tok))
+  assert 48 < need <= colab.harness.max_turn_tokens   # rl.py's budgets for repository sources hold this one
+  inputs.check_budgets(colab, tok, [task])
+  inputs.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])
+
+
+@pytest.mark.slow   # ~6 min on the loaded 2-core machine: mining, demonstrations, 20 SFT steps, 2 RL steps, 2 evals
+def test_the_readmes_mined_command_runs_end_to_end(tmp_path, monkeypatch):
+  """`rl_main.py --config=experiments/configs/rl.py:colab,tasks=mined,repos=...` as the README writes it, sized down
+  by flags, on a two-task repository whose commits are dated so their task ids, and so their sides, are fixed; the
+  held-out share is the one that puts one task on each side."""
+  for var in ("GIT_AUTHOR_DATE", "GIT_COMMITTER_DATE"):
+    monkeypatch.setenv(var, "2026-01-01T00:00:00+00:00")
+  repo = _mined_repo(tmp_path / "repo")
+  shas = [s[:12] for s in init_log(repo)]
+  ids = [f"miner/repo/{s}" for s in shas]
+  percent = next(p for p in range(1, 100) if {registry.split_of(i, p) for i in ids} == {"train", "heldout"})
+  run = tmp_path / "run"
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=mined,repos={repo}", f"--workdir={run}",
+               f"--config.tasks.heldout_percent={percent}", "--config.sft.steps=20", "--config.train.steps=2",
+               "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
+               timeout=1800)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  result = json.loads(r.stdout.strip().splitlines()[-1])
+  assert result["eval_tasks"] == 1 and all(result[p]["T1"]["n"] == 1 for p in ("sft", "rl"))
+  assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
+
+
+def init_log(repo) -> list[str]:
+  """The shas of the repository's commits after its first, oldest first (the mined ones)."""
+  return subprocess.run(["git", "-C", str(repo), "rev-list", "--reverse", "HEAD"], capture_output=True, text=True,
+                        check=True).stdout.split()[1:]

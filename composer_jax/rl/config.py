@@ -29,6 +29,11 @@ ENGINES = {"jax": {"sync": "in_place", "async": "files"},       # the embedded J
 STALENESS_POLICIES = ("drop", "keep")
 
 
+class RunInputError(ValueError):
+  """Bad input to a run that is the user's to fix (a task set that cannot load, a workdir in use, budgets the
+  oracle does not fit): the entry point prints its message as one line, not a traceback."""
+
+
 def _positive(obj, *names: str) -> None:
   for name in names:
     if getattr(obj, name) < 1:
@@ -204,6 +209,10 @@ class RunConfig:
       raise ValueError(f"rl.temperature={self.rl.temperature} must be the rollouts' sampling temperature "
                        f"(harness.sampling.temperature={self.harness.sampling.temperature}): the trainer scores the "
                        "policy at it, as the engines recorded its logprobs")
+    if self.harness.context_budget > self.model.max_position_embeddings:
+      raise ValueError(f"harness.context_budget={self.harness.context_budget} exceeds the model's positions "
+                       f"(model.max_position_embeddings={self.model.max_position_embeddings}): lower the one or "
+                       "raise the other")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

@@ -18,7 +18,8 @@ import os
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import evaluate, loop, publishers, setup, warmstart
+from composer_jax.rl import evaluate, inputs, loop, publishers, setup, warmstart
+from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.sampling.engine import JaxEngine
 from composer_jax.train import metrics as metrics_lib
@@ -38,7 +39,8 @@ def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str, summari
   if summarizer_params is not None:
     eng = split.SummariesFrom(eng, _engine(cfg, summarizer_params), chat_format.special_id(tok, chat_format.SUMMARY))
   return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, cfg.harness, t,
-                                           evaluate.out_dir(cfg.workdir, name, t), policy=name)
+                                           evaluate.out_dir(cfg.workdir, name, t), policy=name,
+                                           progress=cfg.progress_bar)
           for t in cfg.eval.temperatures}
 
 
@@ -75,8 +77,9 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
       json.dump(size, f)
   log_fn(f"SFT control: {size['steps']} more steps (~{size['seconds']:.0f} s at {size['seconds_per_step']:.2f} "
          "s/step)")
-  params, _ = warmstart.sft(cfg, tok, start_params, out_dir, steps=size["steps"],
-                            learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
+  params, last = warmstart.sft(cfg, tok, start_params, out_dir, steps=size["steps"],
+                               learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
+  log_fn(f"SFT control done: loss {(last or {}).get('loss', float('nan')):.3f}")
   return params
 
 
@@ -135,9 +138,24 @@ def earlier_rl_seconds(workdir: str, resumed_at: int) -> float:
   return sum(steps.values())
 
 
-def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
+def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=()) -> dict:
   """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers.
-  With `eval.start_only`, the warm start and its evaluation only."""
+  With `eval.start_only`, the warm start and its evaluation only.
+
+  First it locks the workdir (one live run), refuses a resume with another config but for the fields named in
+  `allow_changes` (`rl.workdir`), and checks its task sets and budgets (`rl.inputs`), so bad input fails before
+  any work; only then is the config stored as the workdir's (a run refused for its input leaves none that a fixed
+  rerun would differ from)."""
+  with workdir_lib.lock(cfg.workdir):
+    workdir_lib.check_resume(cfg, allow_changes)
+    pool, _ = inputs.check_tasks(cfg)
+    if cfg.tasks.kind != "procedural":   # a repository set's gold patches (procedural budgets are the config's)
+      inputs.check_budgets(cfg, warmstart.run_tokenizer(cfg), pool)
+    workdir_lib.save_config(cfg)
+    return _run_experiment(cfg, log_fn)
+
+
+def _run_experiment(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
   t0 = time.perf_counter()
   start = warmstart.warm_start(cfg, log_fn)
   phases = {"sft_start": time.perf_counter() - t0}   # wall-clock seconds of each phase (a resumed one: its rest)
@@ -148,10 +166,7 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dic
     phases["rl"] = time.perf_counter() - t1
     rl_seconds = phases["rl"] + earlier_rl_seconds(cfg.workdir, out["resumed_at"])   # a resumed run: all of it
   tok = setup.load_tokenizer(cfg)
-  tasks = setup.heldout_tasks(cfg)
-  if not tasks:
-    raise ValueError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on (raise "
-                     "tasks.heldout_percent or use a bigger set)")
+  tasks = setup.heldout_tasks(cfg)   # checked non-empty before the warm start (`inputs.check_tasks`)
   envs = setup.make_envs(cfg)
 
   def timed(name, fn, *args, **kwargs):

@@ -19,15 +19,25 @@ import time
 from collections.abc import Callable
 
 from composer_jax.rl import publish, publishers, setup, sources, warmstart
+from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.rl.trainer import Trainer
+from composer_jax.train import interrupt
 from composer_jax.train import metrics as metrics_lib
 
 
-def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
+def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=()) -> dict:
   """Runs (or resumes) the RL job of `cfg` to `cfg.train.steps`; returns the final params, the last metrics and the
-  step it resumed at (0 for a fresh run)."""
-  setup.save_run_config(cfg)
+  step it resumed at (0 for a fresh run).
+
+  It holds the workdir (`rl.workdir.claim`: one live run, a resume only with the stored config but for the fields
+  named in `allow_changes`). Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`).
+  """
+  with workdir_lib.claim(cfg, allow_changes):
+    return _train_rl(cfg, log_fn)
+
+
+def _train_rl(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
   trainer = Trainer(cfg, warmstart.warm_start(cfg, log_fn), log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
@@ -37,7 +47,14 @@ def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print) -> dict:
     source = sources.make(cfg, publisher.engine, setup.load_tokenizer(cfg), trainer.consumer, log_fn)
     stack.callback(source.close)
     progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn))
+    stop = stack.enter_context(interrupt.StopAtStep("RL"))
     for step_no in range(trainer.start + 1, cfg.train.steps + 1):
+      if stop.requested:
+        done = step_no - 1
+        if done > trainer.start and trainer.ckpts.latest_step() != done:
+          trainer.checkpoint(done)
+        raise interrupt.Interrupted(f"RL stopped at step {done} of {cfg.train.steps}, checkpointed in "
+                                    f"{trainer.ckpts.directory}: rerun the same command to resume")
       t0 = time.perf_counter()
       groups, rollout_s = source.next(version=step_no - 1)
       idle_s = time.perf_counter() - t0

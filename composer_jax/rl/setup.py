@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 
 from composer_jax import configs
 from composer_jax.rl import batch as rl_batch
+from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout.tasks import registry
@@ -87,16 +87,13 @@ def tokenizer_dir(cfg: RunConfig) -> str:
 
 
 def save_run_config(cfg: RunConfig) -> str:
-  os.makedirs(cfg.workdir, exist_ok=True)
-  path = os.path.join(cfg.workdir, "run_config.pkl")
-  with open(path, "wb") as f:
-    pickle.dump(cfg, f)
-  return path
+  return workdir_lib.save_config(cfg)
 
 
 def load_run_config(workdir: str) -> RunConfig:
-  with open(os.path.join(workdir, "run_config.pkl"), "rb") as f:
-    cfg = pickle.load(f)
+  cfg = workdir_lib.stored_config(workdir)
+  if cfg is None:
+    raise FileNotFoundError(f"{workdir}/{workdir_lib.RUN_CONFIG} does not exist: not an RL run's workdir")
   if not isinstance(cfg, RunConfig):
     raise TypeError(f"{workdir}/run_config.pkl holds a {type(cfg).__name__}, not a RunConfig")
   return cfg

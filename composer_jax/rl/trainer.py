@@ -92,6 +92,7 @@ class Trainer:
       init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=state_sh)
       self.state = init(ref_params)
     self.start = int(self.state.step)
+    self.cursor = None   # the queue cursor after the last trained step
     self.applied_path = os.path.join(cfg.workdir, "applied.jsonl")
     _truncate_applied(self.applied_path, self.start)
     self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
@@ -117,6 +118,7 @@ class Trainer:
                                           f"{self.ckpts.latest_step()}")
     with open(self.applied_path, "a") as f:
       f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
+    self.cursor = self.consumer.state()   # after exactly this step's groups, whatever is consumed before the save
     return m
 
   def queue_stats(self) -> dict[str, float]:
@@ -125,8 +127,10 @@ class Trainer:
     return {**{k: float(v) for k, v in qs.items()}, **{f"staleness_{k}": float(v) for k, v in hist.items()}}
 
   def checkpoint(self, step_no: int) -> None:
-    """Saves state + queue cursor together, then lets the queue drop what that checkpoint no longer needs."""
-    qsave = self.consumer.state()
+    """Saves state + queue cursor together, then lets the queue drop what that checkpoint no longer needs. The
+    cursor is the one right after the last trained step, so groups consumed since (a step cut short by Ctrl-C) are
+    delivered again on resume."""
+    qsave = self.cursor if self.cursor is not None else self.consumer.state()
     self.ckpts.save(step_no, self.state, meta=qsave, force=True)
     self.ckpts.wait()
     self.consumer.commit(qsave)

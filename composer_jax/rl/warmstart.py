@@ -19,8 +19,10 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+import tqdm
+
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import setup
+from composer_jax.rl import inputs, setup
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import data as data_lib
 from composer_jax.train import loop as train_loop
@@ -51,18 +53,25 @@ def fit_tokenizer_to_source(spec, envs, system_prompt: str, cfg: tokenizer_lib.T
   return fit_tokenizer(registry.load_tasks(fit, envs, log=lambda s: None), system_prompt, cfg)
 
 
-def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig) -> list[list[dict]]:
+def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig, progress: bool = False,
+                       chunk: int = 64) -> list[list[dict]]:
   """The oracle's transcripts through the harness (a task's own oracle, else its gold patch applied), one per
   segment: a self-summarising chain gives one transcript per context (`harness.segment_transcripts`).
 
-  Raises if the oracle fails a task (a broken grader); tasks marked `near_miss` carry a deliberately wrong
-  demonstration and are not checked.
+  Episodes run `chunk` tasks at a time (episodes are independent), so `progress` can show a bar: a colab start's
+  1,024 sandboxed episodes take minutes. Raises if the oracle fails a task (a broken grader); tasks marked
+  `near_miss` carry a deliberately wrong demonstration and are not checked.
   """
   # Demonstrations are summary chains even for the drop-oldest ablation: the scripted oracle keeps its place through
   # its summaries (dropped turns would lose it), and the ablation changes what RL and evaluation do, not the start.
   hcfg = dataclasses.replace(hcfg, overflow="summarize")
-  trajs = harness.run_episodes(scripted.ScriptedEngine(tokenizer, policies.oracle_policy(tasks)), tokenizer,
-                               list(tasks), envs, hcfg)
+  tasks, trajs = list(tasks), []
+  with tqdm.tqdm(total=len(tasks), desc="oracle demonstrations", dynamic_ncols=True, disable=not progress) as bar:
+    for i in range(0, len(tasks), chunk):
+      part = tasks[i:i + chunk]
+      trajs += harness.run_episodes(scripted.ScriptedEngine(tokenizer, policies.oracle_policy(part)), tokenizer,
+                                    part, envs, hcfg)
+      bar.update(len(part))
   bad = [t.task_id for t, task in zip(trajs, tasks, strict=True)
          if not t.metrics.get("solved") and not task.metadata.get("near_miss")]
   if bad:
@@ -71,9 +80,11 @@ def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessCo
 
 
 def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:
-  with open(path, "w") as f:
+  """Writes atomically: a resumed SFT reads back its demonstrations only when they were written whole."""
+  with open(path + ".tmp", "w") as f:
     for m in transcripts:
       f.write(json.dumps({"messages": list(m)}) + "\n")
+  os.replace(path + ".tmp", path)
 
 
 def read_jsonl(path: str) -> list[list[dict]]:
@@ -84,8 +95,11 @@ def read_jsonl(path: str) -> list[list[dict]]:
 
 def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequence, workdir: str, *, steps: int,
             seq_len: int, batch_size: int, learning_rate: float, seed: int = 0, init_params=None,
-            log_fn: Callable[[str], None] = print):
-  """SFT on transcripts in `workdir` (resumable); exports `workdir/params` and returns the params and last metrics."""
+            progress_bar: bool = False, log_fn: Callable[[str], None] = print):
+  """SFT on transcripts in `workdir`; exports `workdir/params` and returns the params and last metrics.
+
+  Resumable: it checkpoints every tenth of its steps (at most every 100), and Ctrl-C checkpoints the steps done
+  (`train.interrupt`), so an interrupted SFT continues from there, with its data iterator where it was."""
   os.makedirs(workdir, exist_ok=True)
   tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, "tokenizer"))
   tr, ev = os.path.join(workdir, "sft_train.jsonl"), os.path.join(workdir, "sft_eval.jsonl")
@@ -94,8 +108,8 @@ def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequenc
   dcfg = data_lib.DataConfig(seq_len=seq_len, batch_size=batch_size, seed=seed)
   data = data_lib.sft_data(tokenizer, tr, ev, dcfg)
   tcfg = TrainConfig(steps=steps, seed=seed, log_every=max(1, steps // 10), eval_every=steps, eval_batches=2,
-                     ckpt_every=steps, ckpt_keep=1, mtp_loss="none", mtp_weight=0.0, bias_update_rate=1e-3,
-                     progress_bar=False)
+                     ckpt_every=max(1, min(100, steps // 10)), ckpt_keep=1, mtp_loss="none", mtp_weight=0.0,
+                     bias_update_rate=1e-3, progress_bar=progress_bar)
   ocfg = OptimConfig(learning_rate=learning_rate, warmup_steps=max(1, steps // 10), decay_steps=steps)
   params, last = train_loop.train(model_cfg=model_cfg, train_cfg=tcfg, optim_cfg=ocfg, workdir=workdir,
                                   train_iter=iter(data.train), eval_batches=lambda: iter(data.eval),
@@ -122,7 +136,7 @@ def sft_transcripts(cfg: RunConfig, tok, pool: list, levels: Sequence[int] | Non
   keep = (lambda ts: ts) if levels is None else (lambda ts: setup.of_levels(ts, levels))
   envs = setup.make_envs(cfg)
   try:
-    train = oracle_transcripts(tok, keep(sft_tasks(cfg, pool)), envs, cfg.harness)
+    train = oracle_transcripts(tok, keep(sft_tasks(cfg, pool)), envs, cfg.harness, progress=cfg.progress_bar)
     dev_tasks = keep(setup.heldout_tasks(cfg, 32))
     if not dev_tasks:
       print(f"(no held-out {cfg.tasks.kind} tasks: SFT dev loss on 2 training demonstrations)")
@@ -145,7 +159,9 @@ def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_
   reads the warm start's transcripts from `workdir/sft`, and the warm start those of a curriculum's first stage
   (the same tasks through the same oracle: re-running thousands of sandboxed episodes would only cost time)."""
   warm, first = os.path.join(cfg.workdir, "sft"), os.path.join(cfg.workdir, CURRICULUM_DIR)
-  if os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
+  if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
+    train, dev = map(read_jsonl, _saved(workdir))
+  elif os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
     train, dev = map(read_jsonl, _saved(warm))
   elif cfg.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
     rest = tuple(lv for lv in cfg.tasks.levels if lv not in cfg.sft.curriculum_levels)
@@ -163,15 +179,24 @@ TRAIN_SECONDS = "train_seconds.json"   # in each SFT dir: its steps and their wa
 def _train(cfg: RunConfig, tok, train, dev, workdir: str, steps: int, learning_rate: float, seed: int, init_params,
            log_fn: Callable[[str], None]):
   """`run_sft` with the run's SFT shapes, logging what it trains on and recording how long its steps took
-  (workdir/train_seconds.json; an interrupted SFT restarts from step 0, as it checkpoints only at its end)."""
+  (workdir/train_seconds.json; a resumed SFT records the steps it ran itself and their time)."""
   log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
+  before = _checkpointed_step(workdir)
   t = time.perf_counter()
   out = run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len, batch_size=cfg.sft.batch,
-                learning_rate=learning_rate, seed=seed, init_params=init_params, log_fn=log_fn)
+                learning_rate=learning_rate, seed=seed, init_params=init_params, progress_bar=cfg.progress_bar,
+                log_fn=log_fn)
   os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
   with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
-    json.dump({"steps": steps, "seconds": time.perf_counter() - t}, f)
+    json.dump({"steps": steps - before, "seconds": time.perf_counter() - t}, f)
   return out
+
+
+def _checkpointed_step(workdir: str) -> int:
+  """The step of the newest finished SFT checkpoint in `workdir` (orbax names them by step), 0 if none."""
+  ckpts = os.path.join(workdir, "checkpoints")
+  steps = [int(d) for d in os.listdir(ckpts) if d.isdigit()] if os.path.isdir(ckpts) else []
+  return max(steps, default=0)
 
 
 def seconds_per_step(workdir: str) -> float:
@@ -199,14 +224,17 @@ def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] =
   stage = os.path.join(cfg.workdir, CURRICULUM_DIR)
   if os.path.isdir(os.path.join(stage, "params")):
     return stages.load_params(stage, cfg.model)
-  train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg), cfg.sft.curriculum_levels)
+  if all(map(os.path.isfile, _saved(stage))):   # resumed: its demonstrations are already made
+    train, dev = map(read_jsonl, _saved(stage))
+  else:
+    train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg), cfg.sft.curriculum_levels)
   log_fn(f"SFT curriculum: levels {list(cfg.sft.curriculum_levels)} first")
   params, _ = _train(cfg, tok, train, dev, stage, cfg.sft.curriculum_steps, cfg.sft.learning_rate, cfg.seed,
                      init_params, log_fn)
   return params
 
 
-def _tokenizer(cfg: RunConfig):
+def run_tokenizer(cfg: RunConfig):
   """The run's tokenizer: already in the workdir, else the init checkpoint's, else fitted to training tasks (with a
   curriculum, to those of its first levels: measured, a BPE fitted to the mix left the level-2 start at 17-22%
   greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md)."""
@@ -226,7 +254,8 @@ def _tokenizer(cfg: RunConfig):
 
 def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   """The starting params (resumable: a finished SFT in `workdir/sft` is loaded, not redone); see the docstring."""
-  tok = _tokenizer(cfg)
+  tok = run_tokenizer(cfg)
+  inputs.check_budgets(cfg, tok, setup.train_pool(cfg))   # before the demonstrations that would fail on them
   sft_dir = os.path.join(cfg.workdir, "sft")
   if cfg.sft.steps and os.path.isdir(os.path.join(sft_dir, "params")):
     return stages.load_params(sft_dir, cfg.model)

@@ -9,6 +9,9 @@ Meshes and processes: params, optimizer state and batches are placed by `Shardin
 for divisibility first). With several processes (`composer_jax.parallel.distributed`) every process runs this same
 loop; `train_iter` yields only this process's rows of the global batch (`layout.process_batch_shard` says which),
 only process 0 writes metrics and the progress bar, and all processes take part in each orbax checkpoint.
+
+Ctrl-C (one process) stops the loop after the step in flight: it checkpoints that step with the data iterator and
+raises `interrupt.Interrupted`, so a rerun resumes exactly there.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from composer_jax.parallel import distributed, layout
 from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.train import checkpoint as ckpt_lib
+from composer_jax.train import interrupt, optim
 from composer_jax.train import metrics as metrics_lib
-from composer_jax.train import optim
 from composer_jax.train import step as step_lib
 from composer_jax.train.config import OptimConfig, TrainConfig
 
@@ -217,20 +220,31 @@ def _train(*, model_cfg, train_cfg, optim_cfg, workdir, train_iter, eval_batches
   finish = _Finisher(run, train_cfg, optim_cfg, workdir, train_iter, eval_batches, start, primary)
   pending = None                                    # (step, metrics on device) of the previous step
   try:
-    for step_no in range(start + 1, train_cfg.steps + 1):
-      batch, first_batch = (first_batch if first_batch is not None else run.put(next(train_iter))), None
-      run.state, metrics = run.train_step(run.state, batch)
+    # Ctrl-C stops a single-process run after the step in flight (processes of a multi-process run would not agree
+    # on which step); it checkpoints that step below and raises `interrupt.Interrupted`.
+    with interrupt.StopAtStep("training", enabled=jax.process_count() == 1) as stop:
+      for step_no in range(start + 1, train_cfg.steps + 1):
+        if stop.requested:
+          break
+        batch, first_batch = (first_batch if first_batch is not None else run.put(next(train_iter))), None
+        run.state, metrics = run.train_step(run.state, batch)
+        if pending is not None:
+          finish(*pending)
+        pending = (step_no, metrics)
+        # Checkpoint and eval steps need the state of exactly that step: finish them before dispatching more.
+        if step_no % train_cfg.ckpt_every == 0 or step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
+          finish(*pending)
+          pending = None
+        if finish.bar is not None:
+          finish.bar.update(1)
       if pending is not None:
         finish(*pending)
-      pending = (step_no, metrics)
-      # Checkpoint and eval steps need the state of exactly that step: finish them before dispatching more.
-      if step_no % train_cfg.ckpt_every == 0 or step_no % train_cfg.eval_every == 0 or step_no == train_cfg.steps:
-        finish(*pending)
-        pending = None
-      if finish.bar is not None:
-        finish.bar.update(1)
-    if pending is not None:
-      finish(*pending)
+      done = int(run.state.step)
+      if done < train_cfg.steps:   # stopped by Ctrl-C: keep the finished steps (the iterator is at the same place)
+        if run.checkpointer.latest_step() != done:
+          run.checkpointer.save(done, run.state, train_iter)
+        raise interrupt.Interrupted(f"training stopped at step {done} of {train_cfg.steps}, checkpointed in "
+                                    f"{run.checkpointer.directory}: rerun the same command to resume")
   finally:
     run.checkpointer.close()
     finish.close()

@@ -6,8 +6,9 @@ Expected (colab, ~1 min on 2 CPU cores, in bubblewrap sandboxes): the oracle sol
 the no-op policy 0%, and a randomly initialised MoE served by the embedded JAX engine (`model`) 0% with
 malformed-call penalties; transcripts and reward breakdowns are printed. A validity check of the tasks and the
 grader. Options: `level=1..4`, `n_tasks=`, `split=train|heldout`, `budget=` (tokens per segment; small values
-exercise self-summarization), `policies=oracle+noop+model+random` (`random`: uniform random tokens, no model),
-`backend=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
+exercise self-summarization: `level=4,budget=768` asks for a summary twice in an episode and the oracle still solves
+16/16; at 640 its three segments run out before the last fix), `policies=oracle+noop+model+random` (`random`:
+uniform random tokens, no model), `backend=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
 """
 import ml_collections
 

@@ -26,7 +26,8 @@ evaluate with `levels=1+2+3,model=rl_colab`); `harness=rl_colab` those of `rl.py
 budget, 4 turns, one segment).
 Policies (`policies=a+b`): `oracle`, `noop`, `random` (scripted baselines, cost 0), `checkpoint` (an LM-stage workdir
 `checkpoint=` an LM-stage workdir (params/) or an RL-run workdir (weights/latest.json), both with tokenizer/;
-several joined by ':' appear side by side on the plot; `model=` their model-config variant; embedded JAX engine),
+several joined by ':' appear side by side on the plot; `model=` their model-config variant, by default the model an
+RL run stored with its checkpoint (run_config.pkl), else colab; embedded JAX engine),
 `sglang` (`sglang_url=`). Re-running with the same `out` resumes: finished tasks are not re-run, and a bigger
 `n_tasks` (same seed and levels) runs only the new tasks.
 
@@ -34,6 +35,7 @@ Expected (procedural, 8 level-1 held-out tasks, k=2, oracle+noop+random, sandbox
 oracle pass@1 = 1.0, no-op 0.0, random 0.0; out/procedural/{summary.txt,pareto.png}, out/set_stats.txt.
 """
 import dataclasses
+import os
 
 import ml_collections
 
@@ -49,10 +51,24 @@ _LOOP_KEYS = ("context_budget", "max_turn_tokens", "observation_reserve", "max_t
               "summary_max_tokens", "summary_prompt", "system_prompt")
 
 
+def _stored_model(checkpoints: str) -> dict | None:
+  """The model config RL runs stored with their checkpoints (`run_config.pkl`; ':'-joined workdirs must agree), or
+  None when none of them stores one (an LM-stage workdir: `model=` names it, colab by default)."""
+  found = {}
+  for workdir in filter(None, checkpoints.split(":")):
+    if os.path.isfile(os.path.join(workdir, "run_config.pkl")):
+      from composer_jax.rl import workdir as workdir_lib
+      found[workdir] = dataclasses.asdict(workdir_lib.stored_config(workdir).model)
+  if len({repr(m) for m in found.values()}) > 1:
+    raise ValueError(f"the checkpoints {sorted(found)} were trained with different models: evaluate them apart, "
+                     "or name their shape with model=")
+  return next(iter(found.values()), None)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="procedural", n_tasks=8, levels="1", seed=0, samples=2, chunk_tasks=8,
                          policies="oracle+noop+random", repos="", jsonl="", repos_dir="", set_file="", corpus="",
-                         keep_contaminated=False, checkpoint="", model="colab", sglang_url="", backend="sandbox",
+                         keep_contaminated=False, checkpoint="", model="", sglang_url="", backend="sandbox",
                          out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
                          max_prompt_chars=1000, temperature=1.0, harness="default")
   c = ml_collections.ConfigDict()   # mirrors composer_jax.eval_run.EvalConfig
@@ -68,8 +84,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.corpus = arg.corpus  # pretraining corpus (dir or JSONL with "text") for the contamination guard; "" = off
   c.keep_contaminated = arg.keep_contaminated
   # checkpoint.model: the shape of every checkpoint in `workdir` (':'-joined), a variant of configs/model.py.
+  model = model_configs.get_config(arg.model).to_dict() if arg.model else _stored_model(arg.checkpoint)
   c.checkpoint = ml_collections.ConfigDict(dict(workdir=arg.checkpoint,
-                                                model=model_configs.get_config(arg.model).to_dict()))
+                                                model=model or model_configs.get_config("colab").to_dict()))
   c.sglang_url = arg.sglang_url
   c.backend = arg.backend  # 'sandbox' (bubblewrap) or 'local'
   c.out = arg.out

@@ -21,7 +21,7 @@ curriculum start taught half near misses (900 + 3600 SFT steps), 300 RL steps at
 level; ~2 h on 2 idle cores; from it RL beat its start and the equal-time control on levels 2-3 at T=1 by over 15
 and 10 points on both seeds), `recipe` (the recipe as first calibrated, which get_sweep's rows override; `_recipe`
 says how its budget, weights and SFT start were chosen), `colab` (`make colab`: level-1 tasks, read, edit, finish,
-C(x) and the behavioural terms on; ~15 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so
+C(x) and the behavioural terms on; 17-20 min on 2 idle cores), `colab_level1` (the same as colab, kept by that name so
 its end-to-end time stays measurable), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both;
 `_curriculum` says what it measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make
 pretrain`, and its tokenizer), `test` (tiny model, few tasks, local workspaces).
@@ -79,6 +79,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # context_budget long, so a tight budget makes RL steps cheaper. The code tokenizer of colab_pretrained spends
   # more tokens on the JSON of a tool call.
   budget, turn = (384, 64) if pretrained else (320, 48)
+  if not procedural:
+    # A repository task's oracle writes its gold patch in one write_file call: a whole diff in one turn. The run
+    # checks before its demonstrations that the set's oracle fits (`composer_jax/rl/inputs.py`) and names the
+    # values that do when it does not. 256-token turns in a 1,024-token context hold a patch of ~230 tokens (the
+    # context also holds the prompt, every turn, their tool results and one more turn). The engine pads a prompt
+    # (up to 768 tokens) and a turn to powers of two: 1,024 + 256 positions, more than rl_colab's 1,024
+    # (positions size only the RoPE tables, no parameter).
+    budget, turn = 1024, 256
+    c.model.max_position_embeddings = 2048
   c.harness = ml_collections.ConfigDict(dict(
       system_prompt="short", context_budget=budget, max_turn_tokens=turn, observation_reserve=64, max_turns=4,
       max_segments=1, summary_max_tokens=turn, overflow="summarize", seed=c.get_ref("seed"),
@@ -100,7 +109,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (500 held-out tasks): groups contain successes, and an SFT control can only imitate the errors.
   c.sft = ml_collections.ConfigDict(dict(
       steps=4 if test else 900, tasks=16 if test else 1024, batch=4 if test else 16,
-      seq_len=256,                # packed rows; a level-1 transcript is ~170 tokens, longer ones are split
+      seq_len=256 if procedural else 512,   # packed rows; a level-1 transcript is ~170 tokens, longer ones split
       learning_rate=3e-3, demo_accuracy=1.0 if test or not procedural else 0.5,   # near misses: procedural only
       # colab_pretrained: SFT (then RL) starts from the colab pretraining run and uses its tokenizer.
       init_checkpoint="runs/pretrain_colab" if pretrained else "",
