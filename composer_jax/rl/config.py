@@ -21,6 +21,7 @@ from composer_jax.train.config import OptimConfig
 from composer_jax.train.tokenizer import TokenizerConfig
 from rollout.harness import HarnessConfig
 from rollout.tasks.registry import SetSpec
+from rollout.tree_harness import TreeConfig
 
 MODES = ("sync", "async")
 # The engine registry: name -> rollout mode -> the publisher (`rl/publishers.py`) that keeps its weights current.
@@ -119,6 +120,10 @@ class RolloutConfig:
   backend: str = "sandbox"          # workspaces: 'sandbox' (bubblewrap) or 'local'
   sglang: SGLangConfig = SGLangConfig()
   stall_timeout_s: float = 1800.0   # async: a worker that starts no group for this long is hung, killed, restarted
+  # Groups as trees (`rollout.tree_harness`): fork after these action turns (0 = the prompt) into this many branches
+  # each; the product of the fanouts is samples_per_prompt. Both empty: flat groups (G samples from the prompt).
+  tree_branch_turns: tuple[int, ...] = ()
+  tree_fanouts: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -138,6 +143,16 @@ class RolloutConfig:
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
     _positive(self, "workers", "publish_every", "stall_timeout_s")
+    if self.tree is not None and self.tree.size != self.samples_per_prompt:
+      raise ValueError(f"rollout.tree_fanouts={self.tree.fanouts} give {self.tree.size} leaves per group, but "
+                       f"rollout.samples_per_prompt={self.samples_per_prompt}")
+
+  @property
+  def tree(self) -> TreeConfig | None:
+    """The groups' tree (None: flat groups); a malformed one is refused by `TreeConfig`."""
+    if not self.tree_branch_turns and not self.tree_fanouts:
+      return None
+    return TreeConfig(tuple(self.tree_branch_turns), tuple(self.tree_fanouts))
     if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":
       raise ValueError(f"publish_every={self.publish_every} > max_staleness + 1 = {self.max_staleness + 1}: "
                        "every group would be dropped as stale before new weights arrive")

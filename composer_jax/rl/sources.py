@@ -77,7 +77,7 @@ class InProcess:
     self.producer = QueueProducer(setup.queue_url(cfg), "sync0")
     self.pool = setup.train_pool(cfg)
     self.wcfg = workers.WorkerConfig(samples_per_prompt=cfg.rollout.samples_per_prompt,
-                                     max_groups=cfg.train.groups_per_step)
+                                     max_groups=cfg.train.groups_per_step, tree=cfg.rollout.tree)
 
   def next(self, version: int) -> tuple[list, float]:
     t0 = time.perf_counter()

@@ -98,7 +98,7 @@ class Trainer:
     self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
                                                                        cfg.rollout.staleness_policy), state=qstate)
     self.batch_cfg = setup.batch_config(cfg)
-    self.batch_sh = rl_step.batch_shardings(mesh)
+    self.batch_sh = rl_step.batch_shardings(mesh, trees=cfg.rollout.tree is not None)
     self.step_fn = rl_step.make_rl_step(cfg.model, cfg.rl, optimizer, state_sh, self.batch_sh, params_sh)
 
   @property

@@ -76,7 +76,8 @@ def main(workdir: str, worker_index: int) -> None:
   follower = publishers.follow(cfg)
   r = cfg.rollout
   per_version = max(1, math.ceil(cfg.train.groups_per_step * (r.max_staleness + 1) / r.workers))
-  wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=r.workers, samples_per_prompt=r.samples_per_prompt)
+  wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=r.workers, samples_per_prompt=r.samples_per_prompt,
+                              tree=r.tree)
   os.makedirs(sdir, exist_ok=True)
   with open(os.path.join(sdir, f"{wcfg.producer_id}.pid"), "w") as f:
     f.write(str(os.getpid()))
