@@ -146,6 +146,9 @@ class RolloutConfig:
     if self.tree is not None and self.tree.size != self.samples_per_prompt:
       raise ValueError(f"rollout.tree_fanouts={self.tree.fanouts} give {self.tree.size} leaves per group, but "
                        f"rollout.samples_per_prompt={self.samples_per_prompt}")
+    if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":
+      raise ValueError(f"publish_every={self.publish_every} > max_staleness + 1 = {self.max_staleness + 1}: "
+                       "every group would be dropped as stale before new weights arrive")
 
   @property
   def tree(self) -> TreeConfig | None:
@@ -153,9 +156,6 @@ class RolloutConfig:
     if not self.tree_branch_turns and not self.tree_fanouts:
       return None
     return TreeConfig(tuple(self.tree_branch_turns), tuple(self.tree_fanouts))
-    if self.mode == "async" and self.publish_every > self.max_staleness + 1 and self.staleness_policy == "drop":
-      raise ValueError(f"publish_every={self.publish_every} > max_staleness + 1 = {self.max_staleness + 1}: "
-                       "every group would be dropped as stale before new weights arrive")
 
 
 @dataclasses.dataclass(frozen=True)
