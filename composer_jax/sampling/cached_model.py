@@ -91,11 +91,14 @@ def _attention_inputs(start_B, pad_B, L: int, S: int, cfg: ModelConfig, fresh: b
 
 
 def forward_cached(params: dict, tokens_BxL: jax.Array, cache: dict, start_B: jax.Array, pad_B: jax.Array,
-                   cfg: ModelConfig, fresh: bool = False):
+                   cfg: ModelConfig, fresh: bool = False, last_logits: bool = False):
   """Runs the trunk on L new tokens at slots start_B.., reading and updating the cache.
 
+  `last_logits`: only the last position's logits ([B, 1, V]; a prefill samples from nothing else, and the head over
+  every prompt position cost as much as a small model's layers).
+
   Returns:
-    (logits [B, L, V] f32, last hidden before the final norm [B, L, D] (the MTP input), experts int32
+    (logits [B, L or 1, V] f32, last hidden before the final norm [B, L, D] (the MTP input), experts int32
     [Lm, B, L, K], new cache).
   """
   B, L = tokens_BxL.shape
@@ -111,7 +114,8 @@ def forward_cached(params: dict, tokens_BxL: jax.Array, cache: dict, start_B: ja
       new_cache[name] = _unkv(kv)
       if "experts" in aux:
         experts = aux["experts"]
-  return logits(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_head(params, cfg)), x, experts, new_cache
+  x_out = x[:, -1:] if last_logits else x
+  return logits(rms_norm(x_out, params["final_norm"], cfg.rms_norm_eps), lm_head(params, cfg)), x, experts, new_cache
 
 
 def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, cache: dict, start_B, pad_B,
