@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -28,6 +29,7 @@ from composer_jax.sampling.decode import Batch, Output, generate
 from composer_jax.sampling.prefix_cache import Entry, PrefixCache
 from composer_jax.sampling.speculative import generate_speculative
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from rollout.evaluation.result_cache import code_fingerprint
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -108,6 +110,7 @@ class JaxEngine:
     self.params = params
     self.policy_version = policy_version
     self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_tokens)
+    self._result_key: str | None = None
     self._calls = 0
     self.last_stats: dict[str, int] = {}
 
@@ -123,6 +126,20 @@ class JaxEngine:
     self.params = jax.device_put(params, shardings)
     self.policy_version = policy_version
     self.prefix_cache.clear()  # the kept rows were computed by the old weights
+    self._result_key = None
+
+  def result_key(self) -> str:
+    """A hash of what fixes this engine's outputs for seeded requests: the weights, the model and engine configs,
+    the jax version and backend, and the model's and engine's code (an evaluation's result cache keys on it)."""
+    if self._result_key is None:
+      digest = hashlib.sha256()
+      for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(self.params)):
+        digest.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape}".encode())
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+      digest.update(repr((self.cfg, self.engine_cfg, jax.__version__, jax.default_backend())).encode())
+      digest.update(code_fingerprint("composer_jax/model", "composer_jax/sampling").encode())
+      self._result_key = digest.hexdigest()[:32]
+    return self._result_key
 
   def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
     """Completes every request; results are in request order."""
