@@ -140,8 +140,8 @@ def main() -> None:
     mcfg = dataclasses.replace(run_cfg.model, vocab_size=tokenizer_lib.padded_vocab_size(tok))
     params = model.init(jax.random.key(args.seed), mcfg)
     base = engine_config(dataclasses.replace(run_cfg, seed=args.seed))
-    variants = {"reuse": base, "reprefill": dataclasses.replace(base, prefix_cache_tokens=0),
-                "full_prefill": dataclasses.replace(base, prefix_cache_tokens=0, min_window_bucket=1 << 20)}
+    variants = {"reuse": base, "reprefill": dataclasses.replace(base, prefix_cache_bytes=0),
+                "full_prefill": dataclasses.replace(base, prefix_cache_bytes=0, min_window_bucket=1 << 20)}
     engines = {k: Timed(JaxEngine(params, mcfg, e)) for k, e in variants.items()}
     structures = record_structures(tasks, tok, envs, hcfg)
     rates = {k: [] for k in ENGINES}

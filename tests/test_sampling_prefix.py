@@ -103,18 +103,19 @@ def test_continuations_equal_reprefill(params, speculative):
 
 
 def test_weight_update_empties_the_cache_and_the_bound_holds(params):
-  """Rows of old weights are never reused; the cache never holds more rows than configured."""
-  engine = JaxEngine(params, CFG, dataclasses.replace(ECFG, prefix_cache_tokens=40))
+  """Rows of old weights are never reused; the cache never holds more bytes than configured."""
+  bound = 40 * 260   # 40 tokens of 3 layers x (16 + 4) float32 (no MTP rows: plain) + the token + 2 x 2 experts
+  engine = JaxEngine(params, CFG, dataclasses.replace(ECFG, prefix_cache_bytes=bound))
   rng = np.random.default_rng(1)
   reqs = [GenerateRequest(tuple(int(t) for t in rng.integers(0, CFG.vocab_size, size=9)), _sampling(i))
           for i in range(4)]
   for turn in range(2):
     results = engine.generate(reqs)
-    assert 0 < engine.prefix_cache.tokens <= 40
+    assert 0 < engine.prefix_cache.nbytes <= bound
     reqs = _next_turn(reqs, results, rng, turn + 1)
   new = model.init(jax.random.key(5), dataclasses.replace(CFG, initializer_range=0.2))
   engine.update_weights(new, policy_version=1)
-  assert engine.prefix_cache.tokens == 0
+  assert engine.prefix_cache.nbytes == 0
   got = engine.generate(reqs)
   assert engine.last_stats["prefix_reused_tokens"] == 0
   for i, (g, w) in enumerate(zip(got, JaxEngine(new, CFG, ECFG, policy_version=1).generate(reqs))):

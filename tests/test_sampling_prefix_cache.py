@@ -4,6 +4,8 @@ import pytest
 
 from composer_jax.sampling.prefix_cache import Entry, PrefixCache, common_prefix
 
+PER_TOKEN = 52   # bytes: the token (4), c 2 x 3 and kr 2 x 1 float32 (32), 2 x 2 int32 experts (16)
+
 
 def _entry(tokens, mtp_len=0):
   t = np.asarray(tokens, np.int32)
@@ -21,7 +23,7 @@ def test_common_prefix():
 
 
 def test_lookup_takes_the_longest_common_prefix_and_shares_entries():
-  cache = PrefixCache(100)
+  cache = PrefixCache(100 * PER_TOKEN)
   cache.insert(_entry([1, 2, 3, 4, 5]))
   cache.insert(_entry([1, 2, 8]))
   e, n = cache.lookup(np.array([1, 2, 3, 4, 5, 6, 7]))   # a continuation
@@ -30,16 +32,16 @@ def test_lookup_takes_the_longest_common_prefix_and_shares_entries():
   assert n2 == 3 and e2 is e
   assert cache.lookup(np.array([1, 2, 8, 8]))[1] == 3
   assert cache.lookup(np.array([5, 1])) == (None, 0)
-  assert len(cache) == 2 and cache.tokens == 8
+  assert len(cache) == 2 and cache.nbytes == 8 * PER_TOKEN
 
 
 def test_an_extending_entry_replaces_the_entries_it_covers():
-  cache = PrefixCache(100)
+  cache = PrefixCache(100 * PER_TOKEN)
   cache.insert(_entry([1, 2, 3]))
   cache.insert(_entry([1, 2]))            # older entries are never dropped for a shorter one
   assert len(cache) == 2
   cache.insert(_entry([1, 2, 3, 4]))      # covers both
-  assert len(cache) == 1 and cache.tokens == 4
+  assert len(cache) == 1 and cache.nbytes == 4 * PER_TOKEN
   cache.insert(_entry([1, 2, 3, 4, 5], mtp_len=0))
   cache.insert(_entry([1, 2, 3, 4, 5, 6], mtp_len=0))
   assert len(cache) == 1
@@ -47,20 +49,22 @@ def test_an_extending_entry_replaces_the_entries_it_covers():
   cache.insert(_entry([7, 8, 9], mtp_len=2))
   cache.insert(_entry([7, 8, 9, 10], mtp_len=1))
   assert len(cache) == 3
+  cache.insert(_entry([7, 8, 9], mtp_len=0))   # the same tokens again replace the entry, counted once
+  assert len(cache) == 3 and cache.nbytes == 13 * PER_TOKEN
 
 
 def test_eviction_keeps_the_bound_and_drops_the_least_recently_used():
-  cache = PrefixCache(10)
+  cache = PrefixCache(10 * PER_TOKEN)
   cache.insert(_entry([1, 1, 1, 1]))
   cache.insert(_entry([2, 2, 2, 2]))
   cache.lookup(np.array([1, 1]))           # touches the first entry
   cache.insert(_entry([3, 3, 3, 3]))       # 12 > 10: the least recently used ([2, ...]) goes
-  assert cache.tokens == 8 <= cache.max_tokens
+  assert cache.nbytes == 8 * PER_TOKEN <= cache.max_bytes
   assert cache.lookup(np.array([2]))[1] == 0 and cache.lookup(np.array([1]))[1] == 1
   cache.insert(_entry(list(range(11))))    # longer than the whole cache: not kept, nothing evicted for it
-  assert cache.tokens == 8 and len(cache) == 2
+  assert cache.nbytes == 8 * PER_TOKEN and len(cache) == 2
   cache.clear()
-  assert cache.tokens == 0 and len(cache) == 0 and cache.lookup(np.array([3]))[1] == 0
+  assert cache.nbytes == 0 and len(cache) == 0 and cache.lookup(np.array([3]))[1] == 0
 
 
 def test_bad_entries_and_sizes_raise():

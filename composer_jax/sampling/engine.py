@@ -56,8 +56,9 @@ class EngineConfig:
       replaced by 'ragged', since dropping depends on the batch and would break equality with the trainer's
       forward. With 'dense' the expert weights are laid out for it once per call, not once per step.
     seed: seed of the engine's own stream for requests without a seed.
-    prefix_cache_tokens: most token rows the prefix cache keeps (0: off, every prompt is prefilled in full); see
-      `prefix_cache.py` for the bytes per token.
+    prefix_cache_bytes: most host memory the prefix cache keeps (0: off, every prompt is prefilled in full); see
+      `prefix_cache.py` for the bytes per token. The default holds ~540k tokens of `rl_colab`, ~165k of `colab`:
+      every in-flight episode of a 256-task evaluation chunk at a 496-token context.
     min_window_bucket: smallest number of prompt slots run when a prompt's prefix is reused (the window is a power
       of two >= the longest uncached tail; when that reaches the prompt width, the call prefills from scratch).
   """
@@ -69,7 +70,7 @@ class EngineConfig:
   min_len_bucket: int = 16
   moe_impl: str = "auto"
   seed: int = 0
-  prefix_cache_tokens: int = 1 << 16
+  prefix_cache_bytes: int = 256 << 20
   min_window_bucket: int = 32
 
 
@@ -109,7 +110,7 @@ class JaxEngine:
       raise ValueError(f"EngineConfig.draft_tokens must be >= 1, got {engine_cfg.draft_tokens}")
     self.params = params
     self.policy_version = policy_version
-    self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_tokens)
+    self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_bytes)
     self._result_key: str | None = None
     self._calls = 0
     self.last_stats: dict[str, int] = {}
@@ -199,7 +200,7 @@ class JaxEngine:
     (0, None, None) when the window would not be narrower than the prompt width."""
     U, P = prompts_UxP.shape
     reused, entries = [0] * len(uniq), [None] * len(uniq)
-    if self.engine_cfg.prefix_cache_tokens:
+    if self.engine_cfg.prefix_cache_bytes:
       for u, p in enumerate(uniq):
         entries[u], n = self.prefix_cache.lookup(np.asarray(p, np.int32))
         # The last prompt token always runs (its logits are sampled); with MTP only rows module 0 computed from the
@@ -241,10 +242,10 @@ class JaxEngine:
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
     batch, Lo, window = self._batch(requests)
     out = _run(self.params, batch, self.cfg, Lo, self._draft_tokens, window)
-    out = jax.device_get(out if self.engine_cfg.prefix_cache_tokens else out._replace(cache=None))
+    out = jax.device_get(out if self.engine_cfg.prefix_cache_bytes else out._replace(cache=None))
     self.last_stats.update({k: int(v) for k, v in out.stats.items()})
     rows_B = np.asarray(batch.row_prompt_B)
-    if self.engine_cfg.prefix_cache_tokens:
+    if self.engine_cfg.prefix_cache_bytes:
       self._keep(requests, out, rows_B, batch.prompts_UxP.shape[1])
     results = []
     for b, r in enumerate(requests):

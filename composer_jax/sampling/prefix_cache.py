@@ -6,10 +6,10 @@ A sequence's rows depend only on its own tokens (causal attention, dropless rout
 that shares a prefix with it, whatever comes after: lookups take the longest common prefix over all entries, and
 never consume an entry, so several continuations can extend one prefix (the next turns of G samples of a group,
 or the branches of a tree rollout). An entry that is a prefix of a newer one is dropped when the newer one arrives
-(the newer one holds the same rows). Memory is bounded by `max_tokens` rows in all, least recently used entries
-evicted first; an entry costs (layers + MTP modules) · (kv_lora_rank + qk_rope_head_dim) numbers per token
-(`rl_colab`: 3 · 40 floats = 480 B; `colab`: 5 · 80 floats = 1.6 KB). Rows are kept in host memory: on CPU that is
-the same memory, and on an accelerator the device keeps only the running batch's cache.
+(the newer one holds the same rows). Memory is bounded by `max_bytes` in all, least recently used entries evicted
+first; an entry costs (layers + MTP modules) · (kv_lora_rank + qk_rope_head_dim) numbers per token, plus its routing
+(`rl_colab`: 3 · 40 floats + 4 ints = 496 B; `colab`: 5 · 80 floats + 6 ints = 1.6 KB). Rows are kept in host
+memory: on CPU that is the same memory, and on an accelerator the device keeps only the running batch's cache.
 
 Rows are only valid for the weights that computed them: the engine clears its cache on every weight update.
 
@@ -49,6 +49,11 @@ class Entry:
     if self.experts_TxLmxK.shape[0] != t:
       raise ValueError(f"prefix entry: experts for {self.experts_TxLmxK.shape[0]} positions, tokens {t}")
 
+  @property
+  def nbytes(self) -> int:
+    return (self.tokens.nbytes + self.experts_TxLmxK.nbytes
+            + sum(a.nbytes for kv in self.rows.values() for a in kv.values()))
+
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
   """Length of the longest common prefix of two token arrays."""
@@ -58,14 +63,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixCache:
-  """Entries keyed by their tokens, at most `max_tokens` rows in all (LRU eviction)."""
+  """Entries keyed by their tokens, at most `max_bytes` in all (LRU eviction)."""
 
-  def __init__(self, max_tokens: int):
-    if max_tokens < 0:
-      raise ValueError(f"prefix cache size must be >= 0 tokens, got {max_tokens}")
-    self.max_tokens = max_tokens
+  def __init__(self, max_bytes: int):
+    if max_bytes < 0:
+      raise ValueError(f"prefix cache size must be >= 0 bytes, got {max_bytes}")
+    self.max_bytes = max_bytes
     self._entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
-    self.tokens = 0
+    self.nbytes = 0
 
   def __len__(self) -> int:
     return len(self._entries)
@@ -83,20 +88,22 @@ class PrefixCache:
 
   def insert(self, entry: Entry) -> None:
     """Adds `entry` (replacing one with the same tokens and dropping those it extends), then evicts to the bound."""
-    if len(entry.tokens) > self.max_tokens:
+    if entry.nbytes > self.max_bytes:
       return
     key = np.asarray(entry.tokens, np.int32).tobytes()
     covered = [k for k, e in self._entries.items()
                if len(e.tokens) <= len(entry.tokens) and e.mtp_len <= entry.mtp_len
                and common_prefix(e.tokens, entry.tokens) == len(e.tokens)]
+    if key in self._entries and key not in covered:
+      covered.append(key)
     for k in covered:
-      self.tokens -= len(self._entries.pop(k).tokens)
+      self.nbytes -= self._entries.pop(k).nbytes
     self._entries[key] = entry
-    self.tokens += len(entry.tokens)
-    while self.tokens > self.max_tokens:
+    self.nbytes += entry.nbytes
+    while self.nbytes > self.max_bytes:
       _, old = self._entries.popitem(last=False)
-      self.tokens -= len(old.tokens)
+      self.nbytes -= old.nbytes
 
   def clear(self) -> None:
     self._entries.clear()
-    self.tokens = 0
+    self.nbytes = 0
