@@ -120,3 +120,17 @@ def test_weight_update_empties_the_cache_and_the_bound_holds(params):
   assert engine.last_stats["prefix_reused_tokens"] == 0
   for i, (g, w) in enumerate(zip(got, JaxEngine(new, CFG, ECFG, policy_version=1).generate(reqs))):
     _assert_same_result(g, w, f"request {i}")
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_window_prefill_lowers_for_cuda(params, speculative):
+  """The prefill over reused rows (a window narrower than the prompt) lowers for GPU, not only for this CPU."""
+  from composer_jax.sampling import engine as engine_lib
+  engine = JaxEngine(params, CFG, dataclasses.replace(ECFG, speculative=speculative))
+  reqs = [GenerateRequest((1, 2, 3, 4, 5, 6, 7, 8, 9), _sampling(i)) for i in range(2)]
+  results = engine.generate(reqs)
+  batch, Lo, window = engine._batch(_next_turn(reqs, results, np.random.default_rng(0), 1))
+  assert 0 < window < batch.prompts_UxP.shape[1]
+  lowered = engine_lib._run.trace(engine.params, batch, engine.cfg, Lo, engine._draft_tokens, window).lower(
+      lowering_platforms=("cuda",))
+  assert "while" in lowered.as_text()
