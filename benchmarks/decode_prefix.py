@@ -14,7 +14,8 @@ extends the previous prompt + output exactly as in a real episode; a new segment
 Three engines, identical but for how they prefill, replay the same episodes (same seeds) in alternating order,
 each round after one warm-up round (its compiles): `reuse` (prefix cache on: a continuation runs only its new tail),
 `reprefill` (cache off: every prompt runs whole, in a window trimmed to the longest prompt) and `full_prefill`
-(every prompt prefilled over the whole prompt bucket, as before the cache existed). Decode tokens/s = generated
+(every prompt prefilled over the whole prompt bucket: the path before the cache existed, except that the prefill
+now computes logits at the last position only). Decode tokens/s = generated
 tokens / seconds inside `generate`, per engine the median over rounds. The engines must generate the same tokens
 (`same_tokens`). The last line printed is one JSON object.
 """
