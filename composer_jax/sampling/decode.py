@@ -61,8 +61,8 @@ def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool 
   """Prefills the unique prompts and copies each to its rows.
 
   With `window` = W > 0 the prompts' reused prefixes come from `batch.prefix_cache` and only the last W prompt
-  slots are run (over the cache, in latent space, as a decode step would); every row's uncached tail must fit in
-  them (slots before a row's tail that fall inside the window are recomputed, harmlessly).
+  slots are run, attending over the cache with expanded keys and values (`KVCache.expand`); every row's uncached
+  tail must fit in them (slots before a row's tail that fall inside the window are recomputed, harmlessly).
 
   Returns:
     (cache [.., B, slots, ..], last-position logits [B, V], hiddens of the run slots [B, P or W, D], prompt experts
@@ -76,12 +76,13 @@ def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool 
   else:
     cache_U = cm.init_cache(params, cfg, U, slots)
   logits_Ux1xV, h_UxLxD, experts, cache_U = cm.forward_cached(params, run_UxL, cache_U, start_U, batch.pad_U, cfg,
-                                                              fresh=not window, last_logits=True)
+                                                              fresh=not window, last_logits=True, expand=bool(window))
   if window:
     experts = jax.lax.dynamic_update_slice_in_dim(batch.prefix_experts_LmxUxPxK, experts, P - window, axis=2)
   if mtp:  # module 0 over the run slots; the last slot's next token is not sampled yet (the first step redoes it)
     nxt_UxL = jnp.pad(run_UxL[:, 1:], ((0, 0), (0, 1)))
-    _, cache_U = cm.mtp_module(params, 0, h_UxLxD, nxt_UxL, cache_U, start_U, batch.pad_U, cfg, fresh=not window)
+    _, cache_U = cm.mtp_module(params, 0, h_UxLxD, nxt_UxL, cache_U, start_U, batch.pad_U, cfg, fresh=not window,
+                               expand=bool(window))
   rows = batch.row_prompt_B
   cache_B = jax.tree.map(lambda a: a[:, rows], cache_U)
   return cache_B, logits_Ux1xV[rows, -1], h_UxLxD[rows], experts
