@@ -11,12 +11,11 @@ the RL run sizes its engine (`rl/publishers.engine_config`): each turn asks for 
 (no stop tokens, T = 1), appends the engine's own tokens and then the recorded tool result, so the next prompt
 extends the previous prompt + output exactly as in a real episode; a new segment starts from its recorded prompt.
 
-Three engines, identical but for how they prefill, replay the same episodes (same seeds) in alternating order,
-each round after one warm-up round (its compiles): `reuse` (prefix cache on: a continuation runs only its new tail),
-`reprefill` (cache off: every prompt runs whole, in a window trimmed to the longest prompt) and `full_prefill`
-(every prompt prefilled over the whole prompt bucket: the path before the cache existed, except that the prefill
-now computes logits at the last position only). Decode tokens/s = generated
-tokens / seconds inside `generate`, per engine the median over rounds. The engines must generate the same tokens
+Two engines, identical but for the prefix cache, replay the same episodes (same seeds) in alternating order, each
+round after one warm-up round (its compiles): `reuse` (cache on: a continuation runs only a window over its new
+tail) and `reprefill` (cache off: every prompt prefilled over the whole prompt bucket, the path before the cache
+existed, except that a prefill now computes logits at the last position only). Decode tokens/s = generated tokens /
+seconds inside `generate`, per engine the median over rounds. The engines must generate the same tokens
 (`same_tokens`). The last line printed is one JSON object.
 """
 from __future__ import annotations
@@ -50,7 +49,7 @@ from rollout.tasks import registry  # noqa: E402
 from rollout.tasks.environment import EnvironmentCache  # noqa: E402
 from rollout.workspace import make_factory  # noqa: E402
 
-ENGINES = ("reuse", "reprefill", "full_prefill")
+ENGINES = ("reuse", "reprefill")
 
 
 def record_structures(tasks, tok, envs, hcfg) -> list[list[list]]:
@@ -141,8 +140,7 @@ def main() -> None:
     mcfg = dataclasses.replace(run_cfg.model, vocab_size=tokenizer_lib.padded_vocab_size(tok))
     params = model.init(jax.random.key(args.seed), mcfg)
     base = engine_config(dataclasses.replace(run_cfg, seed=args.seed))
-    variants = {"reuse": base, "reprefill": dataclasses.replace(base, prefix_cache_bytes=0),
-                "full_prefill": dataclasses.replace(base, prefix_cache_bytes=0, min_window_bucket=1 << 20)}
+    variants = {"reuse": base, "reprefill": dataclasses.replace(base, prefix_cache_bytes=0)}
     engines = {k: Timed(JaxEngine(params, mcfg, e)) for k, e in variants.items()}
     structures = record_structures(tasks, tok, envs, hcfg)
     rates = {k: [] for k in ENGINES}
@@ -163,7 +161,6 @@ def main() -> None:
     last = engines["reuse"]
     result = {"decode_tokens_per_s": {k: round(v, 1) for k, v in med.items()},
               "speedup_vs_reprefill": round(med["reuse"] / med["reprefill"], 3),
-              "speedup_vs_full_prefill": round(med["reuse"] / med["full_prefill"], 3),
               "reused_prompt_fraction": round(last.reused / max(last.prompt, 1), 3),
               "generated_tokens_per_round": last.generated, "generate_calls_per_round": last.calls,
               "episodes": args.episodes, "segments": sum(map(len, structures)),

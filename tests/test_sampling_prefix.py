@@ -14,8 +14,8 @@ from composer_jax.sampling.engine import EngineConfig, JaxEngine
 from rollout.engines.protocol import GenerateRequest, SamplingParams
 from tests.test_sampling_engine import CFG, STOPS
 
-# One prompt bucket (32) for every turn below, so each engine compiles one program per window width: the reference
-# prefills all 32 slots, the engine under test a window of 16 (turn 0: the longest prompt; later: the new tails).
+# One prompt bucket (32) for every turn below, so each engine compiles few programs: both prefill all 32 slots on
+# turn 0 (nothing to reuse), then the engine under test runs a window of 16 slots (the new tails).
 ECFG = EngineConfig(min_batch_bucket=4, min_prompt_bucket=32, min_len_bucket=8, min_window_bucket=8, max_batch=4)
 # Float32 throughout. The reused rows of earlier output tokens were computed by decode steps (absorbed, latent-space
 # attention), the re-prefill computes them with expanded keys and values: the same sums in another order, ~1e-6

@@ -197,7 +197,8 @@ class JaxEngine:
 
   def _reuse(self, uniq: list[tuple[int, ...]], prompts_UxP: np.ndarray, pad_U: np.ndarray):
     """Looks the unique prompts up in the prefix cache → (window, cached rows at their prompt slots, their experts);
-    (0, None, None) when the window would not be narrower than the prompt width."""
+    (0, None, None) — a prefill from scratch, as without a cache — when nothing is reused or the window would not
+    be narrower than the prompt width."""
     U, P = prompts_UxP.shape
     reused, entries = [0] * len(uniq), [None] * len(uniq)
     if self.engine_cfg.prefix_cache_bytes:
@@ -209,8 +210,8 @@ class JaxEngine:
     tail = max(len(p) - r for p, r in zip(uniq, reused))
     window = bucket(max(tail, self._draft_tokens + 1), self.engine_cfg.min_window_bucket)
     self.last_stats = {"prompt_tokens": sum(map(len, uniq)), "prefix_reused_tokens": sum(reused),
-                       "prefill_window": window if window < P else P}
-    if window >= P:
+                       "prefill_window": window if window < P and any(reused) else P}
+    if window >= P or not any(reused):
       return 0, None, None
     layout = jax.eval_shape(lambda: cm.init_cache(self.params, self.cfg, U, P))
     cache = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), layout)
