@@ -46,9 +46,8 @@ def checkpoint_policy(workdir: str, model_cfg: ModelConfig, engine_cfg=None):
   from composer_jax.sampling.engine import EngineConfig, JaxEngine
   from composer_jax.train import tokenizer as tokenizer_lib
   tok = tokenizer_lib.load_tokenizer(os.path.join(workdir, "tokenizer"))
-  if tok.get_vocab_size() > model_cfg.vocab_size:
-    raise ValueError(f"tokenizer in {workdir} has {tok.get_vocab_size()} tokens > model vocab_size "
-                     f"{model_cfg.vocab_size}; wrong model config for this checkpoint?")
+  tokenizer_lib.check_fits(tok, model_cfg.vocab_size, os.path.join(workdir, "tokenizer", "tokenizer.json"),
+                           "model.vocab_size")
   params, version = load_checkpoint_params(workdir, model_cfg)
   _, active = count_params(model_cfg)
   return JaxEngine(params, model_cfg, engine_cfg or EngineConfig(), policy_version=version), tok, active

@@ -15,11 +15,12 @@ prompt + task + summary (`overflow='drop_oldest'` instead drops the oldest turns
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,6 +164,18 @@ class _Episode:
     self.tool_wall_s = 0.0
     self.finished, self.final_message = False, ""
     self._start_segment(summary=None)
+
+  def fork(self, index: int, ws) -> _Episode:
+    """This episode continued as another: the same context, transcript and tool state, in `ws` (a fork of this
+    episode's current workspace: its files, not a replay of its commands); `index` gives its requests their own
+    seeds. Tree rollouts (`rollout.tree_harness`) branch episodes with it between turns."""
+    new = copy.copy(self)
+    new.index, new.ws = index, ws
+    new.tools = ToolBox(ws, self.cfg.tools)
+    new.tools.todo, new.tools.originals = copy.deepcopy(self.tools.todo), dict(self.tools.originals)
+    new.builder, new.messages = copy.deepcopy(self.builder), copy.deepcopy(self.messages)
+    new.segments, new.calls_seen, new.stats = list(self.segments), set(self.calls_seen), dict(self.stats)
+    return new
 
   # ---- token plumbing ------------------------------------------------------------------------------------------
 
@@ -363,7 +376,8 @@ class _Episode:
 
 
 def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
-                 cfg: HarnessConfig = HarnessConfig()) -> list[Trajectory]:
+                 cfg: HarnessConfig = HarnessConfig(), *,
+                 branch: Callable[[list[_Episode]], list[_Episode]] | None = None) -> list[Trajectory]:
   """Rolls out one episode per task (repeat a task for G samples), all stepped together.
 
   Args:
@@ -372,10 +386,13 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
     tasks: the tasks, one episode each.
     envs: environment snapshots and workspace forks.
     cfg: loop limits, prompts and reward weights.
+    branch: called with all episodes after every step; the episodes it returns (forks, `_Episode.fork`) join the
+      loop (tree rollouts: `rollout.tree_harness`).
 
   Returns:
-    Trajectories in task order, each graded, with its reward breakdown; `metrics["grade_timed_out"]` is 1.0 where
-    the hidden tests hit their time limit (the reward then says nothing about the episode).
+    Trajectories in task order (then any forks in the order they were made), each graded, with its reward
+    breakdown; `metrics["grade_timed_out"]` is 1.0 where the hidden tests hit their time limit (the reward then says
+    nothing about the episode).
 
   Raises:
     SandboxStartError: an episode's workspace could not be forked (the ones already forked are closed).
@@ -394,6 +411,8 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
         raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
       for (ep, _), res in zip(batch, results, strict=True):
         ep.consume(res)
+      if branch is not None:
+        episodes += branch(episodes)
     if cfg.grade_workers <= 1 or len(episodes) <= 1:
       return [ep.close_and_score() for ep in episodes]
     with concurrent.futures.ThreadPoolExecutor(min(cfg.grade_workers, len(episodes))) as pool:

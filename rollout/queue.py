@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from rollout import queue_codec
+from rollout import queue_codec, tree_codec
+from rollout import tree as tree_lib
 from rollout.staleness import StalenessConfig
 
 GROUPS = "groups/"
@@ -210,7 +211,9 @@ class QueueProducer:
       policy_version = group_version(trajectories)
       if policy_version < 0:
         raise ValueError("no versions_T >= 0 in the group; pass policy_version explicitly")
-    n_rows = sum(len(t.get("segments", [None])) for t in trajectories)
+    n_rows = (len(tree_lib.group_rows(trajectories)) if tree_lib.is_tree_group(trajectories)  # shared rows once
+              else sum(len(t.get("segments", [None])) for t in trajectories))
+    tree["trajectories"] = tree_codec.share_prefixes(trajectories)   # a tree group's shared prefixes once
     arrays, skeleton = queue_codec.pack_tree(tree)
     return self.append(arrays, skeleton, policy_version=policy_version, n_rows=n_rows)
 
@@ -229,7 +232,7 @@ class ConsumedGroup:
     return queue_codec.unpack_tree(self.arrays, self.meta)
 
   def trajectories(self) -> list[dict]:
-    return self.tree()["trajectories"]
+    return tree_codec.restore_prefixes(self.tree()["trajectories"])
 
 
 def _empty_state() -> dict:

@@ -64,6 +64,8 @@ class Trajectory:
     metrics: logged numbers (pass fraction, counts of tool calls / errors, timings).
     messages: the human-readable transcript (chat_format messages) of all segments.
     stop_reason: 'finish' | 'max_turns' | 'max_segments' | 'abort'.
+    tree: where this trajectory's nodes lie when its group was sampled as a tree (`rollout.tree`); None in a flat
+      group.
   """
   task_id: str
   segments: list[Segment]
@@ -72,6 +74,7 @@ class Trajectory:
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   stop_reason: str = ""
+  tree: dict[str, Any] | None = None
 
   @property
   def n_generated(self) -> int:

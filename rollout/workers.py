@@ -22,11 +22,12 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from rollout import harness
+from rollout import harness, tree_harness
 from rollout.engines.protocol import Engine
 from rollout.queue import QueueProducer
 from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.task import Task
+from rollout.tree_harness import TreeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class WorkerConfig:
   max_groups: int | None = None      # stop after this many groups (None: until `should_stop`)
   group_attempts: int = 2            # tries per group when a sandbox fails to start or a grade times out
   max_drops_in_a_row: int = 10       # then stop with an error: the sandboxes or graders are broken, not one task
+  tree: TreeConfig | None = None     # sample each group as a tree (`rollout.tree_harness`) of samples_per_prompt leaves
 
   def __post_init__(self):
     if not 0 <= self.worker_index < self.n_workers:
@@ -47,6 +49,9 @@ class WorkerConfig:
                        f"{self.max_drops_in_a_row=}")
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group advantages need >= 2 samples")
+    if self.tree is not None and self.tree.size != self.samples_per_prompt:
+      raise ValueError(f"tree fanouts {self.tree.fanouts} give {self.tree.size} leaves per group, but "
+                       f"samples_per_prompt={self.samples_per_prompt}: the leaves are the group's samples")
 
   @property
   def producer_id(self) -> str:
@@ -73,9 +78,12 @@ def _write_index(path: str, index: int) -> None:
 
 
 def rollout_group(engine: Engine, tokenizer, task: Task, envs: EnvironmentCache, hcfg: harness.HarnessConfig,
-                  samples: int, seed: int) -> list:
-  """G trajectories of one task (seeds differ per sample through the harness's per-episode seeds)."""
+                  samples: int, seed: int, tree: TreeConfig | None = None) -> list:
+  """G trajectories of one task (seeds differ per sample through the harness's per-episode seeds); with `tree`,
+  the leaves of one tree of G (`rollout.tree_harness`)."""
   cfg = dataclasses.replace(hcfg, seed=seed)
+  if tree is not None:
+    return tree_harness.rollout_tree(engine, tokenizer, task, envs, cfg, tree)
   return harness.run_episodes(engine, tokenizer, [task] * samples, envs, cfg)
 
 
@@ -94,7 +102,7 @@ def whole_group(engine: Engine, tokenizer, task: Task, envs: EnvironmentCache, h
   failure = ""
   for attempt in range(1, cfg.group_attempts + 1):
     try:
-      trajs = rollout_group(engine, tokenizer, task, envs, hcfg, cfg.samples_per_prompt, seed)
+      trajs = rollout_group(engine, tokenizer, task, envs, hcfg, cfg.samples_per_prompt, seed, cfg.tree)
     except harness.SandboxStartError as e:
       cause, failure = "sandbox_start_failures", str(e)
     else:

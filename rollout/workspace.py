@@ -92,6 +92,10 @@ class WorkspaceFactory:
     """Freezes a workspace's current files as a new snapshot."""
     raise NotImplementedError
 
+  def delete_snapshot(self, snapshot) -> None:
+    """Releases a snapshot nothing will fork again; workspaces forked from it keep their files."""
+    raise NotImplementedError
+
   def close(self) -> None:
     raise NotImplementedError
 
@@ -174,6 +178,9 @@ class SandboxFactory(WorkspaceFactory):
     if not isinstance(workspace, SandboxWorkspace):
       raise TypeError(f"{type(self).__name__} cannot snapshot a {type(workspace).__name__}")
     return workspace.sb.snapshot()
+
+  def delete_snapshot(self, snapshot) -> None:
+    self.backend.delete_snapshot(snapshot)
 
   def close(self) -> None:
     self.backend.close()

@@ -1,8 +1,8 @@
 """rollout/tasks/miner.py on a real git repository built in the test: valid commits become tasks whose hidden
 tests fail before and pass with the gold patch; the others are rejected with the right reason. The repository holds
 the cases that once produced wrong labels: a test that errors before the fix, a fix whose test fails only in a
-subtest, a flaky test, a revert of a commit in the set, two commits with the same subject, a prompt that is only an
-issue reference."""
+subtest, a flaky test, a revert of a commit in the set (named in its message, or found only by its diff), a re-landed
+change, two commits with the same subject, a prompt that is only an issue reference."""
 
 import os
 import subprocess
@@ -107,6 +107,13 @@ def repo(tmp_path_factory):
                         "Fix an off-by-one error in the helpers")
   shas["dup2"] = commit(repo, {"steps.py": steps2.replace("x - 2", "x - 1"), "tests/test_steps.py": test_steps},
                         "Fix an off-by-one error in the helpers")
+  # A revert found only by its diff: no "This reverts commit" line, and a commit in between moves its lines.
+  shas["shift"] = commit(repo, {"steps.py": "# Step helpers.\n" + steps2.replace("x - 2", "x - 1")},
+                         "Say what the steps module holds")
+  shas["silent_revert"] = commit(repo, {"steps.py": "# Step helpers.\n" + steps2, "tests/test_steps.py": STEPS_TEST},
+                                 "Go back to steps of two in dec")
+  shas["reland"] = commit(repo, {"steps.py": "# Step helpers.\n" + steps2.replace("x - 2", "x - 1"),
+                                 "tests/test_steps.py": test_steps}, "Step dec by one like inc")
   return str(repo), shas
 
 
@@ -122,13 +129,16 @@ def mined(repo, tmp_path_factory):
 def test_rejections_name_their_reason(repo, mined):
   _, shas = repo
   _, tasks, reasons, lines = mined
+  inverse = "reverts an older commit in the set (its gold diff is the inverse of {}'s)"
   assert set(tasks) == {shas[k] for k in ("mul", "sub", "clamp_v1", "clamp_fix", "flaky", "triple", "dup1", "dup2")}
   assert reasons == {
     shas["init"]: "root commit (no parent to start from)", shas["docs"]: "no code file changed",
     shas["refactor"]: "no test goes from failing to passing", shas["code_only"]: "no test file changed",
     shas["issue_ref"]: "prompt not self-contained (0 words after dropping references < min_prompt_words=3)",
-    shas["revert"]: f"reverts a commit in the set ({shas['triple'][:12]})"}
-  assert "14 commits, kept 8, rejected 6" in lines[-1] and "prompt not self-contained x1" in lines[-1]
+    shas["revert"]: inverse.format(shas["triple"][:12]), shas["shift"]: "no test file changed",
+    shas["silent_revert"]: inverse.format(shas["dup2"][:12]),
+    shas["reland"]: f"repeats an older commit in the set (its gold diff is the same as {shas['dup2'][:12]}'s)"}
+  assert "17 commits, kept 8, rejected 9" in lines[-1] and "prompt not self-contained x1" in lines[-1]
 
 
 def test_labels_erroring_before_subtests_and_flaky(repo, mined):
@@ -208,6 +218,15 @@ def test_subdirectory_relative_path_and_bad_repos(repo, tmp_path, monkeypatch):
   c = miner.Candidate(shas["sub"], shas["mul"], "sub returns the wrong sign")
   task = miner.mine_commit(miner.repo_root(rel), c, envs, FAST)
   assert task.environment.repo == path  # stored absolute: the task works from any working directory
+
+
+def test_a_revert_named_only_by_its_message(repo, tmp_path):
+  """A revert whose conflicts were resolved by hand has no exact inverse diff: its message still rejects it."""
+  path, shas = repo
+  envs = environment.EnvironmentCache(LocalFactory(root=str(tmp_path / "ws")))
+  c = miner.Candidate(shas["dup1"], shas["revert"], 'Revert "Add triple"', f"This reverts commit {shas['triple']}.")
+  out = miner.mine_commit(path, c, envs, FAST, in_set=frozenset(shas.values()))
+  assert out == miner.Rejection(shas["dup1"], f"reverts a commit in the set ({shas['triple'][:12]})")
 
 
 def test_miner_rejects_a_broken_gold_patch(repo, tmp_path):

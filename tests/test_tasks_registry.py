@@ -62,7 +62,7 @@ def test_file_source_split_and_n(tmp_path, envs):
   train = registry.load_tasks(registry.SetSpec("file", path=path, split="train"), envs, log=lambda s: None)
   held = registry.load_tasks(registry.SetSpec("file", path=path, split="heldout"), envs, log=lambda s: None)
   assert sorted(t.id for t in train + held) == sorted(t.id for t in tasks) and held and train
-  assert {t.id for t in held} == {t.id for t in tasks if registry.split_of(t.id, 20) == "heldout"}
+  assert {t.id for t in held} == {t.id for t in tasks if registry.split_of(t, 20) == "heldout"}
   assert len(registry.load_tasks(registry.SetSpec("file", path=path, n=3), envs, log=lambda s: None)) == 3
 
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from composer_jax.interop import fp8 as fp8_lib
-from composer_jax.interop import hf_files
+from composer_jax.interop import hf_files, hf_mismatch
 from composer_jax.interop.hf_config import config_from_hf, config_to_hf
 from composer_jax.interop.hf_files import INDEX_FILE, SINGLE_FILE
 from composer_jax.interop.hf_names import Source, block_of, hub_tensors, leaf_paths, mtp_copies, read_block, sources
@@ -122,8 +122,12 @@ def read_params(ckpt: hf_files.Checkpoint, cfg: ModelConfig, mesh=None, rules: S
 def load_with_stats(path: str, *, mesh=None, rules: ShardingRules | None = None, missing_mtp: str = "init",
                     seed: int = 0, **config_overrides) -> tuple[ModelConfig, dict, ReadStats]:
   """`load`, also returning what this process read (`ReadStats`)."""
-  with open(os.path.join(path, "config.json")) as f:
-    d = json.load(f)
+  config_path = os.path.join(path, "config.json")
+  with open(config_path) as f:
+    try:
+      d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{config_path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
   file_cfg = config_from_hf(d)
   fmt = fp8_lib.BlockFP8.from_config(d.get("quantization_config"))
   cfg = dataclasses.replace(file_cfg, **config_overrides)
@@ -140,7 +144,7 @@ def load_with_stats(path: str, *, mesh=None, rules: ShardingRules | None = None,
                                  "(missing_mtp='drop' / num_nextn_predict_layers=0), a partial one cannot")
            for j in range(cfg.num_nextn_predict_layers)}
   ckpt = hf_files.Checkpoint(where, fmt)
-  hf_files.check(ckpt, want, optional, notes)
+  hf_files.check(ckpt, want, optional, notes, lambda: hf_mismatch.disagreements(cfg, set(where), ckpt.shape))
   params = read_params(ckpt, cfg, mesh, rules, fresh_mtp=fresh, seed=seed)
   return cfg, params, ReadStats(ckpt.bytes_read, fresh)
 

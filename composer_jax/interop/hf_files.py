@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from composer_jax.interop import fp8 as fp8_lib
 
@@ -25,17 +26,31 @@ if not hasattr(np, "float8_e4m3fn"):
   np.float8_e4m3fn = ml_dtypes.float8_e4m3fn
 
 
+def open_safetensors(file: str):
+  """`safe_open(file)`, or one error naming the file when it is truncated or corrupt (safetensors' own message
+  names neither the file nor the likely cause)."""
+  try:
+    return safe_open(file, framework="np")
+  except SafetensorError as e:
+    size = os.path.getsize(file)
+    raise ValueError(f"{file}: not a readable safetensors file ({size} bytes; {e}); it is truncated or corrupt — "
+                     "an interrupted download or copy? Fetch it again.") from None
+
+
 def tensor_files(path: str) -> dict[str, str]:
   """Map of tensor name → safetensors file holding it."""
   index = os.path.join(path, INDEX_FILE)
   if os.path.exists(index):
     with open(index) as f:
       weight_map = json.load(f)["weight_map"]
+    absent = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(path, v))})
+    if absent:
+      raise FileNotFoundError(f"{index} names {len(absent)} file(s) that are not in {path}: {absent[:5]}")
     return {k: os.path.join(path, v) for k, v in weight_map.items()}
   single = os.path.join(path, SINGLE_FILE)
   if not os.path.exists(single):
     raise FileNotFoundError(f"No {INDEX_FILE} or {SINGLE_FILE} in {path}")
-  with safe_open(single, framework="np") as f:
+  with open_safetensors(single) as f:
     return dict.fromkeys(f.keys(), single)
 
 
@@ -50,7 +65,7 @@ class Checkpoint:
   def _slice(self, name: str):
     file = self.where[name]
     if file not in self._handles:
-      self._handles[file] = safe_open(file, framework="np")
+      self._handles[file] = open_safetensors(file)
     return self._handles[file].get_slice(name)
 
   def shape(self, name: str) -> tuple[int, ...]:
@@ -78,10 +93,12 @@ def _show(xs: list[str]) -> str:
   return "\n  ".join(xs[:20]) + (f"\n  ... and {len(xs) - 20} more" if len(xs) > 20 else "")
 
 
-def check(ckpt: Checkpoint, want: dict[str, tuple[int, ...]], optional: set[str], notes: dict[str, str]) -> None:
+def check(ckpt: Checkpoint, want: dict[str, tuple[int, ...]], optional: set[str], notes: dict[str, str],
+          hints: Callable[[], list[str]] = list) -> None:
   """Raises one ValueError listing missing / unexpected / mis-shaped tensors and bad FP8 scales.
 
-  `notes` maps a missing tensor's name prefix to an explanation appended to the message.
+  `notes` maps a missing tensor's name prefix to an explanation appended to the message; `hints()` gives lines
+  put first (e.g. the config.json fields the tensors contradict).
   """
   names = set(ckpt.where)
   scales = {n for n in names if n.endswith(fp8_lib.SCALE_SUFFIX)}
@@ -99,7 +116,8 @@ def check(ckpt: Checkpoint, want: dict[str, tuple[int, ...]], optional: set[str]
     if weight not in names or ckpt.dtype(weight) != "F8_E4M3":
       unexpected.append(f"{s} (a scale for {weight}, which is {'absent' if weight not in names else 'not FP8'})")
   if missing or unexpected or bad_shape or bad_fp8:
-    msg = ["Checkpoint does not match its config.json:"]
+    where = os.path.dirname(next(iter(ckpt.where.values()), ""))
+    msg = [f"Checkpoint {where} does not match its config.json:", *hints()]
     if missing:
       msg.append(f"missing {len(missing)} tensor(s):\n  {_show(missing)}")
       msg += [note for prefix, note in notes.items() if any(m.startswith(prefix) for m in missing)]

@@ -10,6 +10,7 @@ start at the mean of the existing ones, so a new token's first logits are the av
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from composer_jax.interop import hf
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.params import shardings
+from composer_jax.train import tokenizer as tokenizer_lib
 
 RUN_FIELDS = ("moe_impl", "capacity_factor", "moe_matmul", "moe_scale", "attention_impl", "compute_dtype",
               "param_dtype", "scan_layers", "remat", "seq_aux_loss_coef", "initializer_range",
@@ -67,6 +69,11 @@ def from_hf(path: str, model_cfg: ModelConfig, *, min_vocab: int, mesh=None, rul
   """
   keep = RUN_FIELDS + tuple(may_differ)
   cfg, params = hf.load(path, mesh=mesh, rules=rules, **{f: getattr(model_cfg, f) for f in keep})
+  if any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tiktoken.model")):
+    # The checkpoint's own ids (before the chat-format tokens are added) must have embedding rows: more ids than
+    # config.json's vocab_size is another model's tokenizer, which growing the embedding would hide.
+    tok, fmt = tokenizer_lib.read_checkpoint_tokenizer(path)
+    tokenizer_lib.check_fits(tok, cfg.vocab_size, os.path.join(path, fmt), f"{path}/config.json vocab_size")
   diffs = [f"{f.name}: config.json {getattr(cfg, f.name)!r}, run config {getattr(model_cfg, f.name)!r}"
            for f in dataclasses.fields(ModelConfig)
            if f.name not in keep + ("vocab_size",)

@@ -20,6 +20,21 @@ short segments (a level-1 episode is ~150 of a 496-token row). Groups are never 
 
 A batch without `seq` (built by hand) is read as unpacked: sequence i is row i.
 
+Tree groups (`rollout.tree`; a group whose trajectories carry a `tree` spec) are a group's leaves, each a whole
+trajectory. Their credit is per token, so a batch that holds any tree group has two more fields, and the step
+uses them instead of its group advantages:
+
+  token_adv      f32   [R, L]   the advantage of each token's node (`rollout.tree.token_credit`)
+  loss_weight    f32   [R, L]   the number of leaves that share the token (1 for a flat group's tokens)
+
+and `gen_mask` is 1 only on the tokens a row trains: a node shared by several leaves is trained once, on its first
+leaf's row, with its leaf count as weight (the other rows hold it as context). A leaf's segment that trains nothing
+is left out (e.g. a whole segment before the branch point; only its last segment, which carries its reward, is
+always kept), so a prefix shared across a self-summary boundary is not stored twice. A prefix inside the segment
+where the branches start is repeated in each branch's row as context: attention only separates whole sequences
+(`segment_ids`), so each row needs its full context. Flat groups in such a batch get reward − group mean (the same
+numbers; `adv_std` is not available for trees). A batch of flat groups only is unchanged.
+
 Routing convention: `routing[:, i, p]` are the experts the engine used when token p was *input* at position p
 (what `model.hidden_states(routing=...)` replays, and SGLang's `routed_experts` layout). Engines that report prefill
 routing fill the prompt and tool-output positions too; positions never recorded are −1, and the RL step fills the
@@ -33,6 +48,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from rollout import tree as tree_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +70,8 @@ class BatchConfig:
 
 
 def segment_lengths(trajectories: Sequence[dict]) -> list[int]:
-  """Tokens of each segment of a group's trajectories, in batch order."""
-  return [len(seg["tokens_T"]) for t in trajectories for seg in t["segments"]]
+  """Tokens of each row (segment) a group contributes, in batch order."""
+  return [len(trajectories[ti]["segments"][si]["tokens_T"]) for ti, si in tree_lib.group_rows(trajectories)]
 
 
 class Packer:
@@ -104,7 +121,9 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
     dict of numpy arrays described in the module docstring.
   """
   S, L, Lm, K = cfg.rows, cfg.length, cfg.n_moe_layers, cfg.top_k
-  n_seq = sum(len(t["segments"]) for g in groups for t in g)
+  rows = [tree_lib.group_rows(g) for g in groups]
+  trees = any(tree_lib.is_tree_group(g) for g in groups)
+  n_seq = sum(map(len, rows))
   if n_seq > S:
     raise ValueError(f"{len(groups)} groups need {n_seq} rows but the batch has {S}; poll with max_rows={S}")
   for g in groups:
@@ -124,41 +143,52 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
          "first": np.zeros(S, np.float32), "valid": np.zeros(S, np.float32),
          "is_cap": np.full(S, cfg.is_cap, np.float32), "staleness": np.zeros(S, np.int32),
          "traj_gen_tokens": np.zeros(S, np.float32)}
+  if trees:
+    out |= {"token_adv": np.zeros((R, L), np.float32), "loss_weight": np.zeros((R, L), np.float32)}
   stale_cap = cfg.is_cap if cfg.stale_is_cap is None else cfg.stale_is_cap
   seg_id = {place: n + 1 for r in range(R)   # a row's sequences are numbered left to right from 1
             for n, place in enumerate(sorted(p for p in places if p[0] == r))}
   i = 0
-  for gi, group in enumerate(groups):
-    for traj in group:
+  for gi, (group, group_rows_) in enumerate(zip(groups, rows, strict=True)):
+    credit = tree_lib.token_credit(group) if trees else None
+    seen = set()
+    for ti, si in group_rows_:
+      traj, seg = group[ti], group[ti]["segments"][si]
       n_gen = sum(int(np.sum(s["gen_mask_T"])) for s in traj["segments"])
-      for si, seg in enumerate(traj["segments"]):
-        T = len(seg["tokens_T"])
-        r, o = places[i]
-        span = slice(o, o + T)
-        out["tokens"][r, span] = seg["tokens_T"]
-        out["segment_ids"][r, span] = seg_id[(r, o)]
-        out["positions"][r, span] = np.arange(T)
-        out["seq"][r, span] = i
+      T = len(seg["tokens_T"])
+      r, o = places[i]
+      span = slice(o, o + T)
+      out["tokens"][r, span] = seg["tokens_T"]
+      out["segment_ids"][r, span] = seg_id[(r, o)]
+      out["positions"][r, span] = np.arange(T)
+      out["seq"][r, span] = i
+      if credit is None:
         out["gen_mask"][r, span] = seg["gen_mask_T"]
-        out["gen_mask"][r, o] = 0.0
-        out["inf_logprobs"][r, span] = seg["logprobs_T"]
-        routed = seg.get("routed_TxNxK")
-        if routed is not None and Lm:
-          routed = np.asarray(routed)
-          if routed.shape[1:] != (Lm, K):
-            raise ValueError(f"task {traj.get('task_id')!r} routing has {routed.shape[1:]} (layers, top_k) per "
-                             f"token, the model has {(Lm, K)}")
-          out["routing"][:, r, span] = routed.transpose(1, 0, 2)
-        out["reward"][i] = traj["reward"]
-        out["passed"][i] = passed(traj)
-        out["group"][i] = gi
-        out["first"][i] = float(si == 0)
-        out["valid"][i] = 1.0
-        if over_stale is not None and over_stale[gi]:
-          out["is_cap"][i] = stale_cap
-        out["staleness"][i] = 0 if staleness is None else staleness[gi]
-        out["traj_gen_tokens"][i] = n_gen
-        i += 1
+      else:
+        c = credit[ti][si]
+        out["gen_mask"][r, span] = c["train_T"]
+        out["token_adv"][r, span] = c["advantage_T"]
+        out["loss_weight"][r, span] = c["weight_T"]
+      out["gen_mask"][r, o] = 0.0
+      out["inf_logprobs"][r, span] = seg["logprobs_T"]
+      routed = seg.get("routed_TxNxK")
+      if routed is not None and Lm:
+        routed = np.asarray(routed)
+        if routed.shape[1:] != (Lm, K):
+          raise ValueError(f"task {traj.get('task_id')!r} routing has {routed.shape[1:]} (layers, top_k) per "
+                           f"token, the model has {(Lm, K)}")
+        out["routing"][:, r, span] = routed.transpose(1, 0, 2)
+      out["reward"][i] = traj["reward"]
+      out["passed"][i] = passed(traj)
+      out["group"][i] = gi
+      out["first"][i] = float(ti not in seen)   # a trajectory's first row in the batch
+      seen.add(ti)
+      out["valid"][i] = 1.0
+      if over_stale is not None and over_stale[gi]:
+        out["is_cap"][i] = stale_cap
+      out["staleness"][i] = 0 if staleness is None else staleness[gi]
+      out["traj_gen_tokens"][i] = n_gen
+      i += 1
   if not math.isfinite(float(out["reward"].sum())):
     raise ValueError("non-finite reward in the batch")
   return out
@@ -167,7 +197,7 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
 def _place(groups: Sequence[Sequence[dict]], cfg: BatchConfig) -> list[tuple[int, int]]:
   """(row, offset) of every sequence: a row each unpacked; packed, `Packer` into `pack_rows` rows, or into S rows
   when the step is one group too large for them (`take_groups` gives such a group a step of its own)."""
-  lengths = [segment_lengths(g) for g in groups]
+  lengths = [segment_lengths(g) for g in groups]   # the rows of `make_batch`, in its order
   n_seq = sum(map(len, lengths))
   if not cfg.pack_rows:
     return [(i, 0) for i in range(n_seq)]

@@ -21,6 +21,12 @@ Advantage A_i = reward − mean of the rewards of the trajectories in its group 
 standard deviation, ddof = 0, + eps). Each trajectory counts once even when it spans several rows (segments of a
 self-summarization chain): all its rows carry the final reward and the same advantage.
 
+Tree groups (`rollout.tree`, `rl.batch`): A_t is per token (its node's advantage) and each token carries a loss
+weight n_t, the number of leaves that share it; a shared token is in the loss once, ℓ_t · n_t, which equals the loss
+of the leaves unrolled into flat rows (each shared token repeated n_t times). The 'tokens' denominator is then
+Σ n_t (the unrolled token count). The logged statistics (kl, importance ratios, clip fraction, gap, generated
+tokens) count each token once.
+
 Normalisation (`LossConfig.normalize`):
   'tokens'    Σ_t ℓ_t / (number of generated tokens in the batch) — the default. Every generated token has the
               same weight, so a long trajectory's tokens are not down-weighted (per-sequence means favour
@@ -104,7 +110,7 @@ def _masked_mean(x, m):
 
 def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.Array, adv: jax.Array,
                 mask_BxL: jax.Array, is_cap: jax.Array, cfg: LossConfig, seq_BxL: jax.Array | None = None,
-                num_seqs: int | None = None) -> tuple[jax.Array, dict]:
+                num_seqs: int | None = None, weight_BxL: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """The token-level policy-gradient loss and its statistics.
 
   Args:
@@ -117,6 +123,7 @@ def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.
     cfg: loss options.
     seq_BxL, num_seqs: the sequence of each token, in [0, num_seqs), for 'sequence' normalisation of packed rows
       (None: each row is one sequence).
+    weight_BxL: loss weight of each token (tree groups: the leaves that share it); None: 1 for every token.
   Returns:
     (loss, metrics): kl (mean k1), importance-ratio mean/min/max, clip_fraction (tokens with ρ > c),
     logprob_gap (mean |log π_θ − log μ|), generated_tokens.
@@ -135,16 +142,20 @@ def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.
   a_tok = adv_BxL - cfg.kl_coef * k1
   per_tok = -w * a_tok * jnp.exp(logp_BxL - lp_sg)
   n_tok = jnp.sum(m)
+  lw = m if weight_BxL is None else m * jax.lax.stop_gradient(weight_BxL).astype(jnp.float32)
   if cfg.normalize == "tokens":
-    loss = jnp.sum(per_tok * m) / jnp.maximum(n_tok, 1.0)
+    loss = jnp.sum(per_tok * lw) / jnp.maximum(n_tok if weight_BxL is None else jnp.sum(lw), 1.0)
   elif cfg.normalize == "sequence":
+    if weight_BxL is not None:
+      raise ValueError("normalize='sequence' (a mean per sequence) is not defined for tree groups, whose shared "
+                       "tokens belong to several leaves' sequences; use 'tokens' or 'constant'")
     if seq_BxL is None:
       seq_BxL, num_seqs = jnp.broadcast_to(jnp.arange(B)[:, None], (B, L)), B
     n_S = jax.ops.segment_sum(m.ravel(), seq_BxL.ravel(), num_segments=num_seqs)
     sums_S = jax.ops.segment_sum((per_tok * m).ravel(), seq_BxL.ravel(), num_segments=num_seqs)
     loss = jnp.sum(sums_S / jnp.maximum(n_S, 1.0)) / jnp.maximum(jnp.sum(n_S > 0), 1)
   else:
-    loss = jnp.sum(per_tok * m) / (cfg.norm_constant if cfg.norm_constant is not None else B * L)
+    loss = jnp.sum(per_tok * lw) / (cfg.norm_constant if cfg.norm_constant is not None else B * L)
   big = jnp.finfo(jnp.float32).max
   metrics = {"kl": _masked_mean(k1, m), "importance_ratio_mean": _masked_mean(ratio, m),
              "importance_ratio_max": jnp.max(jnp.where(m > 0, ratio, -big)),

@@ -181,8 +181,14 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   adv_S = losses.group_advantages(batch["reward"], batch["group"], batch["first"], batch["valid"],
                                   scale_by_std=rl_cfg.loss.adv_std, eps=rl_cfg.loss.adv_eps)
   seq, S = sequence_index(batch)
-  loss, loss_metrics = losses.policy_loss(logp, batch["inf_logprobs"], ref_logp, adv_S[seq], mask,
-                                          batch["is_cap"][seq], rl_cfg.loss, seq_BxL=seq, num_seqs=S)
+  adv, weight = adv_S[seq], None
+  if "token_adv" in batch:   # tree groups: per-token credit and leaf-count weights from `rl.batch`
+    if rl_cfg.loss.adv_std:
+      raise ValueError("rl.loss.adv_std is not available for tree groups (their advantages are per node)")
+    adv, weight = batch["token_adv"], batch["loss_weight"]
+  loss, loss_metrics = losses.policy_loss(logp, batch["inf_logprobs"], ref_logp, adv, mask,
+                                          batch["is_cap"][seq], rl_cfg.loss, seq_BxL=seq, num_seqs=S,
+                                          weight_BxL=weight)
   metrics.update(loss_metrics)
   metrics["pg_loss"] = loss
   if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:
@@ -238,12 +244,14 @@ def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shar
                  out_shardings=(state_shardings, None), donate_argnums=0)
 
 
-def batch_shardings(mesh, rules: ShardingRules | None = None) -> dict:
+def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = False) -> dict:
   """NamedShardings for `make_batch`'s fields, laid out as the LM trainer's batch (`parallel.layout.batch_spec`):
   rows over the `batch` mesh axes, length over the `seq` ones; routing [Lm, B, L, K] likewise on its B and L axes.
-  The per-sequence [S] fields are replicated: they are small, and a packed row's tokens index any of them."""
+  The per-sequence [S] fields are replicated: they are small, and a packed row's tokens index any of them.
+  `trees`: the batches hold tree groups (their `token_adv` and `loss_weight` fields)."""
   rows_spec, seq_spec = layout.batch_spec(mesh, rules if rules is not None else ShardingRules())
   per_token = ("tokens", "segment_ids", "positions", "seq", "gen_mask", "inf_logprobs")
+  per_token += ("token_adv", "loss_weight") if trees else ()
   per_seq = ("reward", "passed", "group", "first", "valid", "is_cap", "staleness", "traj_gen_tokens")
   out = {k: NamedSharding(mesh, P(rows_spec, seq_spec)) for k in per_token}
   out |= {k: NamedSharding(mesh, P()) for k in per_seq}

@@ -163,10 +163,21 @@ def padded_vocab_size(tok: tokenizers.Tokenizer, multiple: int = 128) -> int:
   return -(-id_space(tok) // multiple) * multiple
 
 
+def check_fits(tok: tokenizers.Tokenizer, vocab_size: int, tokenizer_file: str, vocab_field: str) -> None:
+  """Raises, naming the tokenizer file and the model field, when `tok` has ids the model's embedding has no row for
+  (an embedding lookup past its last row would silently read another token's row)."""
+  n = id_space(tok)
+  if n > vocab_size:
+    raise ValueError(f"{tokenizer_file} has {n} token ids (the largest {n - 1}), but the model's embedding has "
+                     f"{vocab_size} rows ({vocab_field}={vocab_size}): this tokenizer is not the model's, or "
+                     f"{vocab_field} is wrong")
+
+
 ADDITIONS_FILE = "tokenizer_additions.json"
 
 
-def _read_checkpoint_tokenizer(directory: str) -> tuple[tokenizers.Tokenizer, str]:
+def read_checkpoint_tokenizer(directory: str) -> tuple[tokenizers.Tokenizer, str]:
+  """(tokenizer, the file it came from: "tokenizer.json" or "tiktoken.model") of a checkpoint directory."""
   path = os.path.join(directory, "tokenizer.json")
   if os.path.isfile(path):
     return tokenizers.Tokenizer.from_file(path), "tokenizer.json"
@@ -188,7 +199,7 @@ def from_checkpoint(src: str, dst: str, cfg: TokenizerConfig = TokenizerConfig()
     (tokenizer with `encode_special_tokens = True`, the record also written to `dst/tokenizer_additions.json`:
     source, format, id space before and after, {token: id} added, and the source's replaced config fields).
   """
-  tok, fmt = _read_checkpoint_tokenizer(src)
+  tok, fmt = read_checkpoint_tokenizer(src)
   before = id_space(tok)
   missing = [t for t in cf.SPECIAL_TOKENS if tok.token_to_id(t) is None]
   tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in missing])

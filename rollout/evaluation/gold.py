@@ -5,17 +5,24 @@ reason and excluded from evaluation.
 Each check runs in a fresh fork of the task's environment snapshot (sandboxed when the cache's factory is), with
 the same `grade` the harness uses, so a valid task is one the harness can score 0 and 1. A required test whose
 result differs between runs of one side is flaky: the task is invalid (its reward would be noise), and the
-flaky tests are named. A timeout is reported as one, never as a failing test.
+flaky tests are named. A timeout is reported as one, never as a failing test. A task whose repository's project
+has a copy readable through the workspace's interpreter that is newer than the task's commit is invalid
+(`rollout/tasks/copies.py`): a set mined with another interpreter is checked against this one's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
-from rollout.tasks.environment import EnvironmentBuildError, EnvironmentCache, TestReport, apply_patch, grade
+from rollout.evaluation.gold_cache import GoldCache
+from rollout.tasks import copies
+from rollout.tasks.environment import EnvironmentBuildError, EnvironmentCache, TestReport, apply_patch, describe, grade
 from rollout.tasks.progress import Progress
 from rollout.tasks.task import Task
+
+NO_APPLY = "gold patch does not apply"  # to a frozen set's environment: the environment has changed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +59,8 @@ def _grade_side(task: Task, envs: EnvironmentCache, gold: bool) -> tuple[TestRep
     if gold:
       res = apply_patch(ws, task.gold_patch)
       if not res.ok:
-        return f"gold patch does not apply: {res.output.strip()[-200:]}", {}
+        return (f"{NO_APPLY} (task field gold_patch, to {describe(task.environment)}): "
+                f"{res.output.strip()[-300:]}"), {}
       post = {p: ws.read_file(p) for p in _changed_paths(task.gold_patch) if ws.exists(p)}
     return grade(ws, task.tests), post
   finally:
@@ -63,14 +71,19 @@ def _flaky(reports: Sequence[TestReport]) -> list[str]:
   return sorted(t for t in reports[0].results if len({r.results[t] for r in reports}) > 1)
 
 
-def check_task(task: Task, envs: EnvironmentCache, runs: int = 2) -> GoldCheck:
-  """Validates one task (see the module docstring)."""
+def check_task(task: Task, envs: EnvironmentCache, runs: int = 2,
+               readable: copies.ReadableCopies | None = None) -> GoldCheck:
+  """Validates one task (see the module docstring); `readable`: the copies of its repository's project that the
+  workspace's interpreter can read (a task older than one is invalid: its future is readable)."""
   if not task.gold_patch.strip():
     return GoldCheck(task.id, False, "no gold patch")
   try:
     envs.snapshot(task.environment)
   except EnvironmentBuildError as e:
     return GoldCheck(task.id, False, f"environment does not build: {e}")
+  why = readable.refusal(task.environment.commit) if readable else ""
+  if why:
+    return GoldCheck(task.id, False, why)
   sides = {}
   post: dict[str, str] = {}
   for side, gold in (("unpatched", False), ("gold", True)):
@@ -98,15 +111,36 @@ def check_task(task: Task, envs: EnvironmentCache, runs: int = 2) -> GoldCheck:
   return GoldCheck(task.id, True, "", post, max(r.wall_s for r in sides["gold"]))
 
 
-def validate(tasks: Sequence[Task], envs: EnvironmentCache, runs: int = 2,
-             progress: bool = True) -> tuple[list[Task], list[GoldCheck]]:
-  """Returns (valid tasks in order, every task's check); a progress bar counts valid tasks and invalid reasons."""
+def _readable(task: Task, envs: EnvironmentCache, found: dict[str, copies.ReadableCopies]):
+  """The readable copies of the task's repository's project (None for a task without a repository, or one that is
+  not there: its environment does not build, which `check_task` reports)."""
+  repo = task.environment.repo
+  if not repo or not os.path.isdir(repo):
+    return None
+  if repo not in found:
+    try:
+      found[repo] = copies.find(repo, envs)
+    except EnvironmentBuildError:  # not a git repository: the environment build says so
+      return None
+  return found[repo]
+
+
+def validate(tasks: Sequence[Task], envs: EnvironmentCache, runs: int = 2, progress: bool = True,
+             cache: GoldCache | None = None) -> tuple[list[Task], list[GoldCheck]]:
+  """Returns (valid tasks in order, every task's check); a progress bar counts valid tasks and invalid reasons.
+  With a `cache`, a task whose task, environment and grader are unchanged since a stored check is not graded
+  again (`gold_cache.py`)."""
   if runs < 2:
     raise ValueError(f"gold validation runs each side at least twice (to find flaky tests), got runs={runs}")
   checks = []
+  readable: dict[str, copies.ReadableCopies] = {}  # repository -> its project's readable copies, found once
   with Progress("gold validation", len(tasks), progress) as bar:
     for t in tasks:
-      c = check_task(t, envs, runs)
+      key = cache.key(t, envs, runs) if cache else None
+      stored = cache.get(key) if cache else None
+      c = GoldCheck(**stored) if stored else check_task(t, envs, runs, _readable(t, envs, readable))
+      if cache and not stored:
+        cache.put(key, c)
       checks.append(c)
       if c.valid:
         bar.kept()

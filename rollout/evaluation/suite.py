@@ -4,7 +4,8 @@ runner, `runner.run_policy`), then write summaries and the Pareto plot of every 
 
 Output layout under `out_dir`:
   set_stats.txt / set_stats.json          statistics of every set loaded (before validation)
-  <set>/gold.jsonl                        every task's gold check (valid, reason); reused on resume
+  <set>/gold.jsonl                        every task's gold check (valid, reason); checks are stored by content
+                                          (`gold_cache.py`) and reused by any later evaluation, resumed or not
   <set>/contamination.json                flagged task ids -> fraction found (when a corpus is given)
   <set>/<policy>/results.jsonl, run.json  per-task results and the settings that define them (see `runner`)
   <set>/summary.json, summary.txt         metrics of every policy present in <set>/ (not only this run's)
@@ -13,6 +14,7 @@ Output layout under `out_dir`:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -20,8 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rollout import harness
 from rollout.evaluation import contamination, gold, metrics, report, runner, stats
+from rollout.evaluation.gold_cache import GoldCache
 from rollout.evaluation.policies import oracle_turn_tokens
 from rollout.tasks.environment import EnvironmentCache
+from rollout.tasks.progress import reason_kind
 from rollout.tasks.task import Task
 
 VALIDITY = {"oracle": 1.0, "noop": 0.0}  # policy -> the score it must get on every sample of every valid task
@@ -37,17 +41,16 @@ class Policy:
   active_params: int = 0
 
 
-def _gold_cached(name: str, tasks: Sequence[Task], envs: EnvironmentCache, path: str, runs: int,
-                 log: Log) -> list[gold.GoldCheck]:
-  fp = runner.set_fingerprint(tasks)
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      rows = [json.loads(line) for line in f if line.strip()]
-    if rows and rows[0].get("set") == fp and rows[0].get("runs") == runs:
-      return [gold.GoldCheck(**r) for r in rows[1:]]
-  _, checks = gold.validate(tasks, envs, runs)
+def _gold_checks(name: str, tasks: Sequence[Task], envs: EnvironmentCache, path: str, runs: int,
+                 cache: GoldCache | None, log: Log) -> list[gold.GoldCheck]:
+  """Every task's gold check (stored ones reused from `cache`), also written to `path`."""
+  hits = cache.hits if cache else 0
+  _, checks = gold.validate(tasks, envs, runs, cache=cache)
+  if cache:
+    log(f"[{name}] gold validation: {cache.hits - hits}/{len(tasks)} checks reused from {cache.directory} "
+        "(task, environment and grader unchanged)")
   with open(path, "w", encoding="utf-8") as f:
-    f.write(json.dumps({"set": fp, "runs": runs}) + "\n")
+    f.write(json.dumps({"set": runner.set_fingerprint(tasks), "runs": runs}) + "\n")
     f.writelines(json.dumps(dataclasses.asdict(c)) + "\n" for c in checks)
   for c in checks:
     if not c.valid:
@@ -69,9 +72,10 @@ def _write_set_stats(sets: Mapping[str, Sequence[Task]], out_dir: str, log: Log)
 
 
 def _valid_tasks(name: str, tasks: Sequence[Task], envs: EnvironmentCache, sdir: str, index, exclude: bool,
-                 gold_runs: int, log: Log) -> tuple[list[Task], list[gold.GoldCheck], dict[str, float]]:
+                 gold_runs: int, cache: GoldCache | None,
+                 log: Log) -> tuple[list[Task], list[gold.GoldCheck], dict[str, float]]:
   """(tasks to evaluate, every gold check, contaminated id -> fraction)."""
-  checks = _gold_cached(name, tasks, envs, os.path.join(sdir, "gold.jsonl"), gold_runs, log)
+  checks = _gold_checks(name, tasks, envs, os.path.join(sdir, "gold.jsonl"), gold_runs, cache, log)
   valid = [t for t, c in zip(tasks, checks, strict=True) if c.valid]
   flagged = {}
   if index is not None:
@@ -83,7 +87,9 @@ def _valid_tasks(name: str, tasks: Sequence[Task], envs: EnvironmentCache, sdir:
       valid = [t for t in valid if t.id not in flagged]
   log(f"[{name}] {len(valid)}/{len(tasks)} tasks valid for evaluation")
   if not valid:
-    raise ValueError(f"set {name!r} has no valid tasks; see {sdir}/gold.jsonl")
+    kinds = collections.Counter(reason_kind(c.reason) for c in checks if not c.valid)
+    raise ValueError(f"set {name!r} has no valid tasks ({'; '.join(f'{k} x{n}' for k, n in kinds.most_common(3))}"
+                     f"); every task's reason is in {sdir}/gold.jsonl")
   return valid, checks, flagged
 
 
@@ -145,7 +151,7 @@ def _run_policies(name: str, valid: Sequence[Task], pols: Mapping[str, Policy], 
 def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy], envs: EnvironmentCache,
              harness_cfg: harness.HarnessConfig, out_dir: str, run_cfg: runner.SampleConfig | None = None,
              corpus: str = "", exclude_contaminated: bool = True, contamination_cfg=None, gold_runs: int = 2,
-             log: Log = print) -> dict[str, dict]:
+             gold_cache: GoldCache | None = None, log: Log = print) -> dict[str, dict]:
   """Runs every policy on every set (see the module docstring).
 
   Args:
@@ -159,6 +165,8 @@ def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy],
     exclude_contaminated: drop flagged tasks from evaluation (they are always reported).
     contamination_cfg: `contamination.ContaminationConfig` (default when None).
     gold_runs: gold validation runs of each side (>= 2: flaky tests make a task invalid).
+    gold_cache: stored gold checks, reused while task, environment and grader are unchanged (None: a cache in the
+      default directory, `gold_cache.default_dir()`).
     log: progress lines.
 
   Returns:
@@ -167,6 +175,7 @@ def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy],
     "validity_failures": {"oracle"/"noop": [task ids scoring other than 1 / 0, over-budget ones left out]}}.
   """
   run_cfg = run_cfg or runner.SampleConfig()
+  gold_cache = gold_cache or GoldCache()
   os.makedirs(out_dir, exist_ok=True)
   _write_set_stats(sets, out_dir, log)
   index = contamination.CorpusIndex(contamination.read_corpus(corpus),
@@ -175,7 +184,8 @@ def evaluate(sets: Mapping[str, Sequence[Task]], policies: Mapping[str, Policy],
   for name, tasks in sets.items():
     sdir = os.path.join(out_dir, name)
     os.makedirs(sdir, exist_ok=True)
-    valid, checks, flagged = _valid_tasks(name, tasks, envs, sdir, index, exclude_contaminated, gold_runs, log)
+    valid, checks, flagged = _valid_tasks(name, tasks, envs, sdir, index, exclude_contaminated, gold_runs,
+                                          gold_cache, log)
     tok = (policies.get("oracle") or next(iter(policies.values()))).tokenizer
     over = oracle_over_budget(valid, tok, harness_cfg) if tok is not None else {}
     for tid, n in over.items():

@@ -201,7 +201,20 @@ def grade(ws: Workspace, tests: HiddenTests) -> TestReport:
 
 
 def apply_patch(ws: Workspace, patch: str, timeout_s: float = 60.0) -> CommandResult:
-  """Applies a unified diff in the workspace root (git apply, falling back to patch -p1 outside git trees)."""
+  """Applies a unified diff in the workspace root: `git apply`, else `patch -p1` (which tolerates fuzz) if a dry run
+  of it applies every hunk. When neither applies, nothing is changed and the output is git's, which names the file
+  and line that do not match."""
   ws.write_file(".gold.patch", patch)
-  return ws.run("(git apply --whitespace=nowarn .gold.patch 2>/dev/null || patch -s -p1 -f < .gold.patch);"
-                " s=$?; rm -f .gold.patch; exit $s", timeout_s=timeout_s)
+  return ws.run("if git apply --whitespace=nowarn .gold.patch 2>.gold.err; then s=0; "
+                "elif patch -s -p1 -f --dry-run < .gold.patch >/dev/null 2>&1; then "
+                "patch -s -p1 -f < .gold.patch; s=$?; "
+                "else cat .gold.err; s=1; fi; rm -f .gold.patch .gold.err; exit $s", timeout_s=timeout_s)
+
+
+def describe(env: Environment) -> str:
+  """Where an environment's files come from, for error messages."""
+  if env.repo:
+    return f"the repository {env.repo} at {env.commit}"
+  if env.base_dir:
+    return f"the directory {env.base_dir}"
+  return f"{len(env.files)} inline files"

@@ -2,9 +2,12 @@
 
 For each non-merge commit C with parent P (newest first, `max_commits` of them):
   1. split its changes into test files (`test_pattern`) and code files (`code_suffixes`); both must change;
-  2. prompt = the commit subject and body with what the agent cannot follow dropped (`prompts.py`); reverts of
-     commits in the set and prompts that are not self-contained are rejected;
-  3. gold patch = the code diff; hidden tests = the test diff;
+  2. prompt = the commit subject and body with what the agent cannot follow dropped (`prompts.py`); prompts that
+     are not self-contained are rejected;
+  3. gold patch = the code diff; hidden tests = the test diff. A commit whose gold diff undoes (or repeats) the
+     gold diff of an older commit in the set is rejected (`diffkey.py`: a revert is found by its diff, whatever
+     its message says), and so is one whose message names a reverted commit in the set; so is a commit older than
+     a copy of the project the workspace's interpreter can read (`copies.py`: an installed or vendored copy);
   4. validate in workspaces forked from the repository at P (holding only P's history): run the changed test files
      with the test patch applied, `runs_per_side` times without and with the gold patch, reading each run's
      machine-readable report. fail_to_pass = tests that fail, error or cannot even be collected in every run before
@@ -22,8 +25,9 @@ import dataclasses
 import os
 import re
 import shlex
+from collections.abc import Mapping
 
-from rollout.tasks import prompts
+from rollout.tasks import copies, diffkey, prompts
 from rollout.tasks.environment import EnvironmentCache, TestRun, apply_patch, git, run_tests
 from rollout.tasks.progress import Progress
 from rollout.tasks.task import Environment, HiddenTests, Task
@@ -169,15 +173,36 @@ def _split_changes(repo: str, c: Candidate, cfg: MinerConfig) -> tuple[list[str]
   return code, [p for _, p in tests], to_run
 
 
+def gold_diff(repo: str, c: Candidate, code: list[str]) -> str:
+  """The commit's gold patch: its diff of the code files `code`."""
+  return git(repo, "diff", "--no-renames", c.parent, c.commit, "--", *code, error=MiningError)
+
+
 def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfig = MinerConfig(),
-                in_set: frozenset[str] = frozenset()) -> Task | Rejection:
-  """One candidate commit -> a validated Task, or a Rejection with the reason. `in_set`: shas of the commits mined
-  together with it (a revert of one of them is no task)."""
+                in_set: frozenset[str] = frozenset(), older: Mapping[str, str] | None = None,
+                readable: copies.ReadableCopies | None = None) -> Task | Rejection:
+  """One candidate commit -> a validated Task, or a Rejection with the reason.
+
+  Args:
+    in_set: shas of the commits mined together with it (a commit whose message reverts one of them is no task).
+    older: gold-diff fingerprint (`diffkey.fingerprint`) -> sha of the commits in the set older than `c`: a commit
+      whose gold diff is the inverse of one of them (a revert) or equal to one (a re-land, a cherry-pick) is no task.
+    readable: copies of the project the workspace's interpreter can read (`copies.find`): a commit whose parent is
+      older than one of them is no task (its future would be readable).
+  """
   if not c.parent:
     return Rejection(c.commit, "root commit (no parent to start from)")
   changes = _split_changes(repo, c, cfg)
   if isinstance(changes, str):
     return Rejection(c.commit, changes)
+  code, test_paths, to_run = changes
+  gold = gold_diff(repo, c, code)
+  change = diffkey.change_of(gold)
+  for what, fp in (("repeats", diffkey.fingerprint(change)),
+                   ("reverts", diffkey.fingerprint(diffkey.inverse(change)))):
+    if fp and fp in (older or {}):
+      return Rejection(c.commit, f"{what} an older commit in the set (its gold diff is "
+                       f"{'the inverse of' if what == 'reverts' else 'the same as'} {older[fp][:12]}'s)")
   reverted = prompts.reverted_commit(c.subject, c.body)
   if reverted and any(s.startswith(reverted) for s in in_set):
     return Rejection(c.commit, f"reverts a commit in the set ({reverted[:12]})")
@@ -185,8 +210,9 @@ def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfi
   why = prompts.not_self_contained(prompt, cfg.min_prompt_words)
   if why:
     return Rejection(c.commit, why)
-  code, test_paths, to_run = changes
-  gold = git(repo, "diff", "--no-renames", c.parent, c.commit, "--", *code, error=MiningError)
+  why = readable.refusal(c.parent) if readable else ""
+  if why:
+    return Rejection(c.commit, why)
   test_patch = git(repo, "diff", "--no-renames", c.parent, c.commit, "--", *test_paths, error=MiningError)
   env = Environment(repo=repo, commit=c.parent, setup=cfg.setup)
   command = cfg.test_command.format(files=" ".join(shlex.quote(p) for p in to_run))
@@ -214,6 +240,12 @@ def mine_commit(repo: str, c: Candidate, envs: EnvironmentCache, cfg: MinerConfi
                         "failed_after": sorted(t for t, s in after[-1].results.items() if s != "PASSED")})
 
 
+def _gold_fingerprint(repo: str, c: Candidate, cfg: MinerConfig) -> str:
+  """`diffkey.fingerprint` of the commit's gold diff ("" for a commit that cannot be a task)."""
+  changes = _split_changes(repo, c, cfg) if c.parent else "root"
+  return "" if isinstance(changes, str) else diffkey.fingerprint(diffkey.change_of(gold_diff(repo, c, changes[0])))
+
+
 def mine(repo: str, envs: EnvironmentCache, cfg: MinerConfig = MinerConfig(),
          log=print) -> tuple[list[Task], list[Rejection]]:
   """Mines every candidate commit of `repo` (newest first).
@@ -230,10 +262,13 @@ def mine(repo: str, envs: EnvironmentCache, cfg: MinerConfig = MinerConfig(),
   repo = repo_root(repo)
   cands = candidates(repo, cfg)
   in_set = frozenset(c.commit for c in cands)
+  fps = [_gold_fingerprint(repo, c, cfg) for c in cands]
+  readable = copies.find(repo, envs)
   tasks, rejected = [], []
   with Progress(f"mine {os.path.basename(repo)}", len(cands), cfg.progress) as bar:
-    for c in cands:
-      out = mine_commit(repo, c, envs, cfg, in_set)
+    for i, c in enumerate(cands):  # newest first: the commits after c in `cands` are older than it
+      older = {fp: cand.commit for fp, cand in zip(fps[i + 1:], cands[i + 1:], strict=True) if fp}
+      out = mine_commit(repo, c, envs, cfg, in_set, older, readable)
       if isinstance(out, Task):
         tasks.append(out)
         bar.kept()

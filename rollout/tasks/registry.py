@@ -10,8 +10,10 @@ Sources (see rollout/tasks/README.md for how to add one):
   file        a frozen set file `path` (written by `rollout/evaluation/builder.py`; its sha256 is checked).
 
 Every finite source (all but procedural) can be split too: `split="all"` (the default) keeps every task, "train" /
-"heldout" keep the tasks whose id hashes to that side (`heldout_percent` of them held out), so RL can train on a
-mined set and be evaluated on the rest of it. `n > 0` keeps the first n (source order), 0 keeps all.
+"heldout" keep the tasks whose split key hashes to that side (`heldout_percent` of them held out), so RL can train on
+a mined set and be evaluated on the rest of it. The split key is the gold patch's `diffkey.family_key` (the id for a
+task without one): a change and its revert, or two copies of one change, can never straddle the split. `n > 0`
+keeps the first n (source order), 0 keeps all.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import hashlib
 import os
 from collections.abc import Callable
 
-from rollout.tasks import miner, procedural, setfile, swe
+from rollout.tasks import diffkey, miner, procedural, setfile, swe
 from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.miner import MinerConfig
 from rollout.tasks.task import Task
@@ -95,9 +97,16 @@ class SetSpec:
       (f"-n{self.n}" if self.n and self.kind != "procedural" else "")
 
 
-def split_of(task_id: str, heldout_percent: int) -> str:
-  """'train' or 'heldout' for a task of a finite source, by a hash of its id (stable across runs and machines)."""
-  h = int(hashlib.sha256(task_id.encode()).hexdigest()[:8], 16) % 100
+def split_key(task: Task) -> str:
+  """What decides a finite source's split: the gold patch's family key (a change, its revert and their copies
+  share it), or the task id when the gold patch changes no line."""
+  return diffkey.family_key(task.gold_patch) or task.id
+
+
+def split_of(task: Task, heldout_percent: int) -> str:
+  """'train' or 'heldout' for a task of a finite source, by a hash of `split_key` (stable across runs and
+  machines)."""
+  h = int(hashlib.sha256(split_key(task).encode()).hexdigest()[:8], 16) % 100
   return "heldout" if h < heldout_percent else "train"
 
 
@@ -111,7 +120,7 @@ def load_tasks(spec: SetSpec, envs: EnvironmentCache, log: Log = print) -> list[
   """
   tasks = SOURCES[spec.kind](spec, envs, log)
   if spec.kind != "procedural" and spec.split != "all":
-    tasks = [t for t in tasks if split_of(t.id, spec.heldout_percent) == spec.split]
+    tasks = [t for t in tasks if split_of(t, spec.heldout_percent) == spec.split]
   if spec.n:
     tasks = tasks[:spec.n]
   seen: dict[str, int] = {}

@@ -1,0 +1,226 @@
+"""rollout/tree_harness.py: a group run as a tree — forked sandboxes equal a replay (on the unisolated local backend
+and on bubblewrap's overlay forks), shared context, the worker."""
+import dataclasses
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from composer_jax.rl import batch as rl_batch
+from composer_jax.rl import warmstart
+from rollout import chat_format as cf
+from rollout import harness, tree_codec, tree_harness, workers
+from rollout import tree as tree_lib
+from rollout.engines import scripted
+from rollout.engines.protocol import GenerateResult
+from rollout.queue import QueueConsumer, QueueProducer
+from rollout.rewards import RewardConfig
+from rollout.staleness import StalenessConfig
+from rollout.tasks import procedural
+from rollout.tasks.environment import EnvironmentCache, grade
+from rollout.tools import ToolBox
+from rollout.workspace import LocalFactory, SandboxFactory, SandboxWorkspace
+from tests.test_tree_codec import assert_same
+
+HCFG = harness.HarnessConfig(system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=1024, max_turn_tokens=128,
+                             observation_reserve=128, max_turns=4, max_segments=1,
+                             rewards=RewardConfig(lint_weight=0.0), grade_workers=1)   # closed in order
+
+
+def recording_factory(base, **kwargs):
+  """A `base` factory whose workspaces record a digest of their files when closed (after grading), for the replay
+  comparison."""
+  class Recording(base):
+    closed: list[dict[str, str]] = []
+
+    def fork(self, snapshot):
+      ws = super().fork(snapshot)
+      ws.__class__ = RecordingWorkspace
+      ws.factory = self
+      return ws
+  return Recording(**kwargs)
+
+
+class RecordingWorkspace(SandboxWorkspace):
+  def close(self):
+    if not self.sb.closed:
+      self.factory.closed.append(files(self))
+    super().close()
+
+
+def files(ws) -> dict[str, str]:
+  """Every file's sha256 except what grading writes differently per run (its report, caches)."""
+  out = ws.run("find . -type f -not -path '*cache*' -not -name '*.xml' | sort | xargs sha256sum").output
+  return dict(line.split()[::-1] for line in out.splitlines())
+
+
+class BranchingEngine:
+  """Turn 0 writes a shared file; turn 1 writes a file named after the request's seed and appends to the shared
+  one (so branches differ); turn 2 finishes. Episode 1 finishes at once (a leaf before the branch point)."""
+
+  def __init__(self, tok):
+    self.tok, self.requests = tok, []
+    self.assistant = cf.special_id(tok, cf.ASSISTANT)
+
+  def _message(self, req) -> dict:
+    turn = list(req.prompt_ids).count(self.assistant) - 1
+    seed = req.params.seed % 1000
+    call = lambda name, **a: {"name": name, "arguments": a}  # noqa: E731
+    if turn == 0 and "#1/" in req.request_id:
+      return {"content": "", "tool_calls": [call("finish", message="gave up")]}
+    if turn == 0:
+      return {"content": "", "tool_calls": [call("write_file", path="notes/shared.txt", content="trunk\n")]}
+    if turn == 1:
+      return {"content": "", "tool_calls": [call("shell", command=f"echo {seed} >> notes/shared.txt"),
+                                            call("write_file", path=f"notes/b{seed}.txt", content=str(seed))]}
+    return {"content": "", "tool_calls": [call("finish", message="done")]}
+
+  def generate(self, requests):
+    self.requests += requests
+    out = []
+    for req in requests:
+      ids = scripted.encode_assistant(self.tok, self._message(req))
+      out.append(GenerateResult(np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32), None, 0, "stop"))
+    return out
+
+
+@pytest.fixture(scope="module", params=["local", "bwrap"])
+def setting(request, tmp_path_factory):
+  if request.param == "bwrap" and os.geteuid() != 0:
+    pytest.skip("the bwrap backend needs root (overlay mounts)")
+  pool = procedural.generate(2, seed=3, level=1)
+  tok = warmstart.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
+  factory = recording_factory(LocalFactory, root=str(tmp_path_factory.mktemp("ws"))) if request.param == "local" \
+    else recording_factory(SandboxFactory, backend="bwrap")
+  envs = EnvironmentCache(factory)
+  yield pool, tok, envs
+  envs.factory.close()
+
+
+def replay(envs, task, traj) -> dict[str, str]:
+  """A fresh workspace running the leaf's tool calls from the start, graded the same way."""
+  ws = envs.fork(task)
+  try:
+    tools = ToolBox(ws, HCFG.tools)
+    for m in traj.messages:
+      for c in m.get("tool_calls") or []:
+        tools.call(cf.ToolCall(c["name"], c["arguments"]))
+    grade(ws, task.tests)
+    return files(ws)
+  finally:
+    ws.sb.close()   # not through RecordingWorkspace.close: not one of the rollout's
+
+
+def test_tree_group_forks_state_and_shares_the_context(setting):
+  pool, tok, envs = setting
+  task = pool[0]
+  engine = BranchingEngine(tok)
+  envs.factory.closed.clear()
+  tcfg = tree_harness.TreeConfig(branch_turns=(0, 1), fanouts=(2, 2))
+  trajs = tree_harness.rollout_tree(engine, tok, task, envs, HCFG, tcfg)
+  # Episode 0 forked after its first turn into itself and episode 2; episode 1 finished first: it stands for 2.
+  assert [t.tree["path"] for t in trajs] == [[0, 0], [1], [0, 1]]
+  assert [t.tree["multiplicity"] for t in trajs] == [1, 2, 1]
+  branch_at = trajs[0].tree["starts"][1]
+  assert trajs[2].tree["starts"][1] == branch_at and branch_at[0] == 0
+  tree = tree_lib.build([t.to_dict() for t in trajs])     # validates the shared tokens of every node
+  assert tree.size == tcfg.size == 4
+  # The branches' first requests are the shared context itself: a prefix-caching engine continues both from it.
+  after = [r for r in engine.requests if len(r.prompt_ids) == branch_at[1]]
+  assert len(after) == 2 and after[0].prompt_ids == after[1].prompt_ids
+  np.testing.assert_array_equal(after[0].prompt_ids, trajs[0].segments[0].tokens_T[:branch_at[1]])
+  assert after[0].params.seed != after[1].params.seed
+  # Each leaf's sandbox (forked at the branch point, not replayed) ends with the files a replay of its calls makes.
+  assert len(envs.factory.closed) == 3
+  for traj, got in zip(trajs, envs.factory.closed[-3:], strict=True):
+    assert got == replay(envs, task, traj), traj.tree
+  shared = {k for k in envs.factory.closed[0] if "notes/" in k}
+  assert len(shared) == 2 and shared != {k for k in envs.factory.closed[2] if "notes/" in k}  # branches differ
+  # The trunk's tokens were generated once for two leaves.
+  unique = sum(int(s.gen_mask_T.sum()) for s in trajs[0].segments) + \
+    int(trajs[2].segments[0].gen_mask_T[branch_at[1]:].sum()) + trajs[1].n_generated
+  assert unique < sum(t.n_generated for t in trajs)
+  b = rl_batch.make_batch([[t.to_dict() for t in trajs]], rl_batch.BatchConfig(rows=4, length=1024, n_moe_layers=0,
+                                                                                top_k=1))
+  assert b["gen_mask"].sum() == unique
+  # Weighted, the loss sees every leaf's tokens: leaf 1 stands for two leaves.
+  assert (b["gen_mask"] * b["loss_weight"]).sum() == trajs[0].n_generated + 2 * trajs[1].n_generated + \
+    trajs[2].n_generated
+
+
+def test_worker_appends_tree_groups(setting, tmp_path):
+  pool, tok, envs = setting
+  tcfg = tree_harness.TreeConfig(branch_turns=(1,), fanouts=(3,))
+  with pytest.raises(ValueError, match="give 3 leaves per group, but samples_per_prompt=4"):
+    workers.WorkerConfig(samples_per_prompt=4, tree=tcfg)
+  cfg = workers.WorkerConfig(samples_per_prompt=3, max_groups=1, tree=tcfg)
+  url = f"file://{tmp_path}/q"
+  engine = BranchingEngine(tok)
+  assert workers.run_worker(engine, tok, pool, envs, HCFG, QueueProducer(url, "worker0"), cfg,
+                            str(tmp_path / "w.json")) == 1
+  (group,) = QueueConsumer(url, StalenessConfig(max_staleness=4)).poll(0)
+  trajs = group.trajectories()
+  # A trunk of one turn (the root's only child), then three branches.
+  assert [t["tree"]["path"] for t in trajs] == [[0, 0], [0, 1], [0, 2]]
+  assert group.key.n_rows == 3
+  t = tree_lib.build(trajs)
+  assert t.nodes[(0,)].advantage == 0.0 and t.nodes[(0,)].count == 3
+  digest = {hashlib.sha256(np.asarray(x["segments"][0]["tokens_T"]).tobytes()).hexdigest() for x in trajs}
+  assert len(digest) == 3
+
+
+def test_a_branch_that_does_not_start_fails_the_group_whole(setting, monkeypatch):
+  """A fork at a branch point that fails is a SandboxStartError (the worker retries or drops the group whole)."""
+  pool, tok, envs = setting
+  real, calls = envs.factory.fork, []
+
+  def flaky(snapshot):
+    calls.append(snapshot)
+    if len(calls) > 2:          # the two episodes from the prompt start; the first branch does not
+      raise OSError("overlay mount failed")
+    return real(snapshot)
+  monkeypatch.setattr(envs.factory, "fork", flaky)
+  with pytest.raises(harness.SandboxStartError, match="a branch of episode 0 did not start: OSError"):
+    tree_harness.rollout_tree(BranchingEngine(tok), tok, pool[0], envs, HCFG,
+                              tree_harness.TreeConfig(branch_turns=(0, 1), fanouts=(2, 2)))
+  assert len(calls) == 3
+
+
+class SummarizingEngine(BranchingEngine):
+  """BranchingEngine that also answers summary requests (with the request's seed, so branches' summaries differ)."""
+
+  def _message(self, req) -> dict:
+    if req.prompt_ids[-1] == cf.special_id(self.tok, cf.SUMMARY):
+      return {"content": f"wrote the notes, seed {req.params.seed % 1000}"}
+    return super()._message(req)
+
+
+def test_branches_that_cross_a_summary_boundary(setting):
+  """A context this small asks for a summary right at the branch point: each branch writes its own summary and
+  continues in new segments; credit, storage and the sandbox state hold across the boundary."""
+  pool, tok, envs = setting
+  hcfg = dataclasses.replace(HCFG, context_budget=256, max_turn_tokens=64, observation_reserve=96,
+                             summary_max_tokens=32, max_segments=3, max_turns=6)
+  envs.factory.closed.clear()
+  trajs = tree_harness.rollout_tree(SummarizingEngine(tok), tok, pool[0], envs, hcfg,
+                                    tree_harness.TreeConfig(branch_turns=(0, 1), fanouts=(2, 2)))
+  leaves = [t.to_dict() for t in trajs]
+  (s, o) = trajs[0].tree["starts"][1]
+  assert trajs[2].tree["starts"][1] == [s, o] and s == 0
+  for t in (trajs[0], trajs[2]):
+    assert len(t.segments) == 3 and t.segments[0].ends_with_summary
+    summary = t.segments[0].gen_mask_T[o:]
+    assert summary.all() and len(summary) > 1                  # the summary was generated after the branch point
+  assert not np.array_equal(trajs[0].segments[0].tokens_T, trajs[2].segments[0].tokens_T)
+  credit = tree_lib.token_credit(leaves)
+  tree = tree_lib.build(leaves)
+  for i in (0, 2):   # each branch trains its own summary with its own node's advantage, the trunk once (leaf 0)
+    np.testing.assert_array_equal(credit[i][0]["train_T"][o:], 1)
+    np.testing.assert_array_equal(credit[i][0]["advantage_T"][o:], tree.nodes[tuple(trajs[i].tree["path"])].advantage)
+    assert credit[i][0]["train_T"][:o].any() == (i == 0)
+  stored = tree_codec.share_prefixes(leaves)
+  assert stored[2]["shared_prefix"]["until"] == [0, o]
+  assert_same(tree_codec.restore_prefixes(stored), leaves)
+  for traj, got in zip(trajs, envs.factory.closed[-3:], strict=True):
+    assert got == replay(envs, pool[0], traj), traj.tree
