@@ -186,7 +186,10 @@ def main(argv=None) -> dict:
   cfg = model_config(args.config)
   params, heads = load_or_random(cfg, args.pretrain_workdir)
   res: dict = {"config": args.config, "mtp_heads": heads, "tokens": args.tokens, "devices": str(jax.devices()[0])}
-  ecfg = EngineConfig(min_prompt_bucket=args.prompt_len, min_len_bucket=args.tokens, max_batch=16)
+  # The same prompts are generated again and again: the prefix cache is off so every call decodes as a first call
+  # would (multi-turn reuse has its own benchmark, decode_prefix.py).
+  ecfg = EngineConfig(min_prompt_bucket=args.prompt_len, min_len_bucket=args.tokens, max_batch=16,
+                      prefix_cache_bytes=0)
   plain = JaxEngine(params, cfg, ecfg)
   with tempfile.TemporaryDirectory() as tmp:
     hf_dir = os.path.join(tmp, "hf")

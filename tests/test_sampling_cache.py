@@ -35,6 +35,28 @@ def test_absorbed_attention_equals_expanded():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_attention_over_a_cache_expanded_equals_latent():
+  """`KVCache.expand` (a prefill window over reused rows) equals the absorbed form decode uses: same output, same
+  cache writes."""
+  from composer_jax.model.attention import KVCache, attention
+  from composer_jax.model.rope import rope_cos_sin
+  params = model.init(jax.random.key(0), dataclasses.replace(CFG, initializer_range=0.2))
+  p = jax.tree.map(lambda a: a[0], params["moe_layers"])["attn"]
+  k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+  B, L, S = 2, 4, 11
+  x = jax.random.normal(k1, (B, L, CFG.hidden_size))
+  c = jax.random.normal(k2, (B, S, CFG.kv_lora_rank))
+  kr = jax.random.normal(k3, (B, S, CFG.qk_rope_head_dim))
+  start, pad = jnp.array([5, 6]), jnp.array([0, 3])
+  slots, positions, _ = cm.slot_info(start, pad, L)
+  cos, sin = rope_cos_sin(positions, CFG)
+  mask = cm.cache_mask(slots, pad, S)
+  out = {e: attention(p, x, cos, sin, mask, CFG, KVCache(c, kr, start, expand=e)) for e in (False, True)}
+  np.testing.assert_allclose(out[True][0], out[False][0], atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(out[True][1].c, out[False][1].c)
+  np.testing.assert_array_equal(out[True][1].kr, out[False][1].kr)
+
+
 def padded_reference(params, tokens_BxL, pad_B, cfg):
   """The trainer's forward on left-padded rows: padding is segment 0, positions restart at the first real token."""
   slots = jnp.arange(tokens_BxL.shape[1])[None, :]

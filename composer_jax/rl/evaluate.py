@@ -14,14 +14,15 @@ from rollout.evaluation.metrics import wilson
 
 
 def success_rate(engine: Engine, tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig,
-                 temperature: float, out_dir: str, policy: str = "policy", chunk: int = 64,
+                 temperature: float, out_dir: str, policy: str = "policy", chunk: int = 256,
                  progress: bool = False) -> dict:
   """Solve rate over `tasks` (one episode each) at `temperature` (0 = greedy), with its 95% CI and the mean
   generated tokens per solved task; for tasks with a procedural `level`, the same figures per level (`levels`).
 
   Episodes run through `rollout.evaluation.runner.run_policy` (batched chunks, per-task results in `out_dir`, so an
   interrupted evaluation resumes there and a finished one is read back, not re-run); `progress`: a bar over the
-  chunks run (500 held-out tasks take minutes).
+  chunks run (500 held-out tasks take minutes). 256 tasks a chunk keep the engine's 64-row calls full while the
+  short level-1 episodes end and the level-3 ones go on (`benchmarks/eval_batching.py` measures chunk sizes).
   """
   cfg = dataclasses.replace(hcfg, sampling=SamplingParams(temperature=temperature))
   with tqdm.tqdm(total=len(tasks), desc=f"eval {policy} T={temperature:g}", dynamic_ncols=True,

@@ -71,11 +71,11 @@ def split_layers(tree: dict) -> dict:
   return out
 
 
-def _kv(stack_cache, start_B, fresh: bool) -> KVCache:
+def _kv(stack_cache, start_B, fresh: bool, expand: bool) -> KVCache:
   """A stack's cache (stacked {c, kr} or a split tuple of them) as the model's KVCache."""
   if isinstance(stack_cache, tuple):
-    return KVCache(tuple(c["c"] for c in stack_cache), tuple(c["kr"] for c in stack_cache), start_B, fresh)
-  return KVCache(stack_cache["c"], stack_cache["kr"], start_B, fresh)
+    return KVCache(tuple(c["c"] for c in stack_cache), tuple(c["kr"] for c in stack_cache), start_B, fresh, expand)
+  return KVCache(stack_cache["c"], stack_cache["kr"], start_B, fresh, expand)
 
 
 def _unkv(cache: KVCache):
@@ -91,11 +91,17 @@ def _attention_inputs(start_B, pad_B, L: int, S: int, cfg: ModelConfig, fresh: b
 
 
 def forward_cached(params: dict, tokens_BxL: jax.Array, cache: dict, start_B: jax.Array, pad_B: jax.Array,
-                   cfg: ModelConfig, fresh: bool = False):
+                   cfg: ModelConfig, fresh: bool = False, last_logits: bool = False, expand: bool = False):
   """Runs the trunk on L new tokens at slots start_B.., reading and updating the cache.
 
+  `expand`: attend over the cache with expanded keys and values (`KVCache.expand`: a prefill window over reused
+  rows), not in latent space.
+
+  `last_logits`: only the last position's logits ([B, 1, V]; a prefill samples from nothing else, and the head over
+  every prompt position cost as much as a small model's layers).
+
   Returns:
-    (logits [B, L, V] f32, last hidden before the final norm [B, L, D] (the MTP input), experts int32
+    (logits [B, L or 1, V] f32, last hidden before the final norm [B, L, D] (the MTP input), experts int32
     [Lm, B, L, K], new cache).
   """
   B, L = tokens_BxL.shape
@@ -107,15 +113,17 @@ def forward_cached(params: dict, tokens_BxL: jax.Array, cache: dict, start_B: ja
   experts = jnp.zeros((0, B, L, cfg.num_experts_per_tok), jnp.int32)
   for name in STACKS:
     if name in params:
-      x, aux, kv = run_stack(params[name], x, rope, mask, valid_BxL, cfg, cache=_kv(cache[name], start_B, fresh))
+      kv = _kv(cache[name], start_B, fresh, expand)
+      x, aux, kv = run_stack(params[name], x, rope, mask, valid_BxL, cfg, cache=kv)
       new_cache[name] = _unkv(kv)
       if "experts" in aux:
         experts = aux["experts"]
-  return logits(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_head(params, cfg)), x, experts, new_cache
+  x_out = x[:, -1:] if last_logits else x
+  return logits(rms_norm(x_out, params["final_norm"], cfg.rms_norm_eps), lm_head(params, cfg)), x, experts, new_cache
 
 
 def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, cache: dict, start_B, pad_B,
-               cfg: ModelConfig, fresh: bool = False) -> tuple[jax.Array, dict]:
+               cfg: ModelConfig, fresh: bool = False, expand: bool = False) -> tuple[jax.Array, dict]:
   """NextN module j at slots start_B..: combines hidden h_t with the token at t+1+j → (its hidden [B, L, D] before
   the module's final norm, new cache)."""
   dt = jnp.dtype(cfg.compute_dtype)
@@ -124,7 +132,7 @@ def mtp_module(params: dict, j: int, h_BxLxD: jax.Array, tokens_BxL: jax.Array, 
   c = take_layer(cache["mtp"], j)
   e_BxLxD = params["embed"][tokens_BxL].astype(dt)
   h, _, kv = mtp_block(take_layer(params["mtp"], j), h_BxLxD, e_BxLxD, rope, mask, valid_BxL, cfg,
-                       KVCache(c["c"], c["kr"], start_B, fresh))
+                       KVCache(c["c"], c["kr"], start_B, fresh, expand))
   c = {"c": kv.c, "kr": kv.kr}
   if isinstance(cache["mtp"], tuple):
     return h, dict(cache, mtp=cache["mtp"][:j] + (c,) + cache["mtp"][j + 1:])

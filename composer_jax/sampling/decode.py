@@ -34,6 +34,11 @@ class Batch(NamedTuple):
   max_tokens_B: jax.Array
   stop_BxZ: jax.Array         # stop token ids, -1 padded
   seeds_B: jax.Array          # uint32 per-row seed
+  # Prefix reuse (both None: prefill every prompt from scratch): the cached rows of each unique prompt's reused
+  # prefix at its prompt slots, laid out like `cached_model.init_cache(.., U, P)` (zeros elsewhere), and their
+  # routed experts [Lm, U, P, K].
+  prefix_cache: dict | None = None
+  prefix_experts_LmxUxPxK: jax.Array | None = None
 
 
 class Output(NamedTuple):
@@ -44,29 +49,43 @@ class Output(NamedTuple):
   length_B: jax.Array
   prompt_experts_LmxUxPxK: jax.Array
   stats: dict                 # speculative decoding: steps, drafted, accepted (scalars)
+  cache: dict                 # the final cache [.., B, S, ..] (split layers): row b's slots up to its last fed
+                              # token hold its prompt's and outputs' rows (what the prefix cache keeps)
 
 
 def is_stop(tok_B: jax.Array, stop_BxZ: jax.Array) -> jax.Array:
   return (tok_B[:, None] == stop_BxZ).any(-1)
 
 
-def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool = False):
+def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool = False, window: int = 0):
   """Prefills the unique prompts and copies each to its rows.
 
+  With `window` = W > 0 the prompts' reused prefixes come from `batch.prefix_cache` and only the last W prompt
+  slots are run, attending over the cache with expanded keys and values (`KVCache.expand`); every row's uncached
+  tail must fit in them (slots before a row's tail that fall inside the window are recomputed, harmlessly).
+
   Returns:
-    (cache [.., B, slots, ..], last-position logits [B, V], hiddens [B, P, D], prompt experts [Lm, U, P, K]).
+    (cache [.., B, slots, ..], last-position logits [B, V], hiddens of the run slots [B, P or W, D], prompt experts
+    [Lm, U, P, K]).
   """
   U, P = batch.prompts_UxP.shape
-  cache_U = cm.init_cache(params, cfg, U, slots)
-  zeros_U = jnp.zeros((U,), jnp.int32)
-  logits_UxPxV, h_UxPxD, experts, cache_U = cm.forward_cached(params, batch.prompts_UxP, cache_U, zeros_U,
-                                                              batch.pad_U, cfg, fresh=True)
-  if mtp:  # module 0 over slots 0..P-1; the last slot's next token is not sampled yet (the first step redoes it)
-    nxt_UxP = jnp.pad(batch.prompts_UxP[:, 1:], ((0, 0), (0, 1)))
-    _, cache_U = cm.mtp_module(params, 0, h_UxPxD, nxt_UxP, cache_U, zeros_U, batch.pad_U, cfg, fresh=True)
+  start_U = jnp.full((U,), P - window if window else 0, jnp.int32)
+  run_UxL = batch.prompts_UxP[:, P - window:] if window else batch.prompts_UxP
+  if window:
+    cache_U = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, slots - P), (0, 0))), batch.prefix_cache)
+  else:
+    cache_U = cm.init_cache(params, cfg, U, slots)
+  logits_Ux1xV, h_UxLxD, experts, cache_U = cm.forward_cached(params, run_UxL, cache_U, start_U, batch.pad_U, cfg,
+                                                              fresh=not window, last_logits=True, expand=bool(window))
+  if window:
+    experts = jax.lax.dynamic_update_slice_in_dim(batch.prefix_experts_LmxUxPxK, experts, P - window, axis=2)
+  if mtp:  # module 0 over the run slots; the last slot's next token is not sampled yet (the first step redoes it)
+    nxt_UxL = jnp.pad(run_UxL[:, 1:], ((0, 0), (0, 1)))
+    _, cache_U = cm.mtp_module(params, 0, h_UxLxD, nxt_UxL, cache_U, start_U, batch.pad_U, cfg, fresh=not window,
+                               expand=bool(window))
   rows = batch.row_prompt_B
   cache_B = jax.tree.map(lambda a: a[:, rows], cache_U)
-  return cache_B, logits_UxPxV[rows, -1], h_UxPxD[rows], experts
+  return cache_B, logits_Ux1xV[rows, -1], h_UxLxD[rows], experts
 
 
 def greedy_or_sampled(batch: Batch, cond, body, state):
@@ -91,12 +110,13 @@ def _out_buffers(B: int, Lo: int, cfg: ModelConfig, extra: int = EXTRA):
           jnp.zeros((B, Lo + extra, n_moe, cfg.num_experts_per_tok), jnp.int32))
 
 
-def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Output:
-  """Plain (non-speculative) batched generation of up to `max_len` tokens per row (jit with cfg, max_len static)."""
+def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, window: int = 0) -> Output:
+  """Plain (non-speculative) batched generation of up to `max_len` tokens per row (jit with cfg, max_len, window
+  static; `window`: see `prefill`)."""
   U, P = batch.prompts_UxP.shape
   B, Lo = batch.row_prompt_B.shape[0], max_len
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + Lo + EXTRA)
+  cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + Lo + EXTRA, window=window)
   pad_B = batch.pad_U[batch.row_prompt_B]
   params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
@@ -124,6 +144,6 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int) -> Outp
     return i + 1, nxt_B, cache, toks, lps, routes, end_B
 
   state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, routes, batch.max_tokens_B.astype(jnp.int32))
-  i, _, _, toks, lps, routes, end_B = greedy_or_sampled(batch, cond, body, state)
+  i, _, cache, toks, lps, routes, end_B = greedy_or_sampled(batch, cond, body, state)
   stats = {"steps": i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
-  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats)
+  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats, cache)

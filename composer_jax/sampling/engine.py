@@ -4,11 +4,16 @@ Requests are grouped into fixed-shape buckets (powers of two for the unique-prom
 and output length) so a rollout loop compiles a handful of programs and then reuses them. Identical prompts in a
 call are prefilled once and their cache copied to every sample. Weights are swapped in place (`update_weights`),
 each set tagged with the policy version that `GenerateResult.policy_version` reports.
+
+Prefix reuse: every finished row's prompt + output is kept in a `PrefixCache` (KV rows and routed experts); a later
+prompt sharing a prefix with a kept sequence (the next turn of a multi-turn episode) gets those rows copied in and
+only its last `window` prompt slots run (a power of two >= its longest uncached tail), instead of the whole prompt.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -19,9 +24,12 @@ import numpy as np
 from composer_jax.model import moe
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import with_dense_layout
+from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling.decode import Batch, Output, generate
+from composer_jax.sampling.prefix_cache import Entry, PrefixCache
 from composer_jax.sampling.speculative import generate_speculative
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from rollout.evaluation.result_cache import code_fingerprint
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -48,6 +56,11 @@ class EngineConfig:
       replaced by 'ragged', since dropping depends on the batch and would break equality with the trainer's
       forward. With 'dense' the expert weights are laid out for it once per call, not once per step.
     seed: seed of the engine's own stream for requests without a seed.
+    prefix_cache_bytes: most host memory the prefix cache keeps (0: off, every prompt is prefilled in full); see
+      `prefix_cache.py` for the bytes per token. The default holds ~540k tokens of `rl_colab`, ~165k of `colab`:
+      every in-flight episode of a 256-task evaluation chunk at a 496-token context.
+    min_window_bucket: smallest number of prompt slots run when a prompt's prefix is reused (the window is a power
+      of two >= the longest uncached tail; when that reaches the prompt width, the call prefills from scratch).
   """
   speculative: bool = False
   draft_tokens: int = 1
@@ -57,6 +70,8 @@ class EngineConfig:
   min_len_bucket: int = 16
   moe_impl: str = "auto"
   seed: int = 0
+  prefix_cache_bytes: int = 256 << 20
+  min_window_bucket: int = 32
 
 
 def generation_moe_impl(cfg: ModelConfig, choice: str, platform: str | None = None) -> str:
@@ -72,14 +87,14 @@ def generation_moe_impl(cfg: ModelConfig, choice: str, platform: str | None = No
   return "ragged" if impl == "capacity" else impl
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens"))
-def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int) -> Output:
-  """draft_tokens = 0: plain decoding."""
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens", "window"))
+def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int, window: int) -> Output:
+  """draft_tokens = 0: plain decoding; window = 0: prefill from scratch (see `decode.prefill`)."""
   if cfg.moe_impl == "dense":
     params = with_dense_layout(params)   # the dense path's weight layout, once per call rather than per step
   if draft_tokens:
-    return generate_speculative(params, batch, cfg, max_len, draft_tokens)
-  return generate(params, batch, cfg, max_len)
+    return generate_speculative(params, batch, cfg, max_len, draft_tokens, window)
+  return generate(params, batch, cfg, max_len, window)
 
 
 class JaxEngine:
@@ -95,6 +110,8 @@ class JaxEngine:
       raise ValueError(f"EngineConfig.draft_tokens must be >= 1, got {engine_cfg.draft_tokens}")
     self.params = params
     self.policy_version = policy_version
+    self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_bytes)
+    self._result_key: str | None = None
     self._calls = 0
     self.last_stats: dict[str, int] = {}
 
@@ -109,6 +126,21 @@ class JaxEngine:
     shardings = jax.tree.map(lambda a: a.sharding, self.params)
     self.params = jax.device_put(params, shardings)
     self.policy_version = policy_version
+    self.prefix_cache.clear()  # the kept rows were computed by the old weights
+    self._result_key = None
+
+  def result_key(self) -> str:
+    """A hash of what fixes this engine's outputs for seeded requests: the weights, the model and engine configs,
+    the jax version and backend, and the model's and engine's code (an evaluation's result cache keys on it)."""
+    if self._result_key is None:
+      digest = hashlib.sha256()
+      for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(self.params)):
+        digest.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype}:{leaf.shape}".encode())
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+      digest.update(repr((self.cfg, self.engine_cfg, jax.__version__, jax.default_backend())).encode())
+      digest.update(code_fingerprint("composer_jax/model", "composer_jax/sampling").encode())
+      self._result_key = digest.hexdigest()[:32]
+    return self._result_key
 
   def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
     """Completes every request; results are in request order."""
@@ -118,7 +150,12 @@ class JaxEngine:
       results.extend(self._generate_chunk(list(requests[i:i + n])))
     return results
 
-  def _batch(self, requests: list[GenerateRequest]) -> tuple[Batch, int]:
+  @property
+  def _draft_tokens(self) -> int:
+    return self.engine_cfg.draft_tokens if self.engine_cfg.speculative else 0
+
+  def _batch(self, requests: list[GenerateRequest]) -> tuple[Batch, int, int]:
+    """(device batch, output bucket, prefill window (0: from scratch))."""
     cfg, ecfg = self.cfg, self.engine_cfg
     for r in requests:
       if not r.prompt_ids:
@@ -147,21 +184,70 @@ class JaxEngine:
     self._calls += 1
     own = np.random.default_rng([self.engine_cfg.seed, self._calls]).integers(0, 2**32, size=B, dtype=np.uint64)
     seeds = np.array([own[b] if sp.seed is None else sp.seed % 2**32 for b, sp in enumerate(params)], np.uint32)
+    window, prefix_cache, prefix_experts = self._reuse(list(uniq), prompts, pad)
     batch = Batch(prompts_UxP=jnp.asarray(prompts), pad_U=jnp.asarray(pad),
                   row_prompt_B=jnp.asarray(rows + [0] * (B - len(requests)), jnp.int32),
                   temperature_B=jnp.asarray([sp.temperature for sp in params], jnp.float32),
                   top_k_B=jnp.asarray([sp.top_k for sp in params], jnp.int32),
                   top_p_B=jnp.asarray([sp.top_p for sp in params], jnp.float32),
                   max_tokens_B=jnp.asarray([sp.max_tokens for sp in params], jnp.int32),
-                  stop_BxZ=jnp.asarray(stop), seeds_B=jnp.asarray(seeds))
-    return batch, Lo
+                  stop_BxZ=jnp.asarray(stop), seeds_B=jnp.asarray(seeds),
+                  prefix_cache=prefix_cache, prefix_experts_LmxUxPxK=prefix_experts)
+    return batch, Lo, window
+
+  def _reuse(self, uniq: list[tuple[int, ...]], prompts_UxP: np.ndarray, pad_U: np.ndarray):
+    """Looks the unique prompts up in the prefix cache → (window, cached rows at their prompt slots, their experts);
+    (0, None, None) — a prefill from scratch, as without a cache — when nothing is reused or the window would not
+    be narrower than the prompt width."""
+    U, P = prompts_UxP.shape
+    reused, entries = [0] * len(uniq), [None] * len(uniq)
+    if self.engine_cfg.prefix_cache_bytes:
+      for u, p in enumerate(uniq):
+        entries[u], n = self.prefix_cache.lookup(np.asarray(p, np.int32))
+        # The last prompt token always runs (its logits are sampled); with MTP only rows module 0 computed from the
+        # true next token are reused.
+        reused[u] = min(n, len(p) - 1, entries[u].mtp_len if self._draft_tokens and entries[u] else n)
+    tail = max(len(p) - r for p, r in zip(uniq, reused))
+    window = bucket(max(tail, self._draft_tokens + 1), self.engine_cfg.min_window_bucket)
+    self.last_stats = {"prompt_tokens": sum(map(len, uniq)), "prefix_reused_tokens": sum(reused),
+                       "prefill_window": window if window < P and any(reused) else P}
+    if window >= P or not any(reused):
+      return 0, None, None
+    layout = jax.eval_shape(lambda: cm.init_cache(self.params, self.cfg, U, P))
+    cache = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), layout)
+    n_moe = self.cfg.num_hidden_layers - self.cfg.first_k_dense_replace
+    experts = np.zeros((n_moe, U, P, self.cfg.num_experts_per_tok), np.int32)
+    for u, (e, r) in enumerate(zip(entries, reused)):
+      if r:
+        at = slice(pad_U[u], pad_U[u] + r)
+        for name, kv in e.rows.items():
+          for key, rows_LsxTxX in kv.items():
+            cache[name][key][:, u, at] = rows_LsxTxX[:, :r]
+        experts[:, u, at] = e.experts_TxLmxK[:r].transpose(1, 0, 2)
+    return window, cache, experts
+
+  def _keep(self, requests: list[GenerateRequest], out: Output, rows_B: np.ndarray, P: int) -> None:
+    """Puts each row's prompt + output (rows of its final cache) into the prefix cache."""
+    W = self._draft_tokens + 1
+    for b, r in enumerate(requests):
+      m, n = len(r.prompt_ids), int(out.length_B[b])
+      at = slice(P - m, P + n)
+      rows = {name: {key: np.stack([layer[key][b, at] for layer in stack]) for key in ("c", "kr")}
+              for name, stack in out.cache.items() if name != "mtp" or W > 1}
+      experts = np.concatenate([out.prompt_experts_LmxUxPxK[:, rows_B[b], P - m:].transpose(1, 0, 2),
+                                out.experts_BxLoxLmxK[b, :n]])
+      # MTP rows within W of the end may come from rejected drafts or lack their next token (speculative.py).
+      self.prefix_cache.insert(Entry(np.concatenate([np.asarray(r.prompt_ids, np.int32), out.tokens_BxLo[b, :n]]),
+                                     rows, experts.astype(np.int32), max(0, m + n - W) if W > 1 else 0))
 
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    batch, Lo = self._batch(requests)
-    ecfg = self.engine_cfg
-    out = jax.device_get(_run(self.params, batch, self.cfg, Lo, ecfg.draft_tokens if ecfg.speculative else 0))
-    self.last_stats = {k: int(v) for k, v in out.stats.items()}
+    batch, Lo, window = self._batch(requests)
+    out = _run(self.params, batch, self.cfg, Lo, self._draft_tokens, window)
+    out = jax.device_get(out if self.engine_cfg.prefix_cache_bytes else out._replace(cache=None))
+    self.last_stats.update({k: int(v) for k, v in out.stats.items()})
     rows_B = np.asarray(batch.row_prompt_B)
+    if self.engine_cfg.prefix_cache_bytes:
+      self._keep(requests, out, rows_B, batch.prompts_UxP.shape[1])
     results = []
     for b, r in enumerate(requests):
       n = int(out.length_B[b])

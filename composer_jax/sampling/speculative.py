@@ -121,15 +121,21 @@ def _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, stop_BxZ):
   return end_B
 
 
-def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int = 1) -> Output:
-  """Like `decode.generate`, drafting `draft_tokens` tokens per step with MTP module 0 (needs MTP modules)."""
+def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int = 1,
+                         window: int = 0) -> Output:
+  """Like `decode.generate`, drafting `draft_tokens` tokens per step with MTP module 0 (needs MTP modules).
+
+  `window` (see `decode.prefill`) must be 0 or >= draft_tokens + 1: the first step's module-0 window needs the
+  trunk hiddens of the last draft_tokens + 1 prompt slots."""
   k, W = draft_tokens, draft_tokens + 1
   _, P = batch.prompts_UxP.shape
   _check(params, cfg, k, P)
+  if 0 < window < W:
+    raise ValueError(f"a prefill window of {window} slots is narrower than draft_tokens + 1 = {W}")
   B, Lo = batch.row_prompt_B.shape[0], max_len
   extra = W + 1  # a step writes W tokens past a row's pointer, which is < Lo while the row is active
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  cache, logits_BxV, h_BxPxD, prompt_experts = prefill(params, batch, cfg, P + Lo + extra, mtp=True)
+  cache, logits_BxV, h_BxLxD, prompt_experts = prefill(params, batch, cfg, P + Lo + extra, mtp=True, window=window)
   pad_B = batch.pad_U[batch.row_prompt_B]
   params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
@@ -182,9 +188,9 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
 
   z = jnp.zeros((), jnp.int32)
   tok_BxW = jnp.concatenate([batch.prompts_UxP[batch.row_prompt_B][:, P - k:], tok_B[:, None]], 1)
-  state = (jnp.full((B,), P, jnp.int32), h_BxPxD[:, P - W:], tok_BxW, cache, toks, lps, routes, z, z, z,
+  state = (jnp.full((B,), P, jnp.int32), h_BxLxD[:, -W:], tok_BxW, cache, toks, lps, routes, z, z, z,
            batch.max_tokens_B.astype(jnp.int32))
   state = greedy_or_sampled(batch, cond, body, state)
-  _, _, _, _, toks, lps, routes, drafted, accepted, steps, end_B = state
+  _, _, _, cache, toks, lps, routes, drafted, accepted, steps, end_B = state
   return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts,
-                {"steps": steps, "drafted": drafted, "accepted": accepted})
+                {"steps": steps, "drafted": drafted, "accepted": accepted}, cache)

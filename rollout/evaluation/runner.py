@@ -16,6 +16,10 @@ Settings that define a result (`run_settings`: the policy, a hash of the tasks' 
 configuration except `grade_workers`, active parameters) are stored in `run.json`; a directory holding results made
 with other settings is refused, naming each difference, so a resume never mixes them.
 
+A policy whose engine pins its outputs (`result_key()`, the embedded JAX engine) is kept in the cross-run result
+cache when one is configured (`result_cache.py`): evaluated again with the same weights, tasks and settings, its
+records are read back instead of rerun.
+
 Per-sample record: solved, pass_fraction, reward, output_tokens, turns, tool_calls, wall_s (the chunk's wall time
 divided by its episodes: episodes run batched, so this is the amortised cost per sample), cost (active parameters x
 output tokens, the report's inference-cost proxy; 0 for the scripted baselines, which run no model), stop_reason,
@@ -34,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 from rollout import harness
 from rollout.engines.protocol import Engine
-from rollout.evaluation import metrics, report
+from rollout.evaluation import metrics, report, result_cache
 from rollout.tasks.environment import TIMEOUT_ERROR, EnvironmentCache
 from rollout.tasks.task import Task
 
@@ -160,7 +164,8 @@ def _append(out_dir: str, records: list[dict]) -> None:
 
 def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
                harness_cfg: harness.HarnessConfig, out_dir: str, cfg: SampleConfig = SampleConfig(),
-               log: Callable[[str], None] = print, on_chunk: Callable[[list], None] | None = None) -> list[dict]:
+               log: Callable[[str], None] = print, on_chunk: Callable[[list], None] | None = None,
+               cache_dir: str | None = None) -> list[dict]:
   """Evaluates `engine` on `tasks`, resuming from `out_dir`.
 
   Args:
@@ -173,7 +178,9 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
     out_dir: where results.jsonl and run.json go (created).
     cfg: k, chunking, active parameters.
     log: progress lines.
-    on_chunk: called with each chunk's trajectories (e.g. to print transcripts).
+    on_chunk: called with each chunk's trajectories (e.g. to print transcripts; not for results read back from
+      the result cache).
+    cache_dir: the cross-run result cache (`result_cache.py`; None: `$COMPOSER_JAX_EVAL_CACHE`, '' or unset: off).
 
   Returns:
     One record per task in task order: {task_id, policy, samples: [per-sample dict]}.
@@ -181,8 +188,17 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
   if len({t.id for t in tasks}) != len(tasks):
     raise ValueError("task ids must be unique within a set")
   os.makedirs(out_dir, exist_ok=True)
-  _check_run_info(out_dir, run_settings(policy, tasks, harness_cfg, cfg), tasks, log)
+  settings = run_settings(policy, tasks, harness_cfg, cfg)
+  _check_run_info(out_dir, settings, tasks, log)
   done = read_records(out_dir)
+  store = result_cache.root(cache_dir)
+  key = result_cache.cache_key(engine, tokenizer, settings) if store else None
+  if key and not done:
+    cached = result_cache.load(store, key, policy)
+    if cached is not None and [r["task_id"] for r in cached] == [t.id for t in tasks]:
+      _append(out_dir, cached)
+      log(f"[{policy}] all {len(cached)} tasks read from the result cache (same weights, tasks and settings)")
+      return cached
   if done:
     log(f"[{policy}] resuming: {len(done)}/{len(tasks)} tasks already done")
   for c0 in range(0, len(tasks), cfg.chunk_tasks):
@@ -206,7 +222,10 @@ def run_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], en
     log(f"[{policy}] tasks {c0}-{c0 + len(tasks[c0:c0 + cfg.chunk_tasks]) - 1}: {solved:.0f}/{len(episodes)} "
         f"samples solved" + (f", {timeouts} grading timeouts" if timeouts else "") +
         f", {wall:.2f} s/sample; {len(done)}/{len(tasks)} done")
-  return [done[t.id] for t in tasks]
+  records = [done[t.id] for t in tasks]
+  if key:
+    result_cache.save(store, key, records)
+  return records
 
 
 def evaluate_policy(policy: str, engine: Engine, tokenizer, tasks: Sequence[Task], envs: EnvironmentCache,
