@@ -10,7 +10,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(
 
 # Gold-validation checks are reused by content (rollout/evaluation/gold_cache.py); tests keep theirs in a directory of
 # their own run, so one run's checks are never another's result and nothing is written under the home directory.
-os.environ.setdefault("COMPOSER_GOLD_CACHE", tempfile.mkdtemp(prefix="composer_gold_"))
+os.environ.setdefault("COMPOSER_JAX_GOLD_CACHE", tempfile.mkdtemp(prefix="composer_gold_"))
+os.environ.pop("COMPOSER_JAX_EVAL_CACHE", None)   # evaluation results are never read from a cache in tests
 
 import jax  # noqa: E402
 

@@ -13,7 +13,7 @@ so a check is stored under a sha256 of all of these and reused when every one is
 branch, an upgraded package, an edited grader) and the task is validated again. Outcomes that depend on the
 machine's state rather than the task (a grading timeout, an environment that did not build) are never stored.
 
-The directory is `$COMPOSER_GOLD_CACHE`, else `~/.cache/composer_jax/gold`; delete it to forget every check.
+The directory is `$COMPOSER_JAX_GOLD_CACHE`, else `~/.cache/composer_jax/gold`; delete it to forget every check.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ UNSTORED = ("environment does not build", "timed out")  # reasons that say more 
 
 
 def default_dir() -> str:
-  return os.path.abspath(os.path.expanduser(os.environ.get("COMPOSER_GOLD_CACHE") or DEFAULT_DIR))
+  return os.path.abspath(os.path.expanduser(os.environ.get("COMPOSER_JAX_GOLD_CACHE") or DEFAULT_DIR))
 
 
 def _tree_digest(path: str) -> str:
