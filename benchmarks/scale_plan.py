@@ -210,7 +210,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
           "rows": rows, "stage": stage, "state": _sds(abstract_state, s_shard)}
   if stage.step == "lm":
     case["batch"], b_shard = _lm_batch(mesh, rules, rows, stage.seq)
-    case["fn"] = step_lib.make_train_step(cfg, TrainConfig(), optimizer, s_shard, b_shard)
+    case["fn"] = step_lib.make_train_step(cfg, TrainConfig(), optimizer, s_shard, b_shard, rules)
     case["args"], case["module"] = (case["state"], case["batch"]), "jit_train_step"
   else:
     case["batch"], b_shard = _rl_batch(mesh, rules, rows, stage.seq, cfg)
@@ -258,8 +258,10 @@ def compile_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers:
                  devices=None) -> dict:
   """Compiles one stage's step on one mesh; returns `measure`'s per-device figures."""
   import jax
+
+  from composer_jax.parallel.rules import use_rules
   case = build_case(variant, stage, axes, n_moe_layers, devices)
-  with jax.set_mesh(case["mesh"]):
+  with jax.set_mesh(case["mesh"]), use_rules(case["rules"]):    # the RL step reads the rules at trace time
     compiled = case["fn"].lower(*case["args"]).compile()
   return measure(compiled, case, dump_dir)
 
@@ -270,12 +272,13 @@ def compile_for_run(variant: str, stage: Stage, axes: dict[str, int], n_moe_laye
   import numpy as np
 
   from composer_jax import model
+  from composer_jax.parallel.rules import use_rules
   from composer_jax.train import step as step_lib
   if stage.step != "lm":
     raise ValueError(f"compile_for_run builds LM steps only, got stage step {stage.step!r}")
   case = build_case(variant, stage, axes, n_moe_layers)
   cfg, seq = case["cfg"], stage.seq
-  with jax.set_mesh(case["mesh"]):
+  with jax.set_mesh(case["mesh"]), use_rules(case["rules"]):
     params = model.init(jax.random.key(seed), cfg, case["mesh"], case["rules"])
     state = jax.jit(lambda p: step_lib.init_state(p, case["optimizer"]), out_shardings=case["s_shard"])(params)
     del params

@@ -16,6 +16,7 @@ from composer_jax.model import experts as experts_lib
 from composer_jax.model import moe as moe_lib
 from composer_jax.model.layers import mlp
 from composer_jax.parallel import make_mesh
+from composer_jax.parallel.rules import ShardingRules, use_rules
 
 K = CFG.num_experts_per_tok
 NO_DROP = CFG.n_routed_experts / K  # capacity factor E/K: C >= t per (source device, expert), nothing is dropped
@@ -196,6 +197,40 @@ def test_full_model_loss_and_grads_match_single_device():
       b = b[k.key]
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_fsdp_expert_weights_are_gathered_in_the_region_and_their_grads_reduce_scattered():
+  """data=2 x expert=2 x context=2 with expert weights' D FSDP-split over data x context: loss and every gradient
+  equal the one-device run, and the compiled program reduce-scatters the expert-weight gradients inside the EP
+  region (no all-reduce of a whole expert weight's gradient)."""
+  from benchmarks import hlo_collectives as hc
+  tokens = jax.random.randint(jax.random.key(5), (8, 16), 0, TINY.vocab_size)
+  ref_cfg = dataclasses.replace(TINY, moe_impl="dense")
+  params = model.init(jax.random.key(0), ref_cfg)
+  (ref_loss, _), ref_g = jax.jit(jax.value_and_grad(_loss, has_aux=True), static_argnums=2)(params, tokens, ref_cfg)
+  mesh = make_mesh({"data": 2, "expert": 2, "context": 2})
+  rules = ShardingRules(batch=("data", "expert"), embed=("data", "context"), expert_embed=("data", "context"))
+  ep_cfg = dataclasses.replace(TINY, moe_impl="ep_capacity", capacity_factor=TINY.n_routed_experts / 2)
+  sharded = jax.device_put(params, model.shardings(ep_cfg, mesh, rules))
+  assert sharded["moe_layers"]["moe"]["gate"].sharding.spec[2] == ("data", "context")
+  fn = jax.jit(jax.value_and_grad(_loss, has_aux=True), static_argnums=2)
+  with jax.set_mesh(mesh), use_rules(rules):
+    (loss, dropped), g = fn(sharded, tokens, ep_cfg)
+    text = fn.lower(sharded, tokens, ep_cfg).compile().as_text()
+  assert float(dropped) == 0.0
+  # Same tolerances as the data=2 x expert=4 test above (f32; only summation orders differ).
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  for path, a in jax.tree_util.tree_leaves_with_path(g):
+    b = ref_g
+    for k in path:
+      b = b[k.key]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
+                               err_msg=jax.tree_util.keystr(path))
+  colls = hc.parse(text, 8, program_dtypes=False)
+  ep = [c for c in colls if "ep_capacity" in c.op_name]
+  assert any(c.kind == "reduce-scatter" and c.group_size == 4 for c in ep), [(c.kind, c.group_size) for c in ep]
+  local_expert_weight = (8 // 2) * 32 * 16 * 4       # X experts x D x F, f32: one weight's gradient per device
+  assert not [c for c in ep if c.kind == "all-reduce" and c.group_size > 1 and c.buffer_bytes >= local_expert_weight]
 
 
 def test_ep_ragged_lowers_for_cuda_with_ragged_all_to_all():

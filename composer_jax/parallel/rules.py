@@ -2,9 +2,15 @@
 
 Every param and activation names its dimensions with the logical names below; `logical_to_spec` turns such a
 tuple into a `PartitionSpec`. A logical name mapped to None is replicated.
+
+Model code reads the table in force with `current_rules()` at trace time (the per-device LM head, the EP region,
+activation constraints), as it reads the mesh from `jax.set_mesh`; a trainer sets it with `use_rules(rules)` around
+tracing (`train.step.make_train_step` does). Outside any `use_rules` it is `ShardingRules()`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -94,3 +100,34 @@ def logical_to_sharding(logical_axes: tuple[str | None, ...], mesh: Mesh, rules:
       fixed.append(s if dim % n == 0 else None)
     spec = PartitionSpec(*fixed)
   return NamedSharding(mesh, spec)
+
+
+_CURRENT: contextvars.ContextVar[ShardingRules | None] = contextvars.ContextVar("sharding_rules", default=None)
+
+
+def current_rules() -> ShardingRules:
+  """The table set by the innermost `use_rules`, else `ShardingRules()`."""
+  rules = _CURRENT.get()
+  return ShardingRules() if rules is None else rules
+
+
+@contextlib.contextmanager
+def use_rules(rules: ShardingRules):
+  """Makes `rules` the table model code sees while tracing inside this block."""
+  token = _CURRENT.set(rules)
+  try:
+    yield rules
+  finally:
+    _CURRENT.reset(token)
+
+
+def mesh_axes_dividing(logical: str, size: int, mesh, rules: ShardingRules) -> tuple[str, ...]:
+  """The mesh axes `logical` maps to that are in `mesh` with size > 1, kept in order while their product divides
+  `size` (an axis that would not divide is left out: that dimension is then replicated over it)."""
+  out, n = [], 1
+  for a in rules.mesh_axes(logical):
+    k = dict(mesh.shape).get(a, 1)
+    if k > 1 and size % (n * k) == 0:
+      out.append(a)
+      n *= k
+  return tuple(out)

@@ -146,7 +146,7 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
       init_params = jax.tree.map(_place, init_params, params_shardings)
     init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=shardings)
     state = init(init_params)
-  return _Run(state, step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding),
+  return _Run(state, step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding, rules),
               step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding), put, checkpointer)
 
 

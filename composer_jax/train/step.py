@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from composer_jax import model
 from composer_jax.model import head
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel.rules import current_rules, use_rules
 from composer_jax.train import losses, optim
 from composer_jax.train.config import TrainConfig
 
@@ -185,9 +186,14 @@ def eval_step(params, batch, *, model_cfg):
   return {"nll_sum": ce * n, "count": n}
 
 
-def make_train_step(model_cfg, train_cfg, optimizer, state_shardings, batch_sharding):
-  """`train_step` jitted with explicit in/out shardings and the state donated."""
-  fn = functools.partial(train_step, model_cfg=model_cfg, train_cfg=train_cfg, optimizer=optimizer)
+def make_train_step(model_cfg, train_cfg, optimizer, state_shardings, batch_sharding, rules=None):
+  """`train_step` jitted with explicit in/out shardings and the state donated; traced under `use_rules(rules)`
+  (given: the table the params were placed with, which the per-device head and EP region read)."""
+  step = functools.partial(train_step, model_cfg=model_cfg, train_cfg=train_cfg, optimizer=optimizer)
+
+  def fn(state, batch):
+    with use_rules(rules if rules is not None else current_rules()):
+      return step(state, batch)
   # Replicated metrics can be fetched by every process of a multi-process run.
   replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
   return jax.jit(fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
