@@ -121,7 +121,7 @@ def use_rules(rules: ShardingRules):
     _CURRENT.reset(token)
 
 
-def mesh_axes_dividing(logical: str, size: int, mesh, rules: ShardingRules) -> tuple[str, ...]:
+def mesh_axes_dividing(logical: str | None, size: int, mesh, rules: ShardingRules) -> tuple[str, ...]:
   """The mesh axes `logical` maps to that are in `mesh` with size > 1, kept in order while their product divides
   `size` (an axis that would not divide is left out: that dimension is then replicated over it)."""
   out, n = [], 1
@@ -131,3 +131,34 @@ def mesh_axes_dividing(logical: str, size: int, mesh, rules: ShardingRules) -> t
       out.append(a)
       n *= k
   return tuple(out)
+
+
+TOKENS = ("batch", "seq", None)   # logical layout of [B, L, ...] activations between ops
+
+
+def constrain(x, logical_axes: tuple[str | None, ...]):
+  """`with_sharding_constraint` of an activation to its logical layout under the rules in force, on the mesh set
+  with `jax.set_mesh`; the identity without a mesh. Mesh axes that are manual here (inside a `shard_map`) or that
+  do not divide a dimension are left out of it.
+
+  Why: without constraints the partitioner picks activation layouts by propagation, and chose badly at a few
+  points (it replicated the embedding lookup's output to re-shard it, and all-gathered every token's router scores
+  to every device for `lax.top_k`); pinning tokens to the batch/seq layout there keeps each op on its own tokens.
+  """
+  import jax
+  from jax.sharding import AxisType
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  rules = current_rules()
+  auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+  used: set[str] = set()
+  spec = []
+  for size, name in zip(x.shape, logical_axes):
+    axes = tuple(a for a in mesh_axes_dividing(name, size, mesh, rules) if a in auto and a not in used)
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  if not used:
+    return x
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
