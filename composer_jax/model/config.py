@@ -68,6 +68,8 @@ class ModelConfig:
   scan_layers: bool | None = None         # lax.scan over each stack of identical layers (True), a Python loop
                                           # (False), or None: by platform (`transformer.scans_layers`)
   remat: bool = False
+  remat_policy: str = "full"              # with remat: a name in model.transformer.REMAT_POLICIES — "full" (save
+                                          # only each layer's input) or "save_dots" (keep matmul outputs)
 
   @property
   def qk_head_dim(self) -> int:

@@ -85,6 +85,23 @@ def take_layer(tree, i: int):
   return tree[i] if isinstance(tree, tuple) else jax.tree.map(lambda a: a[i], tree)
 
 
+# `cfg.remat_policy` -> a function returning the `jax.checkpoint` policy for each layer (MaxText's `remat_policy`
+# names the same trade-offs). "full": recompute the whole layer in the backward (least memory); "save_dots": keep
+# the outputs of matmuls without batch dims (recompute only the cheap elementwise ops). Offloading the layer input
+# to host memory is not here: under `lax.scan` the named input produced no host transfer in this JAX version.
+REMAT_POLICIES = {
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_policy(cfg: ModelConfig):
+  """The `jax.checkpoint` policy `cfg.remat_policy` names, or a ValueError listing the valid names."""
+  if cfg.remat_policy not in REMAT_POLICIES:
+    raise ValueError(f"remat_policy={cfg.remat_policy!r}; valid: {sorted(REMAT_POLICIES)}")
+  return REMAT_POLICIES[cfg.remat_policy]()
+
+
 def run_stack(stack, x_BxLxD: jax.Array, rope, mask, valid_BxL: jax.Array, cfg: ModelConfig,
               routing_LsxBxLxK: jax.Array | None = None, cache: KVCache | None = None):
   """Applies a stack of Ls identical layers; returns (x, aux with a leading Ls axis, cache or None).
@@ -100,7 +117,7 @@ def run_stack(stack, x_BxLxD: jax.Array, rope, mask, valid_BxL: jax.Array, cfg: 
     return x, (aux, None if layer_cache is None else (layer_cache.c, layer_cache.kr))
 
   if cfg.remat:
-    body = jax.checkpoint(body)
+    body = jax.checkpoint(body, policy=remat_policy(cfg))
   split = isinstance(stack, tuple)
   kv = None if cache is None else (cache.c, cache.kr)
   if scans_layers(cfg) and not split:
