@@ -46,6 +46,9 @@ class ShardingRules:
   mtp: MeshAxes = None            # the stacked MTP-module axis
   norm: MeshAxes = None           # RMSNorm scales
   concat_embed: MeshAxes = None   # the 2D input of MTP's eh_proj
+  # optimizer state
+  optimizer_state: MeshAxes = None  # extra mesh axes over which Adam's moments are split (ZeRO-1: "data"), on the
+                                    # first dimension they divide that the param's own sharding leaves free
 
   def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
     """Returns the mesh axes one logical name maps to (empty tuple: replicated)."""

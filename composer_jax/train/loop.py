@@ -125,7 +125,8 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)
-  shardings = step_lib.state_shardings(optimizer, abstract_params, params_shardings)
+  shardings = step_lib.state_shardings(optimizer, abstract_params, params_shardings,
+                                       rules.mesh_axes("optimizer_state"))
   batch_sharding = layout.batch_sharding(mesh, rules)
   _, shard_count = layout.process_batch_shard(batch_sharding)
 
