@@ -42,10 +42,12 @@ backward), an RL step 5 (the policy's forward + backward, the unreplayed and the
 **Fits** means arguments + temp_gpu + outputs - donated (aliased) bytes <= 141 GB x (1 - HEADROOM), HEADROOM = 10%
 for the CUDA context, NCCL buffers and allocator fragmentation.
 
-Caveats. XLA:CPU's buffer assignment and fusion are not XLA:GPU's; `benchmarks/gpu_check.sh` compiles the same
-steps with the GPU compiler when a GPU is lent. Collectives are XLA:CPU's choice after SPMD partitioning (a GPU
-compile runs its own combiners and turns all-reduce + slice into reduce-scatter). AdamW moments are kept in the
-params' dtype (bf16: `optax.adamw` default), so params + optimizer state is 6 bytes per parameter.
+Caveats. XLA:CPU's buffer assignment and fusion are not XLA:GPU's; `--platform gpu` (run by
+`benchmarks/gpu_check.sh` when a GPU is lent) compiles the same steps with the GPU compiler on a mocked topology
+(`child_env`); it has not run yet (no GPU was lent while it was written). Collectives are XLA:CPU's choice after
+SPMD partitioning (a GPU compile runs its own combiners and turns all-reduce + slice into reduce-scatter). AdamW
+moments are kept in the params' dtype (bf16: `optax.adamw` default), so params + optimizer state is 6 bytes per
+parameter.
 
 The last line is JSON: per stage the smallest mesh that fits and its MFU bound, and every row.
 """
@@ -369,6 +371,27 @@ def markdown_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def child_env(n: int, platform: str, dump: str) -> dict[str, str]:
+  """The environment of the process that compiles on `n` devices: `n` fake CPU devices, or (platform "gpu", on a
+  machine with one real GPU) a mocked topology of n / 8 hosts x 8 GPUs (`jax_mock_gpu_topology`, as MaxText's
+  `train_compile.py` does), so the GPU compiler builds the n-device program without n GPUs."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  if platform == "cpu":
+    # LLVM's optimisation level changes code, not buffers or collectives: -O0 compiles faster.
+    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={n} " + hlo_costs.dump_flags(dump)
+                        + " --xla_backend_optimization_level=0")
+    return env
+  if platform != "gpu":
+    raise ValueError(f"platform={platform!r}; valid: cpu, gpu")
+  per_host = H200["devices_per_node"]
+  if n % per_host:
+    raise ValueError(f"a mocked GPU topology has hosts of {per_host} GPUs; {n} devices is not a multiple")
+  # Autotuning would time kernels on the one real GPU for every mocked shard: off, as train_compile.py has it.
+  env.update(JAX_PLATFORMS="cuda", JAX_MOCK_GPU_TOPOLOGY=f"1x{n // per_host}x{per_host}",
+             XLA_FLAGS=hlo_costs.dump_flags(dump) + " --xla_gpu_shard_autotuning=false")
+  return env
+
+
 def run_children(args) -> list[dict]:
   """One subprocess per device count (the fake device count is fixed when jax starts)."""
   cases = []
@@ -377,10 +400,7 @@ def run_children(args) -> list[dict]:
     if not stages:
       continue
     with tempfile.TemporaryDirectory() as dump:
-      env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                 XLA_FLAGS=f"--xla_force_host_platform_device_count={n} " + hlo_costs.dump_flags(dump)
-                 # LLVM's optimisation level changes code, not buffers or collectives: -O0 compiles faster.
-                 + " --xla_backend_optimization_level=0")
+      env = child_env(n, args.platform, dump)
       cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", args.variant, "--dump_dir", dump,
              "--stages", *stages, "--seq", str(args.seq or 0), "--moe_layers", str(args.moe_layers or 0)]
       if args.mesh:
@@ -437,6 +457,8 @@ def main():
   ap.add_argument("--mesh", type=_parse_mesh, help="one mesh for every stage, e.g. data=2,expert=4 (experiments)")
   ap.add_argument("--seq", type=int, default=0, help="override the stages' row length (experiments)")
   ap.add_argument("--moe_layers", type=int, default=0, help="fewer MoE layers than published (experiments)")
+  ap.add_argument("--platform", default="cpu", choices=["cpu", "gpu"],
+                  help="gpu: compile with the GPU compiler on a mocked topology (one real GPU; gpu_check.sh)")
   ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--dump_dir", help=argparse.SUPPRESS)
   args = ap.parse_args()
