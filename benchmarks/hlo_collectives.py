@@ -4,9 +4,11 @@ Used by `scale_plan.py`. Bytes are counted in the element types the *program* ha
 `float-normalization-bf16` pass upcasts every bf16 collective to f32 (the CPU runtime has no bf16 reductions),
 which a GPU does not (NCCL moves and reduces bf16). The pass leaves a mark on each operand it widens: the
 operand is computed by a `convert` to f32 of a bf16 value (often bf16 -> f32 -> bf16 -> f32, fused), reached from
-the operand's root through layout-only ops. Each element of a collective, tuples included (XLA:CPU emits
-all-to-alls and combined all-reduces with one operand per piece), is counted in bf16 when its operand carries
-that mark, so no dump of an earlier pass and no matching of channel ids (which the combiners reuse) is needed.
+the operand's root through layout-only ops (f8 exchanges are widened to f16 the same way). Each element of a
+collective, tuples included (XLA:CPU emits all-to-alls and combined all-reduces with one operand per piece), is
+counted in the narrow type when its operand carries that mark, so no dump of an earlier pass and no matching of
+channel ids (which the combiners reuse) is needed. (A program that itself widens an f8/bf16 value just before a
+collective would be counted in the narrow type too.)
 
 Bytes per device are the size of the buffer the op produces (for `reduce-scatter`: its input, the group size times
 its result) and the bytes a device sends over the wire under the usual ring / pairwise algorithms, for a group of n:
@@ -21,7 +23,7 @@ import re
 
 import numpy as np
 
-from benchmarks.hlo_module import Module, element_types, nbytes, parse_module
+from benchmarks.hlo_module import BITS, Module, element_types, nbytes, parse_module
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
@@ -31,12 +33,13 @@ _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 # Ops that move or relabel elements without computing: walked through when looking for the upcast's convert.
 LAYOUT_OPS = ("bitcast", "copy", "reshape", "transpose", "slice", "broadcast")
-NARROW = ("bf16", "f16")
+NARROW = ("bf16", "f16")     # what XLA:CPU widens to f32 (for hlo_costs' CPU-only bytes)
+FLOATS = ("f8e4m3fn", "f8e5m2", "f8e4m3", "bf16", "f16", "f32")   # f8 collectives XLA:CPU widens to f16
 
 
 def _narrowed_from(module: Module, name: str, depth: int = 0) -> str | None:
-  """The narrow float type (bf16/f16) an f32 value was widened from by a `convert` (see the module docstring),
-  looking through fusions and layout-only ops; None if the value is computed in f32."""
+  """The narrower float type (bf16, f16, f8) a value was widened from by a `convert` (see the module docstring),
+  looking through fusions and layout-only ops; None if the value is computed in its own type."""
   ins = module.instrs.get(name)
   if ins is None or depth > 20:
     return None
@@ -45,8 +48,11 @@ def _narrowed_from(module: Module, name: str, depth: int = 0) -> str | None:
     return _narrowed_from(module, module.root(callee).name, depth + 1) if callee in module.computations else None
   if ins.opcode == "convert":
     src = module.instrs.get(ins.operands[0]) if ins.operands else None
-    src_types = element_types(src.type) if src is not None else []
-    return src_types[0][0] if len(src_types) == 1 and src_types[0][0] in NARROW else None
+    src_types, out_types = (element_types(src.type) if src is not None else []), element_types(ins.type)
+    if len(src_types) == 1 and len(out_types) == 1 and src_types[0][0] in FLOATS and out_types[0][0] in FLOATS \
+        and BITS[src_types[0][0]] < BITS[out_types[0][0]]:
+      return src_types[0][0]
+    return None
   if ins.opcode in LAYOUT_OPS and ins.operands:
     return _narrowed_from(module, ins.operands[0], depth + 1)
   return None
@@ -61,7 +67,7 @@ def program_elements(module: Module, ins) -> list[tuple[str, tuple[int, ...]]]:
     sources = ins.operands
   out = []
   for (dtype, dims), src in zip(elems, sources):
-    narrow = _narrowed_from(module, src) if (dtype == "f32" and src) else None
+    narrow = _narrowed_from(module, src) if (dtype in ("f16", "f32") and src) else None
     out.append((narrow or dtype, dims))
   return out
 

@@ -64,6 +64,46 @@ def test_ep_layer_matches_single_device(impl, axes):
   np.testing.assert_allclose(np.asarray(y).reshape(T, D), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_fp8_dispatch_matches_compute_dtype_dispatch_within_e4m3_rounding():
+  """ep_dispatch="fp8" on data=2 x expert=4: outputs within e4m3's rounding of the f32 exchange's, gradients
+  (straight-through: the backward exchange is in f32) within the same bound, and the dispatch all-to-all carries
+  f8 elements (the return stays f32)."""
+  from benchmarks import hlo_collectives as hc
+  p = _moe_params(CFG)
+  B, L = 8, 4
+  x = jax.random.normal(jax.random.key(1), (B, L, CFG.hidden_size))
+  idx, w = _routed(p, x)
+  mesh = make_mesh({"data": 2, "expert": 4})
+  valid = jnp.ones((B, L), bool)
+  r = jax.random.normal(jax.random.key(2), x.shape)       # a linear loss: dL/dy is the same on both paths
+
+  def loss(p, x, cfg):
+    y, _ = ep.expert_parallel(p, x, idx, w, valid, cfg)
+    return jnp.sum(y * r), y
+  out = {}
+  for dispatch in ("compute", "fp8"):
+    cfg = dataclasses.replace(CFG, moe_impl="ep_capacity", capacity_factor=NO_DROP, ep_dispatch=dispatch)
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    with jax.set_mesh(mesh):
+      out[dispatch] = fn(p, x, cfg), fn.lower(p, x, cfg).compile().as_text()
+  ((_, y32), g32), _ = out["compute"]
+  ((_, y8), g8), text = out["fp8"]
+  # e4m3 keeps 3 mantissa bits: each input element within 2^-4 relative of its slot's scale; the expert FFN
+  # (SwiGLU, sums over D) keeps the error at that order: 0.1 of the outputs' scale bounds it with margin.
+  scale = float(jnp.abs(y32).max())
+  np.testing.assert_allclose(np.asarray(y8), np.asarray(y32), atol=0.1 * scale)
+  assert float(jnp.abs(y8 - y32).max()) > 0                       # the exchange really was quantised
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g32)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.1 * float(jnp.abs(b).max()) + 1e-6)
+  # Bytes in the program's types (XLA:CPU widens the f8 exchange to f16): the forward dispatch is 1 byte per value
+  # plus one f32 scale per slot of D values; the return and the two backward exchanges stay f32.
+  def a2a_bytes(t):
+    return hc.summarize(hc.parse(t, 8))["all-to-all"]["buffer_bytes"]
+  one_exchange = a2a_bytes(out["compute"][1]) // 4
+  values = one_exchange // 4
+  assert a2a_bytes(text) == values + 4 * values // CFG.hidden_size + 3 * one_exchange
+
+
 def test_dispatch_round_trip_is_exact():
   """Tokens sent to their experts' devices and straight back (no expert compute) return bit for bit."""
   mesh = make_mesh({"data": 2, "expert": 4})

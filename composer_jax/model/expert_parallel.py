@@ -121,8 +121,10 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, experts_BxLxK: jax.Array, w_BxL
   emb_spec = emb or None
   w_specs = (P(AXIS, emb_spec, ffw_spec), P(AXIS, emb_spec, ffw_spec), P(AXIS, ffw_spec, emb_spec))
   if cfg.moe_impl == "ep_capacity":
+    if cfg.ep_dispatch not in ("compute", "fp8"):
+      raise ValueError(f"ep_dispatch={cfg.ep_dispatch!r}; valid: 'compute', 'fp8'")
     body = functools.partial(_capacity_body, cap_factor=cfg.capacity_factor, token_axes=(*batch, *seq),
-                             ffw_axes=ffw)
+                             ffw_axes=ffw, fp8_dispatch=cfg.ep_dispatch == "fp8")
   elif cfg.moe_impl == "ep_ragged":
     body = functools.partial(_ragged_body, cfg=cfg, ffw_axes=ffw, ragged_all_to_all=ragged_all_to_all)
   else:
@@ -150,12 +152,43 @@ def _ffn(h_in, gate, up, down, mm, ffw_axes):
   return jax.lax.psum(y, ffw_axes) if ffw_axes else y
 
 
-def dispatch(x_txD, expert_m, valid_m, n_experts: int, cap: int):
-  """Local slots, then all-to-all: returns (received [N, X, Ce, D] by source device, slot [m], kept [m])."""
+def dispatch(x_txD, expert_m, valid_m, n_experts: int, cap: int, fp8: bool = False):
+  """Local slots, then all-to-all: returns (received [N, X, Ce, D] by source device, slot [m], kept [m]).
+
+  With `fp8` the slots travel as float8_e4m3fn with one float32 scale per slot (`fp8_all_to_all`)."""
   N = jax.lax.axis_size(AXIS)
   buf_ExCexD, slot_m, keep_m = capacity_dispatch(x_txD, expert_m, valid_m, n_experts, cap)
   send_NxXxCexD = buf_ExCexD.reshape(N, n_experts // N, cap, x_txD.shape[1])
-  return jax.lax.all_to_all(send_NxXxCexD, AXIS, 0, 0, tiled=True), slot_m, keep_m
+  exchange = fp8_all_to_all if fp8 else functools.partial(jax.lax.all_to_all, axis_name=AXIS, split_axis=0,
+                                                          concat_axis=0, tiled=True)
+  return exchange(send_NxXxCexD), slot_m, keep_m
+
+
+FP8_MAX = 448.0   # largest finite float8_e4m3fn
+
+
+@jax.custom_vjp
+def fp8_all_to_all(x_NxXxCexD):
+  """The dispatch all-to-all with each slot (a token's D values) sent as e4m3 times a float32 scale
+  (max |x| / 448): about half the bytes of bf16. The backward sends the cotangent back in its own dtype
+  (straight-through: the quantisation's rounding is not differentiated), as DeepSeek-V3 keeps its combine in bf16."""
+  scale_NxXxCex1 = jnp.maximum(jnp.max(jnp.abs(x_NxXxCexD.astype(jnp.float32)), -1, keepdims=True) / FP8_MAX,
+                               jnp.finfo(jnp.float32).tiny)
+  q = (x_NxXxCexD.astype(jnp.float32) / scale_NxXxCex1).astype(jnp.float8_e4m3fn)
+  q, scale_NxXxCex1 = (jax.lax.all_to_all(a, AXIS, 0, 0, tiled=True) for a in (q, scale_NxXxCex1))
+  return (q.astype(jnp.float32) * scale_NxXxCex1).astype(x_NxXxCexD.dtype)
+
+
+def _fp8_all_to_all_fwd(x_NxXxCexD):
+  return fp8_all_to_all(x_NxXxCexD), None
+
+
+def _fp8_all_to_all_bwd(_, g_NxXxCexD):
+  # The transpose of a tiled all-to-all over dim 0 is the same all-to-all.
+  return (jax.lax.all_to_all(g_NxXxCexD, AXIS, 0, 0, tiled=True),)
+
+
+fp8_all_to_all.defvjp(_fp8_all_to_all_fwd, _fp8_all_to_all_bwd)
 
 
 def return_to_sources(y_NxXxCexD):
@@ -165,7 +198,7 @@ def return_to_sources(y_NxXxCexD):
 
 
 def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cap_factor,
-                   token_axes, ffw_axes):
+                   token_axes, ffw_axes, fp8_dispatch=False):
   b, l, D = x_bxlxD.shape
   K = experts_bxlxK.shape[-1]
   X = gate_XxDxF.shape[0]
@@ -174,7 +207,8 @@ def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_b
   E = N * X
   Ce = capacity(cap_factor, t, K, E)
   valid_m = jnp.repeat(valid_bxl.reshape(t), K)
-  recv_NxXxCexD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), experts_bxlxK.reshape(-1), valid_m, E, Ce)
+  recv_NxXxCexD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), experts_bxlxK.reshape(-1), valid_m, E, Ce,
+                                           fp8=fp8_dispatch)
   rows_XxRxD = recv_NxXxCexD.transpose(1, 0, 2, 3).reshape(X, N * Ce, D)
   mm = functools.partial(jnp.einsum, "erd,edf->erf")
   y_XxRxD = _ffn(rows_XxRxD, gate_XxDxF, up_XxDxF, down_XxFxD, mm, ffw_axes)
