@@ -102,12 +102,14 @@ STAGES = {
 # device order, then context, so a context group of 4 is half a node and its weight gathers ride NVLink). Weights
 # are FSDP-sharded over data x context (`rules_for`), experts over `expert`. kimi_k2: the targets are
 # pretrain_32k and rl on <= 256 devices, long_256k on <= 1024; the ring's per-step score block is
-# [H, L/CP, L/CP] in f32 until the ring's block is tiled, hence context 32 at 256k. moonlight_16b: one node.
+# [H, L/CP, L/CP] in f32 until the ring's block is tiled, hence context 32 at 256k. At 256 devices
+# expert=32 x context=8 (FSDP inside the node, L/CP = 4096) fits where data=4 x expert=16 x context=4 (FSDP
+# gathers over IB, L/CP = 8192) does not (README table: both). moonlight_16b: one node.
 PLANS = {
     "kimi_k2": {
-        "pretrain_32k": {64: {"expert": 16, "context": 4}, 256: {"data": 4, "expert": 16, "context": 4}},
+        "pretrain_32k": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8}},
         "long_256k": {256: {"data": 4, "expert": 2, "context": 32}, 1024: {"data": 16, "expert": 2, "context": 32}},
-        "rl": {64: {"expert": 16, "context": 4}, 256: {"data": 4, "expert": 16, "context": 4}},
+        "rl": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8}},
     },
     "moonlight_16b": {
         "pretrain_8k": {8: {"expert": 8}},

@@ -49,7 +49,10 @@ def test_zero1_splits_moments_and_matches_replicated_state():
   assert all("data" not in str(s.spec) for s in jax.tree.leaves(shardings.params))   # weights stay replicated
   mu, ref_mu = (s.opt_state.inner_states["train"].inner_state[1][0].mu for s in (state, ref_state))
   assert _per_device(mu) * 4 < _per_device(ref_mu)            # most leaves split 8 ways (tiny norms stay whole)
-  # f32; only the order of the gradient reductions differs.
+  # f32; only the order of the gradient reductions differs. Adam divides each moment by its own scale, so where a
+  # gradient element is ~0 that order moves its update by a noticeable fraction of lr = 1e-2: measured 4.8e-6 at
+  # one element of 16384 after two steps; 5e-5 leaves a 10x margin and is still far below one step's lr.
   np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-5)
