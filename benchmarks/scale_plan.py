@@ -104,11 +104,12 @@ STAGES = {
 # pretrain_32k and rl on <= 256 devices, long_256k on <= 1024; the ring's per-step score block is
 # [H, L/CP, L/CP] in f32 until the ring's block is tiled, hence context 32 at 256k. At 256 devices
 # expert=32 x context=8 (FSDP inside the node, L/CP = 4096) fits where data=4 x expert=16 x context=4 (FSDP
-# gathers over IB, L/CP = 8192) does not (README table: both). moonlight_16b: one node.
+# gathers over IB, L/CP = 8192) does not (README table: both); likewise expert=32 x context=32 for 256k rows on
+# 1024 (12 experts per device instead of 192 to gather). moonlight_16b: one node.
 PLANS = {
     "kimi_k2": {
         "pretrain_32k": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8}},
-        "long_256k": {256: {"data": 4, "expert": 2, "context": 32}, 1024: {"data": 16, "expert": 2, "context": 32}},
+        "long_256k": {256: {"data": 4, "expert": 2, "context": 32}, 1024: {"expert": 32, "context": 32}},
         "rl": {64: {"expert": 16, "context": 4}, 256: {"expert": 32, "context": 8}},
     },
     "moonlight_16b": {
