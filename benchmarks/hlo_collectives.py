@@ -1,11 +1,14 @@
 """Collectives of a compiled (per-device, SPMD-partitioned) HLO module: kind, bytes, group size, intra/inter node.
 
-Used by `scale_plan.py`. Two texts go in:
-- the compiled module (`compiled.as_text()`): the program that runs, after every pass (fusion, DCE, combiners);
-- the module right after SPMD partitioning (dumped by XLA, see `dump_flags`): it has the program's own element
-  types. XLA:CPU's `float-normalization-bf16` pass later upcasts every bf16 collective to f32 (the CPU runtime has
-  no bf16 reductions); a GPU keeps bf16 (NCCL reduces bf16). Collectives keep their `channel_id` through the
-  passes, so each compiled collective's bytes are counted in the element type it had after partitioning.
+Used by `scale_plan.py`. Bytes are counted in the element types the *program* has, not XLA:CPU's: its
+`float-normalization-bf16` pass upcasts every bf16 collective to f32 (the CPU runtime has no bf16 reductions),
+which a GPU does not (NCCL moves and reduces bf16). The pass leaves a mark on each operand it widens: the
+operand is computed by a `convert` to f32 of a bf16 value (often bf16 -> f32 -> bf16 -> f32, fused), reached from
+the operand's root through layout-only ops (f8 exchanges are widened to f16 the same way). Each element of a
+collective, tuples included (XLA:CPU emits all-to-alls and combined all-reduces with one operand per piece), is
+counted in the narrow type when its operand carries that mark, so no dump of an earlier pass and no matching of
+channel ids (which the combiners reuse) is needed. (A program that itself widens an f8/bf16 value just before a
+collective would be counted in the narrow type too.)
 
 Bytes per device are the size of the buffer the op produces (for `reduce-scatter`: its input, the group size times
 its result) and the bytes a device sends over the wire under the usual ring / pairwise algorithms, for a group of n:
@@ -15,59 +18,57 @@ buffer, unless the pair is a device to itself (sent nowhere).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
-import os
 import re
 
 import numpy as np
 
+from benchmarks.hlo_module import BITS, Module, element_types, nbytes, parse_module
+
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) (" + "|".join(KINDS) + r")(-start)?\(")
-_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
-_CHANNEL = re.compile(r"channel_id=(\d+)")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
                           r"\{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-
-BITS = {"pred": 8, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f4e2m1fn": 4, "bf16": 16, "f16": 16, "s16": 16,
-        "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
-
-
-def dump_flags(directory: str) -> str:
-  """XLA_FLAGS that make XLA write each module right after SPMD partitioning into `directory`."""
-  return f"--xla_dump_to={directory} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning"
+# Ops that move or relabel elements without computing: walked through when looking for the upcast's convert.
+LAYOUT_OPS = ("bitcast", "copy", "reshape", "transpose", "slice", "broadcast")
+NARROW = ("bf16", "f16")     # what XLA:CPU widens to f32 (for hlo_costs' CPU-only bytes)
+FLOATS = ("f8e4m3fn", "f8e5m2", "f8e4m3", "bf16", "f16", "f32")   # f8 collectives XLA:CPU widens to f16
 
 
-def partitioned_text(directory: str, module_name: str) -> str:
-  """The newest dumped `after_spmd-partitioning` text of the module named `module_name` (e.g. jit_train_step)."""
-  files = glob.glob(os.path.join(directory, f"module_*.{module_name}.*after_spmd-partitioning*.txt"))
-  if not files:
-    raise FileNotFoundError(f"no after_spmd-partitioning dump of {module_name} in {directory}; was XLA_FLAGS "
-                            f"{dump_flags(directory)!r} set before jax was imported?")
-  with open(max(files, key=os.path.getmtime)) as f:
-    return f.read()
+def _narrowed_from(module: Module, name: str, depth: int = 0) -> str | None:
+  """The narrower float type (bf16, f16, f8) a value was widened from by a `convert` (see the module docstring),
+  looking through fusions and layout-only ops; None if the value is computed in its own type."""
+  ins = module.instrs.get(name)
+  if ins is None or depth > 20:
+    return None
+  if ins.opcode == "fusion":
+    callee = ins.callees[0] if ins.callees else None
+    return _narrowed_from(module, module.root(callee).name, depth + 1) if callee in module.computations else None
+  if ins.opcode == "convert":
+    src = module.instrs.get(ins.operands[0]) if ins.operands else None
+    src_types, out_types = (element_types(src.type) if src is not None else []), element_types(ins.type)
+    if len(src_types) == 1 and len(out_types) == 1 and src_types[0][0] in FLOATS and out_types[0][0] in FLOATS \
+        and BITS[src_types[0][0]] < BITS[out_types[0][0]]:
+      return src_types[0][0]
+    return None
+  if ins.opcode in LAYOUT_OPS and ins.operands:
+    return _narrowed_from(module, ins.operands[0], depth + 1)
+  return None
 
 
-def _element_types(result_type: str) -> list[tuple[str, tuple[int, ...]]]:
+def program_elements(module: Module, ins) -> list[tuple[str, tuple[int, ...]]]:
+  """A collective's result elements [(dtype, dims)], f32 ones that were widened from bf16 counted as bf16."""
+  elems = element_types(ins.type)
+  if ins.opcode.startswith("reduce-scatter") or len(ins.operands) != len(elems):
+    sources = [ins.operands[0]] * len(elems) if len(ins.operands) == 1 else [None] * len(elems)
+  else:
+    sources = ins.operands
   out = []
-  for dtype, dims in _SHAPE.findall(result_type):
-    if dtype not in BITS:
-      raise ValueError(f"unknown HLO element type {dtype!r} in a collective's result {result_type!r}; add it to BITS")
-    out.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
-  return out
-
-
-def program_dtypes(partitioned: str) -> dict[int, list[str]]:
-  """channel_id -> element types of the collective's result(s), as the program has them (before CPU upcasts)."""
-  out = {}
-  for line in partitioned.splitlines():
-    m = _OP.match(line)
-    c = _CHANNEL.search(line)
-    if m and c:
-      out[int(c.group(1))] = [d for d, _ in _element_types(m.group(1))]
+  for (dtype, dims), src in zip(elems, sources):
+    narrow = _narrowed_from(module, src) if (dtype in ("f16", "f32") and src) else None
+    out.append((narrow or dtype, dims))
   return out
 
 
@@ -105,56 +106,6 @@ def replica_groups(line: str, n_devices: int) -> list[list[int]]:
   raise ValueError(f"cannot parse the replica groups of: {line[:300]}")
 
 
-_COMP_START = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
-_CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _weighted_lines(module: str):
-  """Yields (instruction line, times it runs per execution of the module), following while loops' trip counts."""
-  comps, entry, cur = {}, None, None
-  for line in module.splitlines():
-    if cur is None:
-      m = _COMP_START.match(line)
-      if m:
-        cur = m.group(2)
-        comps[cur] = []
-        entry = cur if m.group(1) else entry
-    elif line.strip() == "}":
-      cur = None
-    else:
-      comps[cur].append(line)
-  if entry is None:
-    raise ValueError("no ENTRY computation in the HLO text")
-  times: dict[str, int] = {}
-
-  def visit(name: str, mult: int, depth: int = 0):
-    if depth > 100:
-      raise ValueError(f"HLO call graph deeper than 100 at {name}")
-    times[name] = times.get(name, 0) + mult
-    for line in comps.get(name, []):
-      callees = _CALLEE.findall(line)
-      if b := _BRANCHES.search(line):
-        callees += [c.strip().lstrip("%") for c in b.group(1).split(",")]
-      if " while(" in line:
-        trip = _TRIP.search(line)
-        if trip is None:
-          raise ValueError(f"a while loop without a known trip count: {line[:200]}")
-        body = re.search(r"\bbody=%([\w.\-]+)", line).group(1)
-        visit(body, mult * int(trip.group(1)), depth + 1)
-        callees = [c for c in callees if c != body]
-      for c in callees:
-        if c in comps:
-          visit(c, mult, depth + 1)
-  visit(entry, 1)
-  for name, lines in comps.items():
-    for line in lines:
-      if name in times:
-        yield line, times[name]
-
-
 @dataclasses.dataclass
 class Collective:
   kind: str
@@ -166,42 +117,39 @@ class Collective:
   op_name: str = ""      # the JAX op it came from (metadata): `.../shard_map/...` is ours, else the partitioner's
 
 
-def parse(compiled: str, dtypes: dict[int, list[str]] | None, n_devices: int, devices_per_node: int = 8
+def parse(compiled: str | Module, n_devices: int, devices_per_node: int = 8, program_dtypes: bool = True
           ) -> list[Collective]:
-  """Every collective of the compiled per-device module, its bytes counted in the program's element types.
+  """Every collective of the compiled per-device module (text or `hlo_module.parse_module`'s table).
 
-  A collective inside a `while` body is counted once per iteration (the loop's known trip count; a loop without
-  one is an error).
+  With `program_dtypes`, elements XLA:CPU widened from bf16 are counted in bf16 (`program_elements`). A collective
+  inside a `while` body is counted once per iteration (the loop's known trip count; a loop without one is an error).
   """
+  module = parse_module(compiled) if isinstance(compiled, str) else compiled
   out = []
-  for line, times in _weighted_lines(compiled):
-    m = _OP.match(line)
-    if not m:
-      continue
-    kind, is_async = m.group(2), m.group(3)
-    if is_async:
-      raise ValueError(f"async {kind}-start is not counted by this parser (its result tuple holds the operand too)")
-    elems = _element_types(m.group(1))
-    c = _CHANNEL.search(line)
-    if dtypes is not None and c and int(c.group(1)) in dtypes and len(dtypes[int(c.group(1))]) == len(elems):
-      elems = [(d, dims) for d, (_, dims) in zip(dtypes[int(c.group(1))], elems)]
-    nbytes = sum(math.prod(dims) * BITS[d] // 8 for d, dims in elems)
-    name_match = _OP_NAME.search(line)
-    op_name = name_match.group(1) if name_match else ""
-    if kind == "collective-permute":
-      pairs = [_ints(p) for p in re.findall(r"\{(\d+,\d+)\}", _PAIRS.search(line).group(1))]
-      moving = [(s, t) for s, t in pairs if s != t]
-      out.append(Collective(kind, nbytes * times, float(nbytes * times) if moving else 0.0, 2,
-                            any(s // devices_per_node != t // devices_per_node for s, t in moving), times,
-                            op_name))
-      continue
-    groups = replica_groups(line, n_devices)
-    n = len(groups[0])
-    if kind == "reduce-scatter":
-      nbytes *= n
-    factor = {"all-reduce": 2.0}.get(kind, 1.0) * (n - 1) / n
-    inter = any(len({d // devices_per_node for d in g}) > 1 for g in groups)
-    out.append(Collective(kind, nbytes * times, factor * nbytes * times, n, inter, times, op_name))
+  for comp, body in module.computations.items():
+    times = module.times.get(comp, 0)
+    for ins in body:
+      kind = ins.opcode.removesuffix("-start")
+      if kind not in KINDS or not times:
+        continue
+      if ins.opcode.endswith("-start"):
+        raise ValueError(f"async {ins.opcode} is not counted by this parser (its result tuple holds the operand too)")
+      elems = program_elements(module, ins) if program_dtypes else element_types(ins.type)
+      size = sum(nbytes(d, dims) for d, dims in elems)
+      if kind == "collective-permute":
+        pairs = [_ints(p) for p in re.findall(r"\{(\d+,\d+)\}", _PAIRS.search(ins.line).group(1))]
+        moving = [(s, t) for s, t in pairs if s != t]
+        out.append(Collective(kind, size * times, float(size * times) if moving else 0.0, 2,
+                              any(s // devices_per_node != t // devices_per_node for s, t in moving), times,
+                              ins.op_name))
+        continue
+      groups = replica_groups(ins.line, n_devices)
+      n = len(groups[0])
+      if kind == "reduce-scatter":
+        size *= n
+      factor = {"all-reduce": 2.0}.get(kind, 1.0) * (n - 1) / n
+      inter = any(len({d // devices_per_node for d in g}) > 1 for g in groups)
+      out.append(Collective(kind, size * times, factor * size * times, n, inter, times, ins.op_name))
   return out
 
 

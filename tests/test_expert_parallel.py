@@ -16,6 +16,7 @@ from composer_jax.model import experts as experts_lib
 from composer_jax.model import moe as moe_lib
 from composer_jax.model.layers import mlp
 from composer_jax.parallel import make_mesh
+from composer_jax.parallel.rules import ShardingRules, use_rules
 
 K = CFG.num_experts_per_tok
 NO_DROP = CFG.n_routed_experts / K  # capacity factor E/K: C >= t per (source device, expert), nothing is dropped
@@ -61,6 +62,46 @@ def test_ep_layer_matches_single_device(impl, axes):
   # And both references against the per-expert float64 loop.
   ref, _ = _loop_reference(p, x.reshape(T, D), idx.reshape(T, K), w.reshape(T, K))
   np.testing.assert_allclose(np.asarray(y).reshape(T, D), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_dispatch_matches_compute_dtype_dispatch_within_e4m3_rounding():
+  """ep_dispatch="fp8" on data=2 x expert=4: outputs within e4m3's rounding of the f32 exchange's, gradients
+  (straight-through: the backward exchange is in f32) within the same bound, and the dispatch all-to-all carries
+  f8 elements (the return stays f32)."""
+  from benchmarks import hlo_collectives as hc
+  p = _moe_params(CFG)
+  B, L = 8, 4
+  x = jax.random.normal(jax.random.key(1), (B, L, CFG.hidden_size))
+  idx, w = _routed(p, x)
+  mesh = make_mesh({"data": 2, "expert": 4})
+  valid = jnp.ones((B, L), bool)
+  r = jax.random.normal(jax.random.key(2), x.shape)       # a linear loss: dL/dy is the same on both paths
+
+  def loss(p, x, cfg):
+    y, _ = ep.expert_parallel(p, x, idx, w, valid, cfg)
+    return jnp.sum(y * r), y
+  out = {}
+  for dispatch in ("compute", "fp8"):
+    cfg = dataclasses.replace(CFG, moe_impl="ep_capacity", capacity_factor=NO_DROP, ep_dispatch=dispatch)
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    with jax.set_mesh(mesh):
+      out[dispatch] = fn(p, x, cfg), fn.lower(p, x, cfg).compile().as_text()
+  ((_, y32), g32), _ = out["compute"]
+  ((_, y8), g8), text = out["fp8"]
+  # e4m3 keeps 3 mantissa bits: each input element within 2^-4 relative of its slot's scale; the expert FFN
+  # (SwiGLU, sums over D) keeps the error at that order: 0.1 of the outputs' scale bounds it with margin.
+  scale = float(jnp.abs(y32).max())
+  np.testing.assert_allclose(np.asarray(y8), np.asarray(y32), atol=0.1 * scale)
+  assert float(jnp.abs(y8 - y32).max()) > 0                       # the exchange really was quantised
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g32)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.1 * float(jnp.abs(b).max()) + 1e-6)
+  # Bytes in the program's types (XLA:CPU widens the f8 exchange to f16): the forward dispatch is 1 byte per value
+  # plus one f32 scale per slot of D values; the return and the two backward exchanges stay f32.
+  def a2a_bytes(t):
+    return hc.summarize(hc.parse(t, 8))["all-to-all"]["buffer_bytes"]
+  one_exchange = a2a_bytes(out["compute"][1]) // 4
+  values = one_exchange // 4
+  assert a2a_bytes(text) == values + 4 * values // CFG.hidden_size + 3 * one_exchange
 
 
 def test_dispatch_round_trip_is_exact():
@@ -196,6 +237,40 @@ def test_full_model_loss_and_grads_match_single_device():
       b = b[k.key]
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_fsdp_expert_weights_are_gathered_in_the_region_and_their_grads_reduce_scattered():
+  """data=2 x expert=2 x context=2 with expert weights' D FSDP-split over data x context: loss and every gradient
+  equal the one-device run, and the compiled program reduce-scatters the expert-weight gradients inside the EP
+  region (no all-reduce of a whole expert weight's gradient)."""
+  from benchmarks import hlo_collectives as hc
+  tokens = jax.random.randint(jax.random.key(5), (8, 16), 0, TINY.vocab_size)
+  ref_cfg = dataclasses.replace(TINY, moe_impl="dense")
+  params = model.init(jax.random.key(0), ref_cfg)
+  (ref_loss, _), ref_g = jax.jit(jax.value_and_grad(_loss, has_aux=True), static_argnums=2)(params, tokens, ref_cfg)
+  mesh = make_mesh({"data": 2, "expert": 2, "context": 2})
+  rules = ShardingRules(batch=("data", "expert"), embed=("data", "context"), expert_embed=("data", "context"))
+  ep_cfg = dataclasses.replace(TINY, moe_impl="ep_capacity", capacity_factor=TINY.n_routed_experts / 2)
+  sharded = jax.device_put(params, model.shardings(ep_cfg, mesh, rules))
+  assert sharded["moe_layers"]["moe"]["gate"].sharding.spec[2] == ("data", "context")
+  fn = jax.jit(jax.value_and_grad(_loss, has_aux=True), static_argnums=2)
+  with jax.set_mesh(mesh), use_rules(rules):
+    (loss, dropped), g = fn(sharded, tokens, ep_cfg)
+    text = fn.lower(sharded, tokens, ep_cfg).compile().as_text()
+  assert float(dropped) == 0.0
+  # Same tolerances as the data=2 x expert=4 test above (f32; only summation orders differ).
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  for path, a in jax.tree_util.tree_leaves_with_path(g):
+    b = ref_g
+    for k in path:
+      b = b[k.key]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
+                               err_msg=jax.tree_util.keystr(path))
+  colls = hc.parse(text, 8, program_dtypes=False)
+  ep = [c for c in colls if "ep_capacity" in c.op_name]
+  assert any(c.kind == "reduce-scatter" and c.group_size == 4 for c in ep), [(c.kind, c.group_size) for c in ep]
+  local_expert_weight = (8 // 2) * 32 * 16 * 4       # X experts x D x F, f32: one weight's gradient per device
+  assert not [c for c in ep if c.kind == "all-reduce" and c.group_size > 1 and c.buffer_bytes >= local_expert_weight]
 
 
 def test_ep_ragged_lowers_for_cuda_with_ragged_all_to_all():

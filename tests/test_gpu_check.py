@@ -50,3 +50,16 @@ def test_dry_run_of_every_section():
   assert all(res["kernels"][f]["ok"] for f in ("bf16", "mxfp8", "nvfp4"))
   assert res["train_small"]["tokens_per_s"] > 0 and res["decode"]["decode_tokens_per_s_b32"] > 0
   assert res["decode"]["mtp_heads"] == "random" and res["grouped_matmul"]["measured"] is False
+
+
+def test_scale_plan_gpu_compile_env_mocks_the_topology():
+  """`scale_plan.py --platform gpu` (what gpu_check.sh runs) compiles on a mocked 8-GPUs-per-host topology; the CPU
+  plan keeps its fake devices. Only the environment is checkable here (no GPU)."""
+  from benchmarks import scale_plan as sp
+  env = sp.child_env(64, "gpu", "/tmp/d")
+  assert env["JAX_MOCK_GPU_TOPOLOGY"] == "1x8x8" and env["JAX_PLATFORMS"] == "cuda"
+  assert "--xla_dump_to=/tmp/d" in env["XLA_FLAGS"] and "host_platform_device_count" not in env["XLA_FLAGS"]
+  assert "--xla_force_host_platform_device_count=64" in sp.child_env(64, "cpu", "/tmp/d")["XLA_FLAGS"]
+  with pytest.raises(ValueError, match="multiple"):
+    sp.child_env(12, "gpu", "/tmp/d")
+  assert "scale_plan.py --platform gpu" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()

@@ -1,6 +1,6 @@
-"""The scale plan's method, checked where it can be: hand-computed collectives, depth extrapolation, the roofline,
-and on 8 fake devices the compiled figures against `benchmarks/ep_bytes.py`, `benchmarks/cp_memory.py` and a real
-run of the same step."""
+"""The scale plan's method, checked where it can be: hand-computed collectives (bf16 tuples included), FLOPs and
+peak buffers of hand-built programs, the roofline, temp flat in depth under scan, and on 8 fake devices the compiled
+figures against `benchmarks/ep_bytes.py`, `benchmarks/cp_memory.py` and a real run of the same step."""
 import dataclasses
 import importlib.util
 import json
@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import hlo_collectives as hc
+from benchmarks import hlo_costs, hlo_module
 from benchmarks import scale_plan as sp
 from composer_jax.parallel import make_mesh
 
@@ -39,7 +40,7 @@ def test_collectives_hand_computed_with_loops_groups_and_nodes():
   text = jax.jit(f).lower(jax.ShapeDtypeStruct((8 * 16, 32), jnp.float32)).compile().as_text()
   assert " while(" in text                      # the loop stays a loop: its trip count must be applied
   # Nodes of 4 devices: expert groups {0..3}, {4..7} stay inside one; data pairs {i, i+4} cross nodes.
-  s = hc.summarize(hc.parse(text, None, n_devices=8, devices_per_node=4))
+  s = hc.summarize(hc.parse(text, n_devices=8, devices_per_node=4))
   shard = 16 * 32 * 4
   assert s["collective-permute"] == {"count": 5, "buffer_bytes": 5 * shard, "nvlink_bytes": 5 * shard,
                                      "ib_bytes": 0.0}
@@ -47,7 +48,7 @@ def test_collectives_hand_computed_with_loops_groups_and_nodes():
   assert s["all-reduce"] == {"count": 1, "buffer_bytes": 4 * shard, "nvlink_bytes": 0.0,
                              "ib_bytes": 2 * 0.5 * 4 * shard}
   # With 8 devices per node every group is inside the node.
-  s8 = hc.summarize(hc.parse(text, None, n_devices=8, devices_per_node=8))
+  s8 = hc.summarize(hc.parse(text, n_devices=8, devices_per_node=8))
   assert s8["all-reduce"]["ib_bytes"] == 0.0 and s8["all-reduce"]["nvlink_bytes"] == 4 * shard
 
 
@@ -63,38 +64,100 @@ def test_replica_group_formats():
     hc.replica_groups("replica_groups=<<weird>>", 8)
 
 
-def test_extrapolation_and_depth_deviation():
-  by_depth = {1: {"argument": 10, "temp": 5, "output": 10, "params_opt": 8, "collectives": {"all-to-all": {
-      "buffer_bytes": 3}}},
-              2: {"argument": 14, "temp": 7, "output": 14, "params_opt": 11, "collectives": {"all-to-all": {
-                  "buffer_bytes": 5}}},
-              3: {"argument": 18, "temp": 9.9, "output": 18, "params_opt": 14, "collectives": {"all-to-all": {
-                  "buffer_bytes": 7}}}}
-  at60 = sp.extrapolate(by_depth, 60)
-  assert at60["argument"] == 14 + 58 * 4 and at60["temp"] == 7 + 58 * 2
-  assert at60["collectives"]["all-to-all"]["buffer_bytes"] == 5 + 58 * 2
-  dev = sp.depth_deviation(by_depth)
-  assert dev["argument"] == 0.0 and dev["temp"] == pytest.approx(0.9 / 9.9)
-
-
 def test_roofline_by_hand():
   """Compute-, memory- and comm-bound times and the MFU bound for made-up per-device figures."""
-  stage = sp.Stage("lm", 4096)
-  cfg = dataclasses.replace(sp.plan_model_config("kimi_k2", 60, 4096), scan_layers=True)
-  fwd_per_token = sp.model_flops_per_token(cfg, 4096)
+  cfg = sp.plan_model_config("kimi_k2", 4096)
   from composer_jax import model
   _, active = model.count_params(cfg)
-  attn = 61 * 2 * 64 * (192 + 128) * 4096 / 2
-  assert fwd_per_token == 2 * active + attn
+  assert sp.model_flops_per_token(cfg, 4096) == 2 * active + 61 * 2 * 64 * (192 + 128) * 4096 / 2
   c = {k: {"nvlink_bytes": 0.0, "ib_bytes": 0.0} for k in hc.KINDS}
   c["all-to-all"]["ib_bytes"] = 100e9
-  row = {"tokens": 64 * 4096, "argument": 50e9, "output": 50e9, "temp": 20e9, "collectives": c}
-  r = sp.roofline(row, stage, "kimi_k2", 60, 64)
-  fwd = fwd_per_token * 4096                           # 64 rows x 4096 tokens over 64 devices
-  assert r["t"]["compute"] == pytest.approx(4 * fwd / 989e12)          # remat: one more forward
+  c["all-gather"]["nvlink_bytes"] = 45e9
+  row = {"tokens": 4096, "argument": 50e9, "output": 50e9, "temp": 30e9, "alias": 50e9, "collectives": c,
+         "hlo_flops": 1.5e15, "model_flops": 1e15, "peak": {"cpu_only_bytes": 10e9}}
+  r = sp.summarize_case(row)
+  assert r["temp_gpu"] == 20e9 and r["total_gpu"] == 50e9 + 20e9 and r["fits"]
+  assert r["t"]["compute"] == pytest.approx(1.5e15 / 989e12)
   assert r["t"]["memory"] == pytest.approx(140e9 / 4.8e12)
-  assert r["t"]["comm"] == pytest.approx(100e9 / 50e9) and r["limit"] == "comm"
-  assert r["mfu_bound"] == pytest.approx(3 * fwd / (2.0 * 989e12))
+  assert r["t"]["comm"] == pytest.approx(100e9 / 50e9 + 45e9 / 450e9) and r["limit"] == "comm"
+  assert r["mfu_bound"] == pytest.approx(1e15 / (2.1 * 989e12)) and r["flops_ratio"] == 1.5
+
+
+def test_bf16_collectives_are_counted_in_bf16_tuples_included():
+  """XLA:CPU widens bf16 collectives to f32 and emits the all-to-all as a tuple of per-peer pieces and the two psums
+  as one combined all-reduce; each piece is counted in the dtype the program has (bf16 here, f32 for the f32 psum)."""
+  mesh = make_mesh({"expert": 4}, devices=jax.devices()[:4])
+
+  def body(x_bf16, y_f32):
+    z = jax.lax.all_to_all(x_bf16, "expert", 0, 0, tiled=True)
+    return z, jax.lax.psum(x_bf16, "expert"), jax.lax.psum(y_f32, "expert")
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=(P("expert"), P(), P()))
+  x = jax.ShapeDtypeStruct((4 * 8, 16), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((4 * 8, 16), jnp.float32)
+  text = jax.jit(f).lower(x, y).compile().as_text()
+  widened = hc.summarize(hc.parse(text, 4, program_dtypes=False))
+  s = hc.summarize(hc.parse(text, 4))
+  shard = 8 * 16                                     # elements per device
+  assert s["all-to-all"]["buffer_bytes"] == 2 * shard and widened["all-to-all"]["buffer_bytes"] == 4 * shard
+  assert s["all-reduce"]["buffer_bytes"] == 2 * shard + 4 * shard      # the bf16 psum + the f32 psum
+  assert widened["all-reduce"]["buffer_bytes"] == 8 * shard
+  assert any(" all-to-all(" in line and line.split("=")[1].strip().startswith("(") for line in text.splitlines())
+
+
+def test_dot_flops_count_every_loop_iteration():
+  """10 scanned [128, 256] x [256, 256] matmuls: XLA's cost_analysis counts the loop body once, dot_flops 10 times."""
+  def f(x, w):
+    return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+  compiled = jax.jit(f).lower(jnp.ones((128, 256)), jnp.ones((10, 256, 256))).compile()
+  one = 2 * 128 * 256 * 256
+  assert compiled.cost_analysis()["flops"] < 2 * one
+  assert hlo_costs.dot_flops(hlo_module.parse_module(compiled.as_text()))["total"] == 10 * one
+
+
+PEAK_PROGRAM = """
+import json, sys
+import jax, jax.numpy as jnp
+from benchmarks import hlo_costs, hlo_module
+
+def f(w_bf16, x_bf16):
+  y = jnp.einsum("erd,edf->erf", x_bf16, w_bf16, preferred_element_type=jnp.float32)
+  with jax.named_scope("second_product"):
+    z = jnp.einsum("erf,edf->erd", y.astype(jnp.bfloat16), w_bf16)
+  return z, jnp.sum(y, axis=1)
+args = (jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16))
+compiled = jax.jit(f).lower(*args).compile()
+module = hlo_module.parse_module(compiled.as_text())
+print(json.dumps(hlo_costs.peak_buffers(module, hlo_costs.live_range_text(sys.argv[1], "jit_f"))))
+"""
+
+
+def test_peak_buffers_are_attributed_and_cpu_only_copies_shown_apart(tmp_path):
+  """XLA's live-range dump of a hand-built program (batched bf16 matmuls, which XLA:CPU runs in f32): the output is
+  named by its scope; XLA:CPU's f32 copy of the bf16 weight w is all CPU-only (a GPU reads w itself); its widened
+  y.astype(bf16) is half CPU-only (the program holds that value in bf16); the bf16 arguments are not."""
+  env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+         "XLA_FLAGS": hlo_costs.dump_flags(str(tmp_path))}
+  out = subprocess.run([sys.executable, "-c", PEAK_PROGRAM, str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  peak = json.loads(out.stdout.strip().splitlines()[-1])
+  by_type = {b["type"].split("{")[0]: b for b in peak["largest"]}
+  z, w_copy, y_bf16 = by_type["f32[8,1024,256]"], by_type["f32[8,256,512]"], by_type["f32[8,1024,512]"]
+  assert "second_product" in z["source"] and "second_product" in y_bf16["source"]
+  assert w_copy["source"] == "w_bf16" and w_copy["cpu_only"] == w_copy["bytes"] == 8 * 256 * 512 * 4
+  assert y_bf16["cpu_only"] == y_bf16["bytes"] // 2 == 8 * 1024 * 512 * 2
+  assert by_type["bf16[8,256,512]"]["cpu_only"] == 0
+  assert peak["cpu_only_bytes"] == sum(b["cpu_only"] for b in peak["largest"])
+  assert peak["bytes"] == sum(b["bytes"] for b in peak["largest"])
+
+
+def test_moonlight_16b_is_the_published_size():
+  """~16B total / ~3B active (Moonlight-16B-A3B: 15.96B / 2.58B without the embedding lookup)."""
+  from composer_jax import model
+  cfg = sp.plan_model_config("moonlight_16b", 8192)
+  total, active = model.count_params(cfg)
+  assert 15.5e9 < total < 16.5e9 and 2.3e9 < active < 3.0e9
+  assert cfg.num_hidden_layers == 27 and cfg.scan_layers
 
 
 def test_all_to_all_bytes_match_ep_bytes(monkeypatch):
@@ -105,7 +168,7 @@ def test_all_to_all_bytes_match_ep_bytes(monkeypatch):
   seq = 128
   orig = sp.plan_model_config
   monkeypatch.setattr(sp, "plan_model_config",
-                      lambda v, n, s: dataclasses.replace(orig(v, n, s), attention_impl="dense"))
+                      lambda v, s, n=None: dataclasses.replace(orig(v, s, n), attention_impl="dense"))
   case = sp.build_case("small", sp.Stage("lm", seq), {"data": 2, "expert": 4}, 1, devices=jax.devices()[:8])
   with jax.set_mesh(case["mesh"]):
     compiled = case["fn"].lower(*case["args"]).compile()
@@ -114,7 +177,7 @@ def test_all_to_all_bytes_match_ep_bytes(monkeypatch):
   layer_cfg = dataclasses.replace(case["cfg"], moe_impl="ep_capacity")
   _, per_token_fwd_bwd = eb.measure(layer_cfg, {"data": 2, "expert": 4}, seq, backward=True)
   n_exchanging = 1 + layer_cfg.num_nextn_predict_layers        # one MoE layer + the MTP module's MoE block
-  ep = hc.summarize(hc.parse(compiled.as_text(), None, 8), op_name_contains="ep_capacity")["all-to-all"]
+  ep = hc.summarize(hc.parse(compiled.as_text(), 8), op_name_contains="ep_capacity")["all-to-all"]
   assert ep["count"] == 4 * n_exchanging                       # dispatch + return, forward and backward
   assert ep["buffer_bytes"] == n_exchanging * per_token_fwd_bwd * seq
   assert got["region_collectives"]["all-to-all"] == ep          # the plan's "ours" column is exactly these
@@ -128,19 +191,36 @@ def test_activation_memory_matches_cp_memory():
   cm = _bench("cp_memory")
   from composer_jax import model
   seq = 1024
-  cfg = dataclasses.replace(sp.plan_model_config("tiny", 1, seq), scan_layers=True)
+  cfg = sp.plan_model_config("tiny", seq, 1)
   ref = cm.step_memory(cfg, 4, 1, seq)
-  orig = sp.plan_model_config
-  sp.plan_model_config = lambda v, n, s: dataclasses.replace(orig(v, n, s), scan_layers=True)
-  try:
-    got = sp.compile_case("tiny", sp.Stage("lm", seq), {"context": 4}, 1, None, devices=jax.devices()[:4])
-  finally:
-    sp.plan_model_config = orig
+  got = sp.compile_case("tiny", sp.Stage("lm", seq), {"context": 4}, 1, None, devices=jax.devices()[:4])
   n_params = sum(x.size for x in jax.tree.leaves(model.abstract_params(cfg)))
   # The step holds what grad(loss) holds, plus the optimizer's temporaries: at most 8 f32 copies of the params
   # (gradients, clipping, AdamW's moment updates, the update); it may schedule a little tighter (measured -0.3%).
   assert -0.05 * ref["temp"] <= got["temp"] - ref["temp"] <= 8 * 4 * n_params
   assert got["temp"] > 10 * 4 * n_params              # the comparison is about activations, not params
+
+
+@pytest.mark.slow
+def test_scanned_temp_grows_only_by_each_layers_own_bytes():
+  """Under scan with remat, temp is flat in depth up to each layer's own weight-sized buffers (gradients): `small`
+  in bf16 on expert=2 x context=4, 2 vs 4 MoE layers. Per added layer temp grew by 13.8 MB while the arguments
+  (params + AdamW state) grew by 12.8 MB; unrolled, XLA:CPU added ~156 MB of activations per layer. Slow: two
+  compiles (~2 min each on a busy 2-core machine)."""
+  orig = sp.plan_model_config
+
+  def bf16(v, s, n=None):
+    return dataclasses.replace(orig(v, s, n), param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+  sp.plan_model_config = bf16
+  try:
+    got = {n: sp.compile_case("small", sp.Stage("lm", 2048), {"expert": 2, "context": 4}, n, None,
+                              devices=jax.devices()[:8]) for n in (2, 4)}
+  finally:
+    sp.plan_model_config = orig
+  temp_per_layer = (got[4]["temp"] - got[2]["temp"]) / 2
+  args_per_layer = (got[4]["argument"] - got[2]["argument"]) / 2
+  assert 0 < args_per_layer and temp_per_layer <= 1.5 * args_per_layer
+  assert temp_per_layer < 0.1 * got[2]["temp"]
 
 
 RUN_STEP = """

@@ -56,6 +56,9 @@ class ModelConfig:
   moe_impl: str = "auto"                  # a name in model.moe.MOE_IMPLS: "dense" | "blocked" | "ragged" |
                                           # "capacity" | "ep_capacity" | "ep_ragged" (EP: a mesh), "auto" (by platform)
   capacity_factor: float = 1.25           # for moe_impl="capacity" / "ep_capacity"
+  ep_dispatch: str = "compute"            # ep_capacity's token exchange: "compute" (the compute dtype) | "fp8"
+                                          # (e4m3 with a per-slot scale out; the return and gradients stay in the
+                                          # compute dtype, as DeepSeek-V3 dispatches)
   moe_matmul: str = "bf16"                # ragged expert matmuls: "bf16" (compute dtype) | "mxfp8" | "nvfp4"
   moe_scale: str = "per_token"            # NVFP4 second-level scale: "per_token" | "per_tensor"
   # MTP (DeepSeek-V3 NextN)
@@ -68,6 +71,8 @@ class ModelConfig:
   scan_layers: bool | None = None         # lax.scan over each stack of identical layers (True), a Python loop
                                           # (False), or None: by platform (`transformer.scans_layers`)
   remat: bool = False
+  remat_policy: str = "full"              # with remat: a name in model.transformer.REMAT_POLICIES — "full" (save
+                                          # only each layer's input) or "save_dots" (keep matmul outputs)
 
   @property
   def qk_head_dim(self) -> int:

@@ -11,6 +11,10 @@ the results back (all-to-all) and combines them with the gate weights. Two varia
   XLA:CPU does not implement it) and computed with grouped matmuls (`experts.expert_matmul`). The receive buffer has
   the worst-case N * t * K rows, so no assignment is ever dropped.
 
+Expert weights FSDP-sharded over token axes (`ShardingRules.expert_embed`, e.g. data x context) enter the region in
+that layout and are all-gathered inside it (`_gather_weights`), so their gradients leave through the transposed
+collective, a reduce-scatter, instead of being gathered at the region's boundary and all-reduced in full.
+
 The mesh comes from the context (`jax.set_mesh(mesh)` around the jitted call; `get_abstract_mesh()` inside) or is
 passed explicitly. There is no silent fallback: an `ep_*` impl without a mesh is an error, and a mesh whose
 `expert` axis has size 1 runs the same code with no-op collectives.
@@ -30,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import capacity, capacity_combine, capacity_dispatch, expert_matmul
-from composer_jax.parallel.rules import ShardingRules
+from composer_jax.parallel.rules import ShardingRules, current_rules
 
 EP_IMPLS = ("ep_capacity", "ep_ragged")
 AXIS = "expert"
@@ -91,15 +95,16 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, experts_BxLxK: jax.Array, w_BxL
     valid_BxL: non-padding tokens (padding takes no capacity slot).
     cfg: model config; `moe_impl` in `EP_IMPLS`.
     mesh: the mesh (default: the context mesh from `jax.set_mesh`).
-    rules: logical→mesh table (default `ShardingRules()`); `batch`/`seq` give the token split, `expert_ffw` a
-      tensor-parallel split of each expert's F (partial outputs summed with `psum`).
+    rules: logical→mesh table (default `parallel.rules.current_rules()`); `batch`/`seq` give the token split,
+      `expert_ffw` a tensor-parallel split of each expert's F (partial outputs summed with `psum`), `expert_embed`
+      the FSDP split of each expert's D (gathered inside the region over the token axes it names).
     ragged_all_to_all: the dropless collective; tests pass `ragged_all_to_all_reference` to run on CPU.
 
   Returns:
     (routed output [B, L, D] without the shared expert, fraction of valid assignments dropped (0 for ep_ragged)).
   """
   mesh = context_mesh() if mesh is None else mesh
-  rules = ShardingRules() if rules is None else rules
+  rules = current_rules() if rules is None else rules
   batch, seq, ffw = region_axes(mesh, rules)
   tok = P(batch, seq or None)
   B, L, _ = x_BxLxD.shape
@@ -109,19 +114,36 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, experts_BxLxK: jax.Array, w_BxL
   _check_divides("n_routed_experts", E, (AXIS,), mesh)
   _check_divides("moe_intermediate_size", p["gate"].shape[2], ffw, mesh)
   ffw_spec = ffw or None
-  w_specs = (P(AXIS, None, ffw_spec), P(AXIS, None, ffw_spec), P(AXIS, ffw_spec, None))
+  # FSDP axes of the experts' D that tokens are split over: gathered in the region (over any other axis the
+  # partitioner gathers at the boundary; every device there holds the same tokens, so that gradient is a slice).
+  emb = tuple(a for a in _present(rules.mesh_axes("expert_embed"), mesh) if a in batch + seq and mesh.shape[a] > 1)
+  _check_divides("hidden_size (expert_embed)", p["gate"].shape[1], emb, mesh)
+  emb_spec = emb or None
+  w_specs = (P(AXIS, emb_spec, ffw_spec), P(AXIS, emb_spec, ffw_spec), P(AXIS, ffw_spec, emb_spec))
   if cfg.moe_impl == "ep_capacity":
+    if cfg.ep_dispatch not in ("compute", "fp8"):
+      raise ValueError(f"ep_dispatch={cfg.ep_dispatch!r}; valid: 'compute', 'fp8'")
     body = functools.partial(_capacity_body, cap_factor=cfg.capacity_factor, token_axes=(*batch, *seq),
-                             ffw_axes=ffw)
+                             ffw_axes=ffw, fp8_dispatch=cfg.ep_dispatch == "fp8")
   elif cfg.moe_impl == "ep_ragged":
     body = functools.partial(_ragged_body, cfg=cfg, ffw_axes=ffw, ragged_all_to_all=ragged_all_to_all)
   else:
     raise ValueError(f"moe_impl={cfg.moe_impl!r} is not an expert-parallel impl; valid: {EP_IMPLS}")
   dt = x_BxLxD.dtype
+  body = functools.partial(_gather_weights, body=body, emb_axes=emb)
   region = jax.shard_map(body, mesh=mesh, in_specs=(*w_specs, tok, tok, tok, tok), out_specs=(tok, P()))
   with jax.named_scope(cfg.moe_impl):
     return region(p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt), x_BxLxD, experts_BxLxK, w_BxLxK,
                   valid_BxL)
+
+
+def _gather_weights(gate_XxDxF, up_XxDxF, down_XxFxD, *tokens, body, emb_axes):
+  """All-gathers the local experts' FSDP-split D (once per layer call; the transpose reduce-scatters the
+  gradients), then runs the region's body."""
+  if emb_axes:
+    gate_XxDxF, up_XxDxF = (jax.lax.all_gather(w, emb_axes, axis=1, tiled=True) for w in (gate_XxDxF, up_XxDxF))
+    down_XxFxD = jax.lax.all_gather(down_XxFxD, emb_axes, axis=2, tiled=True)
+  return body(gate_XxDxF, up_XxDxF, down_XxFxD, *tokens)
 
 
 def _ffn(h_in, gate, up, down, mm, ffw_axes):
@@ -130,12 +152,43 @@ def _ffn(h_in, gate, up, down, mm, ffw_axes):
   return jax.lax.psum(y, ffw_axes) if ffw_axes else y
 
 
-def dispatch(x_txD, expert_m, valid_m, n_experts: int, cap: int):
-  """Local slots, then all-to-all: returns (received [N, X, Ce, D] by source device, slot [m], kept [m])."""
+def dispatch(x_txD, expert_m, valid_m, n_experts: int, cap: int, fp8: bool = False):
+  """Local slots, then all-to-all: returns (received [N, X, Ce, D] by source device, slot [m], kept [m]).
+
+  With `fp8` the slots travel as float8_e4m3fn with one float32 scale per slot (`fp8_all_to_all`)."""
   N = jax.lax.axis_size(AXIS)
   buf_ExCexD, slot_m, keep_m = capacity_dispatch(x_txD, expert_m, valid_m, n_experts, cap)
   send_NxXxCexD = buf_ExCexD.reshape(N, n_experts // N, cap, x_txD.shape[1])
-  return jax.lax.all_to_all(send_NxXxCexD, AXIS, 0, 0, tiled=True), slot_m, keep_m
+  exchange = fp8_all_to_all if fp8 else functools.partial(jax.lax.all_to_all, axis_name=AXIS, split_axis=0,
+                                                          concat_axis=0, tiled=True)
+  return exchange(send_NxXxCexD), slot_m, keep_m
+
+
+FP8_MAX = 448.0   # largest finite float8_e4m3fn
+
+
+@jax.custom_vjp
+def fp8_all_to_all(x_NxXxCexD):
+  """The dispatch all-to-all with each slot (a token's D values) sent as e4m3 times a float32 scale
+  (max |x| / 448): about half the bytes of bf16. The backward sends the cotangent back in its own dtype
+  (straight-through: the quantisation's rounding is not differentiated), as DeepSeek-V3 keeps its combine in bf16."""
+  scale_NxXxCex1 = jnp.maximum(jnp.max(jnp.abs(x_NxXxCexD.astype(jnp.float32)), -1, keepdims=True) / FP8_MAX,
+                               jnp.finfo(jnp.float32).tiny)
+  q = (x_NxXxCexD.astype(jnp.float32) / scale_NxXxCex1).astype(jnp.float8_e4m3fn)
+  q, scale_NxXxCex1 = (jax.lax.all_to_all(a, AXIS, 0, 0, tiled=True) for a in (q, scale_NxXxCex1))
+  return (q.astype(jnp.float32) * scale_NxXxCex1).astype(x_NxXxCexD.dtype)
+
+
+def _fp8_all_to_all_fwd(x_NxXxCexD):
+  return fp8_all_to_all(x_NxXxCexD), None
+
+
+def _fp8_all_to_all_bwd(_, g_NxXxCexD):
+  # The transpose of a tiled all-to-all over dim 0 is the same all-to-all.
+  return (jax.lax.all_to_all(g_NxXxCexD, AXIS, 0, 0, tiled=True),)
+
+
+fp8_all_to_all.defvjp(_fp8_all_to_all_fwd, _fp8_all_to_all_bwd)
 
 
 def return_to_sources(y_NxXxCexD):
@@ -145,7 +198,7 @@ def return_to_sources(y_NxXxCexD):
 
 
 def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cap_factor,
-                   token_axes, ffw_axes):
+                   token_axes, ffw_axes, fp8_dispatch=False):
   b, l, D = x_bxlxD.shape
   K = experts_bxlxK.shape[-1]
   X = gate_XxDxF.shape[0]
@@ -154,7 +207,8 @@ def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_b
   E = N * X
   Ce = capacity(cap_factor, t, K, E)
   valid_m = jnp.repeat(valid_bxl.reshape(t), K)
-  recv_NxXxCexD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), experts_bxlxK.reshape(-1), valid_m, E, Ce)
+  recv_NxXxCexD, slot_m, keep_m = dispatch(x_bxlxD.reshape(t, D), experts_bxlxK.reshape(-1), valid_m, E, Ce,
+                                           fp8=fp8_dispatch)
   rows_XxRxD = recv_NxXxCexD.transpose(1, 0, 2, 3).reshape(X, N * Ce, D)
   mm = functools.partial(jnp.einsum, "erd,edf->erf")
   y_XxRxD = _ffn(rows_XxRxD, gate_XxDxF, up_XxDxF, down_XxFxD, mm, ffw_axes)

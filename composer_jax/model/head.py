@@ -12,6 +12,14 @@ or an MTP module's own `shared_head.norm`), as `model.hidden_states` returns it;
 The norm has few FLOPs and a per-module weight, so keeping it out lets the trunk and every MTP module share this
 one head.
 
+On a mesh (`jax.set_mesh`), every loss runs **per device** (`_per_device`): a `jax.shard_map` over the mesh axes
+the tokens are split over (`ShardingRules.batch` and `seq`, from `parallel.rules.current_rules()`), each device
+running the chunked head on its own tokens only. The weight enters the region in its own (FSDP / vocab) layout and
+is all-gathered once inside, so its gradient leaves through the transposed collective, a reduce-scatter (plus a sum
+over token axes the weight is not split on). Without it, the partitioner ran every global chunk on every device and
+all-reduced each chunk's f32 [Tc, V] logits (forward and backward) over the FSDP axes. With no mesh, or a mesh whose
+axes are all of size 1, the plain functions run.
+
 Numerics: logits are accumulated in float32 (`preferred_element_type`) whatever the dtype of h and w; gradients
 come back in h's and w's dtypes. `*_reference` beside each function is the plain formula on full logits (tested
 equal, values and gradients).
@@ -24,8 +32,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel.rules import current_rules, mesh_axes_dividing
 
 DEFAULT_CHUNK = 512   # tokens per chunk: [512, V] float32 blocks (8 MiB at V = 4096); measured on the colab step
 
@@ -61,8 +71,71 @@ def _chunk_size(chunk_size: int, T: int) -> int:
   return min(chunk_size, max(T, 1))
 
 
+def _zeros_varying_like(shape, xs) -> jax.Array:
+  """float32 zeros varying over every manual mesh axis any of `xs` varies over: a scan carry that accumulates
+  sums of them inside a `shard_map` (the per-device head) must start varying, or its type changes after one step."""
+  zeros = jnp.zeros(shape, jnp.float32)
+  vma = tuple(sorted(frozenset().union(*(_vma(x) for x in jax.tree.leaves(xs)))))
+  return jax.lax.pcast(zeros, vma, to="varying") if vma else zeros
+
+
+def _sum_to_match(dw: jax.Array, w: jax.Array) -> jax.Array:
+  """Sums a weight's per-device gradient over the manual mesh axes it varies on and the weight does not: inside
+  the per-device head those are token axes, over which each device saw different tokens."""
+  extra = tuple(sorted(_vma(dw) - _vma(w)))
+  return jax.lax.psum(dw, extra) if extra else dw
+
+
+def _vma(x) -> frozenset:
+  return jax.typeof(x).manual_axis_type.varying
+
+
 def _chunk_logits(h_TcxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
   return jnp.dot(h_TcxD, w_DxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------ per device on a mesh
+
+def _spec_entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _per_device(local_fn, h_BxLxD: jax.Array, ws: tuple[jax.Array, ...], tokens: tuple[jax.Array, ...], n_out: int):
+  """`local_fn(h, ws, tokens) -> n_out [B, L] arrays` on each device's own tokens (see the module docstring).
+
+  Every w in `ws` is [D, V] in the head weight's layout (logical ("embed", "vocab")); `tokens` are [B, L] (or
+  [B, L, D] like h) arrays split like h.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or all(n == 1 for n in mesh.shape.values()):
+    return local_fn(h_BxLxD, ws, tokens)
+  rules = current_rules()
+  B, L, D = h_BxLxD.shape
+  V = ws[0].shape[1]
+  b_axes = mesh_axes_dividing("batch", B, mesh, rules)
+  l_axes = tuple(a for a in mesh_axes_dividing("seq", L, mesh, rules) if a not in b_axes)
+  # The weight is gathered in the region over the token axes it is split on; over any other axis the partitioner
+  # gathers it at the boundary (every device there holds the same tokens, so that gradient is a local slice).
+  d_axes = tuple(a for a in mesh_axes_dividing("embed", D, mesh, rules) if a in b_axes + l_axes)
+  v_axes = tuple(a for a in mesh_axes_dividing("vocab", V, mesh, rules) if a in b_axes + l_axes and a not in d_axes)
+  tok = P(_spec_entry(b_axes), _spec_entry(l_axes))
+  w_spec = P(_spec_entry(d_axes), _spec_entry(v_axes))
+
+  def body(h_bxlxD, ws_local, tokens_local):
+    # One gather of each weight per call; its transpose reduce-scatters the weight's gradient.
+    full = []
+    for w in ws_local:
+      if d_axes:
+        w = jax.lax.all_gather(w, d_axes, axis=0, tiled=True)
+      if v_axes:
+        w = jax.lax.all_gather(w, v_axes, axis=1, tiled=True)
+      full.append(w)
+    return local_fn(h_bxlxD, tuple(full), tokens_local)
+
+  tok_specs = tuple(P(*tok, *([None] * (t.ndim - 2))) for t in tokens)
+  region = jax.shard_map(body, mesh=mesh, in_specs=(P(*tok, None), (w_spec,) * len(ws), tok_specs),
+                         out_specs=(tok,) * n_out)
+  return region(h_BxLxD, ws, tokens)
 
 
 # ---------------------------------------------------------------------------------- token log-probs and entropy
@@ -126,8 +199,8 @@ def _token_stats_bwd(Tc, with_entropy, res, g):
 
   xs = tuple(_chunks(a, Tc) for a in (h_TxD, t_T, lse_T, ent_T, g_logp_T.astype(jnp.float32),
                                      g_ent_T.astype(jnp.float32)))
-  dw_DxV, dh = jax.lax.scan(one, jnp.zeros(w_DxV.shape, jnp.float32), xs)
-  return _unchunk(dh, T), dw_DxV.astype(w_DxV.dtype), None
+  dw_DxV, dh = jax.lax.scan(one, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
+  return _unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype), None
 
 
 _token_stats.defvjp(_token_stats_fwd, _token_stats_bwd, symbolic_zeros=True)
@@ -152,13 +225,15 @@ def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array,
     raise ValueError(f"targets have shape {targets_BxL.shape}, expected h's leading shape {(B, L)}")
   if w_DxV.shape[0] != D:
     raise ValueError(f"w has shape {w_DxV.shape}, expected [D={D}, V]")
-  Tc = _chunk_size(chunk_size, B * L)
+
+  def local(h_bxlxD, ws, tokens):
+    b, l, _ = h_bxlxD.shape
+    logp_T, ent_T = _token_stats(h_bxlxD.reshape(b * l, D), ws[0], tokens[0].reshape(b * l).astype(jnp.int32),
+                                 _chunk_size(chunk_size, b * l), with_entropy)
+    return logp_T.reshape(b, l), ent_T.reshape(b, l)
   with jax.named_scope("lm_head"):
-    logp_T, ent_T = _token_stats(h_BxLxD.reshape(B * L, D), w_DxV, targets_BxL.reshape(B * L).astype(jnp.int32),
-                                 Tc, with_entropy)
-  if with_entropy:
-    return logp_T.reshape(B, L), ent_T.reshape(B, L)
-  return logp_T.reshape(B, L)
+    logp_BxL, ent_BxL = _per_device(local, h_BxLxD, (w_DxV,), (targets_BxL,), 2)
+  return (logp_BxL, ent_BxL) if with_entropy else logp_BxL
 
 
 def token_logprobs_reference(h_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, *,
@@ -231,8 +306,9 @@ def _distill_bwd(Tc, res, g):
     return dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV, preferred_element_type=jnp.float32), dh_TcxD.astype(h_TcxD.dtype)
 
   xs = tuple(_chunks(a, Tc) for a in (h_TxD, th_TxD, lse_T, g_ce_T.astype(jnp.float32)))
-  dw_DxV, dh = jax.lax.scan(one, jnp.zeros(w_DxV.shape, jnp.float32), xs)
-  return _unchunk(dh, T), dw_DxV.astype(w_DxV.dtype), jnp.zeros_like(th_TxD), jnp.zeros_like(tw_DxV)
+  dw_DxV, dh = jax.lax.scan(one, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
+  return (_unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype), jnp.zeros_like(th_TxD),
+          jnp.zeros_like(tw_DxV))
 
 
 _distill.defvjp(_distill_fwd, _distill_bwd)
@@ -252,10 +328,14 @@ def distill_cross_entropy(h_BxLxD: jax.Array, w_DxV: jax.Array, teacher_h_BxLxD:
   if teacher_h_BxLxD.shape != h_BxLxD.shape:
     raise ValueError(f"teacher_h has shape {teacher_h_BxLxD.shape}, expected h's shape {h_BxLxD.shape}")
   tw_DxV = w_DxV if teacher_w_DxV is None else teacher_w_DxV
-  Tc = _chunk_size(chunk_size, B * L)
-  ce_T, agree_T = _distill(h_BxLxD.reshape(B * L, D), w_DxV, teacher_h_BxLxD.reshape(B * L, D).astype(h_BxLxD.dtype),
-                           jax.lax.stop_gradient(tw_DxV), Tc)
-  return ce_T.reshape(B, L), agree_T.reshape(B, L)
+
+  def local(h_bxlxD, ws, tokens):
+    b, l, _ = h_bxlxD.shape
+    ce_T, agree_T = _distill(h_bxlxD.reshape(b * l, D), ws[0], tokens[0].reshape(b * l, D).astype(h_bxlxD.dtype),
+                             ws[1], _chunk_size(chunk_size, b * l))
+    return ce_T.reshape(b, l), agree_T.reshape(b, l)
+  with jax.named_scope("lm_head"):
+    return _per_device(local, h_BxLxD, (w_DxV, jax.lax.stop_gradient(tw_DxV)), (teacher_h_BxLxD,), 2)
 
 
 def distill_cross_entropy_reference(h_BxLxD, w_DxV, teacher_h_BxLxD, teacher_w_DxV=None):

@@ -18,6 +18,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
 from composer_jax.model.rope import rope_cos_sin
+from composer_jax.parallel.rules import TOKENS, constrain
 
 
 def _self_attention(p: dict, x_BxLxD: jax.Array, rope, mask, cfg: ModelConfig,
@@ -55,7 +56,7 @@ def block(p: dict, x_BxLxD: jax.Array, rope: tuple[jax.Array, jax.Array], mask, 
   with jax.named_scope("attention"):
     a, cache = _self_attention(p["attn"], rms_norm(x_BxLxD, p["attn_norm"], cfg.rms_norm_eps), rope, mask, cfg,
                                cache)
-  h = x_BxLxD + a
+  h = constrain(x_BxLxD + a, TOKENS)
   y = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
   if "moe" in p:
     with jax.named_scope("moe"):
@@ -63,7 +64,7 @@ def block(p: dict, x_BxLxD: jax.Array, rope: tuple[jax.Array, jax.Array], mask, 
   else:
     with jax.named_scope("mlp"):
       out, aux = mlp(p["mlp"], y), {}
-  return h + out, aux, cache
+  return constrain(h + out, TOKENS), aux, cache
 
 
 # `scan_layers=None` by platform. XLA:CPU: unrolled. On the colab step (4 layers, 2-core CPU under load 14-20)
@@ -84,6 +85,23 @@ def take_layer(tree, i: int):
   return tree[i] if isinstance(tree, tuple) else jax.tree.map(lambda a: a[i], tree)
 
 
+# `cfg.remat_policy` -> a function returning the `jax.checkpoint` policy for each layer (MaxText's `remat_policy`
+# names the same trade-offs). "full": recompute the whole layer in the backward (least memory); "save_dots": keep
+# the outputs of matmuls without batch dims (recompute only the cheap elementwise ops). Offloading the layer input
+# to host memory is not here: under `lax.scan` the named input produced no host transfer in this JAX version.
+REMAT_POLICIES = {
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_policy(cfg: ModelConfig):
+  """The `jax.checkpoint` policy `cfg.remat_policy` names, or a ValueError listing the valid names."""
+  if cfg.remat_policy not in REMAT_POLICIES:
+    raise ValueError(f"remat_policy={cfg.remat_policy!r}; valid: {sorted(REMAT_POLICIES)}")
+  return REMAT_POLICIES[cfg.remat_policy]()
+
+
 def run_stack(stack, x_BxLxD: jax.Array, rope, mask, valid_BxL: jax.Array, cfg: ModelConfig,
               routing_LsxBxLxK: jax.Array | None = None, cache: KVCache | None = None):
   """Applies a stack of Ls identical layers; returns (x, aux with a leading Ls axis, cache or None).
@@ -99,7 +117,7 @@ def run_stack(stack, x_BxLxD: jax.Array, rope, mask, valid_BxL: jax.Array, cfg: 
     return x, (aux, None if layer_cache is None else (layer_cache.c, layer_cache.kr))
 
   if cfg.remat:
-    body = jax.checkpoint(body)
+    body = jax.checkpoint(body, policy=remat_policy(cfg))
   split = isinstance(stack, tuple)
   kv = None if cache is None else (cache.c, cache.kr)
   if scans_layers(cfg) and not split:
@@ -217,7 +235,9 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_
   rope = rope_cos_sin(cp_lib.to_zigzag(positions, n), cfg)
   if routing is not None:
     routing = cp_lib.to_zigzag(routing, n, axis=2)
-  x = params["embed"][cp_lib.to_zigzag(tokens, n)].astype(dt)
+  # Pinned to the token layout: otherwise the partitioner replicated the lookup's output to re-shard it from the
+  # table's FSDP layout.
+  x = constrain(params["embed"][cp_lib.to_zigzag(tokens, n)].astype(dt), TOKENS)
   if n_dense:
     x, _, _ = run_stack(params["dense_layers"], x, rope, mask, valid_BxL, cfg)
   if n_moe:

@@ -57,6 +57,7 @@ class MeshConfig:
   context: int = 1
   tensor: int = 1
   fsdp: bool = True   # weights' `embed` dim sharded over `data` (ZeRO-3 style); False replicates it
+  zero1: bool = False  # optimizer moments split over `data` (ZeRO-1): with fsdp=False, weights stay replicated
 
   def __post_init__(self):
     sizes = self.axis_sizes()
@@ -71,9 +72,10 @@ class MeshConfig:
     return {a: getattr(self, a) for a in MESH_AXES}
 
   def rules(self, base: ShardingRules | None = None) -> ShardingRules:
-    """`base` (default `ShardingRules()`) with `embed` on `data` iff FSDP is on."""
+    """`base` (default `ShardingRules()`) with `embed` on `data` iff FSDP is on, moments on `data` iff ZeRO-1."""
     base = ShardingRules() if base is None else base
-    return dataclasses.replace(base, embed="data" if self.fsdp else None)
+    return dataclasses.replace(base, embed="data" if self.fsdp else None,
+                               optimizer_state="data" if self.zero1 else base.optimizer_state)
 
 
 def mesh_from_config(cfg: MeshConfig, devices=None) -> Mesh:

@@ -128,7 +128,8 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)
-  shardings = step_lib.state_shardings(optimizer, abstract_params, params_shardings)
+  shardings = step_lib.state_shardings(optimizer, abstract_params, params_shardings,
+                                       rules.mesh_axes("optimizer_state"))
   batch_sharding = layout.batch_sharding(mesh, rules)
   _, shard_count = layout.process_batch_shard(batch_sharding)
 
@@ -149,7 +150,7 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
       init_params = jax.tree.map(_place, init_params, params_shardings)
     init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=shardings)
     state = init(init_params)
-  return _Run(state, step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding),
+  return _Run(state, step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding, rules),
               step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding), put, checkpointer)
 
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from composer_jax import model
 from composer_jax.model import head
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel.rules import current_rules, use_rules
 from composer_jax.train import losses, optim
 from composer_jax.train.config import TrainConfig
 
@@ -50,10 +51,34 @@ def canonical_sharding(sharding: NamedSharding) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
-def state_shardings(optimizer: optax.GradientTransformation, abstract_params, params_shardings) -> TrainState:
+def _split_further(sharding: NamedSharding, shape, axes: tuple[str, ...]) -> NamedSharding:
+  """`sharding` with `axes` (those in the mesh, size > 1, not used yet) added to the first dimension whose size
+  they divide together with what already splits it (ZeRO-1 for a moment of a replicated or FSDP param)."""
+  mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  used = {a for e in spec for a in ((e,) if isinstance(e, str) else e or ())}
+  extra = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
+  if not extra:
+    return sharding
+  n_extra = 1
+  for a in extra:
+    n_extra *= mesh.shape[a]
+  for i, (dim, e) in enumerate(zip(shape, spec)):
+    have = (e,) if isinstance(e, str) else tuple(e or ())
+    n = n_extra
+    for a in have:
+      n *= mesh.shape[a]
+    if dim % n == 0:
+      spec[i] = have + extra if len(have + extra) > 1 else extra[0]
+      return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+  return sharding
+
+
+def state_shardings(optimizer: optax.GradientTransformation, abstract_params, params_shardings,
+                    zero1_axes: tuple[str, ...] = ()) -> TrainState:
   """Shardings of a TrainState (nothing is allocated): params as given, every optimizer leaf that mirrors a param
-  (Adam's moments: its tree path ends with that param's path and the shapes agree) as that param, the rest (step,
-  counts) replicated.
+  (Adam's moments: its tree path ends with that param's path and the shapes agree) as that param, split further
+  over `zero1_axes` (ZeRO-1: `ShardingRules.optimizer_state`; XLA then reduce-scatters the gradients into the
+  update and all-gathers the new params), the rest (step, counts) replicated.
 
   Read off the paths rather than a compiled initialiser: XLA is free to replicate `zeros_like(p)` (it did, for
   the moments of FSDP-sharded params).
@@ -66,7 +91,7 @@ def state_shardings(optimizer: optax.GradientTransformation, abstract_params, pa
     for i in range(len(path)):                       # longest suffix first
       s, shape = by_path.get(jax.tree_util.keystr(path[i:]), (None, None))
       if s is not None and shape == x.shape:
-        return s
+        return _split_further(s, x.shape, zero1_axes)
     return replicated
   abstract = jax.eval_shape(lambda p: init_state(p, optimizer), abstract_params)
   return TrainState(step=replicated, params=params_shardings,
@@ -185,9 +210,15 @@ def eval_step(params, batch, *, model_cfg):
   return {"nll_sum": ce * n, "count": n}
 
 
-def make_train_step(model_cfg, train_cfg, optimizer, state_shardings, batch_sharding):
-  """`train_step` jitted with explicit in/out shardings and the state donated."""
-  fn = functools.partial(train_step, model_cfg=model_cfg, train_cfg=train_cfg, optimizer=optimizer)
+def make_train_step(model_cfg, train_cfg, optimizer, state_shardings, batch_sharding, rules=None):
+  """`train_step` jitted with explicit in/out shardings and the state donated; traced under `use_rules(rules)`
+  (given: the table the params were placed with, which the per-device head and EP region read)."""
+  step = functools.partial(train_step, model_cfg=model_cfg, train_cfg=train_cfg, optimizer=optimizer)
+
+  def fn(state, batch):
+    with use_rules(rules if rules is not None else current_rules()):
+      return step(state, batch)
+  fn.__name__ = fn.__qualname__ = "train_step"     # the compiled module stays jit_train_step (profiles, dumps)
   # Replicated metrics can be fetched by every process of a multi-process run.
   replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
   return jax.jit(fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),

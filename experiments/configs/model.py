@@ -8,6 +8,8 @@ Variants:
   colab:   ~3M parameters; trains on one CPU core in minutes.
   small:   ~60M parameters; a real small MoE for a workstation or one GPU.
   kimi_k2: the published Kimi K2 shape (1.04T total / 32B active). Build it abstractly only (`jax.eval_shape`).
+  moonlight_16b: the published Moonlight-16B-A3B shape (~16B total / ~3B active; DeepSeek-V3 architecture),
+           the size one 8-GPU node trains; planned by `benchmarks/scale_plan.py --variant moonlight_16b`.
 
 To add a size: a branch below that `c.update(...)`s the shape fields (names follow Hugging Face's
 `DeepseekV3Config`; `composer_jax/model/config.py` lists them all) and its name in the error's list; check it with
@@ -38,6 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --config.model.scan_layers=True|False still parses.
   c.scan_layers = ml_collections.FieldReference(None, field_type=bool)
   c.remat = False
+  c.remat_policy = "full"               # with remat: model.transformer.REMAT_POLICIES
   if arg.variant == "tiny":
     c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
              num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16,
@@ -74,6 +77,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rope_scaling = ml_collections.ConfigDict(dict(
         type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
         mscale=1.0, mscale_all_dim=1.0))
+  elif arg.variant == "moonlight_16b":
+    # https://huggingface.co/moonshotai/Moonlight-16B-A3B config.json (the published shape; no MTP module).
+    c.update(vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+             num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=8192,
+             n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+             routed_scaling_factor=2.446, first_k_dense_replace=1, num_nextn_predict_layers=0,
+             rope_theta=50000.0, rms_norm_eps=1e-5, param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
   else:
-    raise ValueError(f"Unknown model variant {arg.variant!r}; valid: tiny, rl_colab, colab, small, kimi_k2")
+    raise ValueError(f"Unknown model variant {arg.variant!r}; valid: tiny, rl_colab, colab, small, kimi_k2, "
+                     "moonlight_16b")
   return c

@@ -60,7 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=3e-3 if colab else 6e-4, warmup_steps=30 if colab else 1000, decay_steps=270 if colab else 19_000,
       final_lr_fraction=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0))
-  c.mesh = ml_collections.ConfigDict(dict(data=1 if colab else -1, expert=1, context=1, tensor=1, fsdp=True))
+  c.mesh = ml_collections.ConfigDict(dict(data=1 if colab else -1, expert=1, context=1, tensor=1, fsdp=True,
+                                         zero1=False))
   c.init = ml_collections.ConfigDict(dict(checkpoint="", hf=""))
   c.sft = ml_collections.ConfigDict(dict(train_path="", eval_path=""))
 
