@@ -172,7 +172,7 @@ def block_grads(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask: tuple, do_BxLxHxDv, lse_
   L, S = q_BxLxHxQ.shape[1], k_BxSxHxQ.shape[1]
   qi, kj, tq, tk = tile_pairs(L, S, tiling)
   q, k, v, mask = _padded(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask, tq, tk)
-  Lp, Sp = q.shape[1], k.shape[1]
+  Lp = q.shape[1]
   do = _pad_to(do_BxLxHxDv.astype(v.dtype), 1, Lp, 0)
   lse = _pad_to(jnp.where(jnp.isfinite(lse_BxHxL), lse_BxHxL, 0.0), 2, Lp, 0.0)
   delta = _pad_to(delta_BxHxL, 2, Lp, 0.0)
@@ -193,8 +193,8 @@ def block_grads(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask: tuple, do_BxLxHxDv, lse_
     dk_t = jnp.einsum("bhqk,bqhd->bkhd", ds, q_t, preferred_element_type=F32)
     return add(dq, dq_t, i0), add(dk, dk_t, j0), add(dv, dv_t, j0)
 
-  B, H, Q, Dv = q.shape[0], q.shape[2], q.shape[3], v.shape[3]
-  grads = (jnp.zeros((B, Lp, H, Q), F32), jnp.zeros((B, Sp, H, Q), F32), jnp.zeros((B, Sp, H, Dv), F32))
+  # zeros_like keeps the inputs' varying-ness inside a shard_map (the ring), which the skip's cond branches need.
+  grads = (jnp.zeros_like(q, F32), jnp.zeros_like(k, F32), jnp.zeros_like(v, F32))
   dq, dk, dv = _scan_pairs(step, grads, (qi, kj), tiling, mask, tq, tk)
   return dq[:, :L], dk[:, :S], dv[:, :S]
 
