@@ -138,7 +138,7 @@ def test_kernel_choice():
   cfg = ModelConfig()
   assert resolve_kernel(cfg, "cpu") == "tiled" and resolve_kernel(cfg, "gpu") == "whole"
   assert resolve_kernel(dataclasses.replace(cfg, attention_kernel="whole"), "cpu") == "whole"
-  with pytest.raises(ValueError, match="attention_kernel='flash'; valid: \\['auto', 'whole', 'tiled'\\]"):
+  with pytest.raises(ValueError, match="attention_kernel='flash'; valid: \\['auto', 'whole', 'tiled', 'pallas'\\]"):
     resolve_kernel(dataclasses.replace(cfg, attention_kernel="flash"))
   # Both kernels give the same self-attention (the model's path).
   q, k, v, _ = _qkvw(L, L, jnp.float32)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.model.flash_gpu import attend_pallas
 from composer_jax.model.layers import rms_norm
 from composer_jax.model.rope import apply_rope, softmax_scale
 from composer_jax.model.tiled_attention import Tiling, tile_pairs, tiled_attend
@@ -141,9 +142,10 @@ def attend_tiled(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Arr
   return tiled_attend(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, (mask_BxLxS,), scale, tiling)
 
 
-ATTENTION_KERNELS = ("whole", "tiled")
+ATTENTION_KERNELS = ("whole", "tiled", "pallas")
 # "auto" by platform: XLA:CPU measured the tiled kernel faster at every shape tried (model/README.md); elsewhere the
-# whole-block `attend` (XLA fuses it; the tiled jnp loop is unmeasured on accelerators).
+# whole-block `attend`: the tiled jnp loop and the Pallas kernel ("pallas", GPU only: flash_gpu.py) lower for cuda
+# but have not been compiled or timed on a GPU here.
 AUTO_ATTENTION_KERNEL = {"cpu": "tiled"}
 AUTO_ATTENTION_KERNEL_DEFAULT = "whole"
 
@@ -160,8 +162,11 @@ def resolve_kernel(cfg: ModelConfig, platform: str | None = None) -> str:
 def self_attend(q_BxLxHxQ: jax.Array, k_BxLxHxQ: jax.Array, v_BxLxHxDv: jax.Array, mask_BxLxL: jax.Array,
                 cfg: ModelConfig) -> jax.Array:
   """Causal self-attention of L tokens among themselves with the configured kernel → [B, L, H, Dv]."""
-  if resolve_kernel(cfg) == "tiled":
+  kernel = resolve_kernel(cfg)
+  if kernel == "tiled":
     return attend_tiled(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxL, softmax_scale(cfg), cfg.attention_block)
+  if kernel == "pallas":
+    return attend_pallas(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxL, softmax_scale(cfg))
   return attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxL, softmax_scale(cfg))
 
 
