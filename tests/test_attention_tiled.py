@@ -54,12 +54,13 @@ def _check(f, mask, q, k, v, w, tol, scale=0.3):
   return out, got
 
 
-TILINGS = [Tiling(8, 8), Tiling(16, 8, unroll=True), Tiling(8, 16, skip_empty=True), Tiling(64, 64),
-           Tiling(8, 8, causal_offset=None)]
+CASES = [(Tiling(8, 8), "dense"), (Tiling(8, 8), "segments"), (Tiling(16, 8, unroll=True), "dense"),
+         (Tiling(8, 16, skip_empty=True), "segments"), (Tiling(64, 64), "dense"),
+         (Tiling(8, 8, causal_offset=None, skip_empty=True), "segments")]
 
 
-@pytest.mark.parametrize("tiling", TILINGS, ids=["8x8", "16x8-unrolled", "8x16-skip", "one-tile", "no-static-skip"])
-@pytest.mark.parametrize("form", ["dense", "segments"])
+@pytest.mark.parametrize("tiling, form", CASES, ids=["8x8-dense", "8x8-segments", "16x8-unrolled", "8x16-skip",
+                                                      "one-tile", "no-static-skip"])
 def test_packed_causal_f32(tiling, form):
   q, k, v, w = _qkvw(L, L, jnp.float32)
   seg = _packed(L)
