@@ -2,6 +2,7 @@ r"""Training-step throughput: our jitted step vs transformers' DeepseekV3ForCaus
 
   python benchmarks/train_step.py [--variant colab] [--batch 8] [--seq 256] [--steps 3] [--rounds 5]
   python benchmarks/train_step.py --variant small --batch 4
+  python benchmarks/train_step.py --attention_kernels tiled,whole   # both attention kernels, alternating
 
 Same model (our params exported with `composer_jax.interop.hf.save` and loaded by transformers), same batch, same
 work per step: forward + backward + AdamW (MTP off on both sides — transformers does not train MTP heads).
@@ -12,10 +13,14 @@ timing `--steps` steps of each. Torch is timed with 1 and with 2 threads and the
 (under load its 2-thread time collapses while 1 thread holds). Figures are medians over rounds; the load average
 (1 min) is printed beside them. Model FLOPs utilisation is against the matmul peak measured in the same rounds
 (`jnp.dot` of two 2048² float32 matrices). The persistent compilation cache is off, so `compile_s` is a compile.
-Last line: JSON with `tokens_per_s`, `speedup_vs_torch`, `mfu_vs_matmul_peak`, `step_s`, `torch_step_s`,
+`--attention_kernels` (comma-separated `cfg.attention_kernel` values, default "auto") builds our step once per
+kernel; they alternate with the others in every round. The headline figures are the first kernel's; each kernel's
+median step is in `step_s_by_attention_kernel`, and `attention_speedup` is the last kernel's step time over the
+first's. Last line: JSON with `tokens_per_s`, `speedup_vs_torch`, `mfu_vs_matmul_peak`, `step_s`, `torch_step_s`,
 `load_average` and the rest.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,6 +36,7 @@ import numpy as np  # noqa: E402
 
 from composer_jax import configs, model  # noqa: E402
 from composer_jax.interop import hf  # noqa: E402
+from composer_jax.model import attention  # noqa: E402
 from composer_jax.parallel import layout  # noqa: E402
 from composer_jax.parallel.rules import ShardingRules  # noqa: E402
 from composer_jax.train import loop, optim, step  # noqa: E402
@@ -142,7 +148,9 @@ def report(result: dict) -> None:
 def main():
   ap = step_args()
   ap.add_argument("--moe_impl", default=None, help="override the config's MoE path (model.moe.MOE_IMPLS)")
+  ap.add_argument("--attention_kernels", default="auto", help="cfg.attention_kernel values to time, comma-separated")
   args = ap.parse_args()
+  kernels = args.attention_kernels.split(",")
   d = model_configs.get_config(args.variant).to_dict()
   d["num_nextn_predict_layers"] = 0
   if args.moe_impl:
@@ -152,18 +160,22 @@ def main():
   params = model.init(jax.random.key(0), cfg)
   batch = lm_batch(cfg, B, L)
   peak = matmul_peak()
-  times = {"ours": [], "torch_1": [], "torch_2": [], "peak": [], "load": []}
+  times = {"ours": [], "torch_1": [], "torch_2": [], "peak": [], "load": [], **{f"ours_{k}": [] for k in kernels}}
   with tempfile.TemporaryDirectory() as tmp:
     hf.save(tmp, cfg, jax.device_get(params))
-    run_ours, compile_s = ours(cfg, params, batch)
+    built = {k: ours(dataclasses.replace(cfg, attention_kernel=k), params, batch) for k in kernels}
+    compile_s = built[kernels[0]][1]
     run_torch = torch_step(tmp, batch["tokens"])
     for r in range(args.rounds):
       times["load"].append(os.getloadavg()[0])
-      times["ours"].append(run_ours(args.steps))
+      for k, (run_k, _) in built.items():
+        times[f"ours_{k}"].append(run_k(args.steps))
+      times["ours"].append(times[f"ours_{kernels[0]}"][-1])
       times["torch_1"].append(run_torch(args.steps, 1))
       times["torch_2"].append(run_torch(args.steps, 2))
       times["peak"].append(peak())
-      print(f"round {r}: ours {times['ours'][-1]:.3f} s  torch(1) {times['torch_1'][-1]:.3f} s  torch(2) "
+      ours_s = "  ".join(f"ours[{k}] {times[f'ours_{k}'][-1]:.3f} s" for k in kernels)
+      print(f"round {r}: {ours_s}  torch(1) {times['torch_1'][-1]:.3f} s  torch(2) "
             f"{times['torch_2'][-1]:.3f} s  peak {times['peak'][-1] / 1e9:.1f} GFLOP/s  load {times['load'][-1]:.1f}")
   med = {k: statistics.median(v) for k, v in times.items()}
   torch_threads = 1 if med["torch_1"] <= med["torch_2"] else 2
@@ -177,6 +189,9 @@ def main():
       "torch_mfu_vs_matmul_peak": flops / torch_s / med["peak"], "compile_s": compile_s,
       "matmul_peak_gflops": med["peak"] / 1e9, "model_gflops_per_step": flops / 1e9,
       "load_average": statistics.mean(times["load"]), "load_average_end": os.getloadavg()[0],
+      "attention_kernel": attention.resolve_kernel(dataclasses.replace(cfg, attention_kernel=kernels[0])),
+      "step_s_by_attention_kernel": {k: med[f"ours_{k}"] for k in kernels},
+      "attention_speedup": med[f"ours_{kernels[-1]}"] / med[f"ours_{kernels[0]}"],
   }
   report(result)
 

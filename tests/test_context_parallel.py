@@ -70,9 +70,11 @@ def test_zigzag_ppermute_matches_gather(sizes):
     cp.to_zigzag(x, 3)
 
 
-@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("impl, block", [("ring", 512), ("ring", 4), ("ring", 3), ("allgather", 512), ("allgather", 8)])
 @pytest.mark.parametrize("sizes", MESHES[:2], ids=["cp4xtp2", "cp8"])
-def test_attention_matches_dense_attend(impl, sizes):
+def test_attention_matches_dense_attend(impl, block, sizes):
+  """Block 512 is one tile per ring block; 4 tiles each ring block's halves (L/2N = 4 or 8 rows), with the causal
+  pairs only on the diagonal step and empty tiles skipped; 3 leaves partial tiles."""
   L, scale = 64, 0.3
   q, c, kr, kvb = _attn_inputs(L)
   seg = _packed_segments(L)
@@ -89,7 +91,7 @@ def test_attention_matches_dense_attend(impl, sizes):
   fn = cp.CP_ATTENTION[impl]
 
   def sharded(q, c, kr, kvb):
-    out = cp.from_zigzag(fn(z(q), z(c), z(kr), z(seg), z(index), kvb, scale), n)
+    out = cp.from_zigzag(fn(z(q), z(c), z(kr), z(seg), z(index), kvb, scale, block), n)
     return (out * cos_w).sum(), out
 
   (_, ref), g_ref = jax.value_and_grad(dense, (0, 1, 2, 3), has_aux=True)(q, c, kr, kvb)
@@ -144,10 +146,11 @@ def _loss_and_grads(cfg: ModelConfig, batch: dict, sizes: dict | None):
     return fn(params)
 
 
-def _check_model(impl: str, sizes: dict, L: int):
+def _check_model(impl: str, sizes: dict, L: int, ring_block: int = 512):
   batch = _batch(L)
   (loss_ref, (m_ref, aux_ref)), g_ref = _loss_and_grads(CFG, batch, None)
-  (loss, (m, aux)), g = _loss_and_grads(dataclasses.replace(CFG, attention_impl=impl), batch, sizes)
+  cfg = dataclasses.replace(CFG, attention_impl=impl, ring_block=ring_block)
+  (loss, (m, aux)), g = _loss_and_grads(cfg, batch, sizes)
   assert float(m_ref["mtp1_loss"]) > 0 and 0 < float(m_ref["target_tokens"]) < B * L  # MTP and the mask are live
   for k in ("ce", "mtp1_loss", "balance_loss", "target_tokens"):
     np.testing.assert_allclose(m[k], m_ref[k], rtol=1e-5, err_msg=k)
@@ -159,7 +162,8 @@ def _check_model(impl: str, sizes: dict, L: int):
 
 
 def test_model_loss_and_grads_cp4_tp2_ring():
-  _check_model("ring", MESHES[0], 256)
+  """Ring blocks of 32 rows in 8 x 8 tiles: the tiled kernel inside the model's ring."""
+  _check_model("ring", MESHES[0], 256, ring_block=8)
 
 
 def test_model_loss_and_grads_cp8_ring_long():

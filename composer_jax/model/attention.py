@@ -5,7 +5,8 @@
 H·(Q + Dv)), `expand_kv` turns latents into per-head keys/values, `queries` builds the queries, `attend` is masked
 softmax attention with its own memory-light VJP (`attend_reference`, the plain formula, beside it) and
 `attend_latent` the same over cached latents with k_b folded into the query and v_b applied after the softmax
-("absorbed" MLA: keys and values are never expanded).
+("absorbed" MLA: keys and values are never expanded). `attend_tiled` is the tiled attention of tiled_attention.py
+with the causal pairs only; `cfg.attention_kernel` picks it or `attend` for self-attention (`resolve_kernel`).
 
 Letters: B batch, L query length, S key length (cache slots), D hidden, H heads, Qn nope head dim, R rope head dim,
 Q = Qn + R, Dv value head dim, C kv_lora_rank.
@@ -19,8 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.model.flash_gpu import attend_pallas
 from composer_jax.model.layers import rms_norm
 from composer_jax.model.rope import apply_rope, softmax_scale
+from composer_jax.model.tiled_attention import Tiling, tile_pairs, tiled_attend
 
 
 def queries(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -120,6 +123,53 @@ def attend(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, ma
 attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+# Tile pairs up to which the tiled loop is unrolled into straight-line code: at the colab and small shapes (L = 256,
+# 64-wide tiles: 10 pairs) the unrolled program ran 1.3-1.65x `attend`'s forward + backward, the same pairs under a
+# `lax.scan` 1.0-1.4x (model/README.md). Long sequences keep the loop: program size stays flat in L.
+UNROLL_PAIRS = 64
+
+
+def attend_tiled(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, mask_BxLxS: jax.Array,
+                 scale: float, block: int = 64, q_offset: int = 0) -> jax.Array:
+  """`attend` tiled, visiting only the tiles on or below the causal line (key s <= query l + q_offset).
+
+  The mask must imply that line (self-attention masks do: `segment_causal_mask`, the engine's `cache_mask`); the
+  line is applied as well, so a mask that does not is attended under mask AND causal.
+  """
+  tiling = Tiling(block_q=block, block_k=block, causal_offset=q_offset)
+  n_pairs = len(tile_pairs(q_BxLxHxQ.shape[1], k_BxSxHxQ.shape[1], tiling)[0])
+  tiling = dataclasses.replace(tiling, unroll=n_pairs <= UNROLL_PAIRS)
+  return tiled_attend(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, (mask_BxLxS,), scale, tiling)
+
+
+ATTENTION_KERNELS = ("whole", "tiled", "pallas")
+# "auto" by platform: XLA:CPU measured the tiled kernel faster at every shape tried (model/README.md); elsewhere the
+# whole-block `attend`: the tiled jnp loop and the Pallas kernel ("pallas", GPU only: flash_gpu.py) lower for cuda
+# but have not been compiled or timed on a GPU here.
+AUTO_ATTENTION_KERNEL = {"cpu": "tiled"}
+AUTO_ATTENTION_KERNEL_DEFAULT = "whole"
+
+
+def resolve_kernel(cfg: ModelConfig, platform: str | None = None) -> str:
+  """The kernel `cfg.attention_kernel` stands for: itself, or for "auto" the platform's (default: the backend's)."""
+  if cfg.attention_kernel == "auto":
+    return AUTO_ATTENTION_KERNEL.get(platform or jax.default_backend(), AUTO_ATTENTION_KERNEL_DEFAULT)
+  if cfg.attention_kernel not in ATTENTION_KERNELS:
+    raise ValueError(f"attention_kernel={cfg.attention_kernel!r}; valid: {['auto', *ATTENTION_KERNELS]}")
+  return cfg.attention_kernel
+
+
+def self_attend(q_BxLxHxQ: jax.Array, k_BxLxHxQ: jax.Array, v_BxLxHxDv: jax.Array, mask_BxLxL: jax.Array,
+                cfg: ModelConfig) -> jax.Array:
+  """Causal self-attention of L tokens among themselves with the configured kernel → [B, L, H, Dv]."""
+  kernel = resolve_kernel(cfg)
+  if kernel == "tiled":
+    return attend_tiled(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxL, softmax_scale(cfg), cfg.attention_block)
+  if kernel == "pallas":
+    return attend_pallas(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxL, softmax_scale(cfg))
+  return attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxL, softmax_scale(cfg))
+
+
 def attend_latent(p: dict, q_BxLxHxQ: jax.Array, c_BxSxC: jax.Array, kr_BxSxR: jax.Array, mask_BxLxS: jax.Array,
                   cfg: ModelConfig) -> jax.Array:
   """Absorbed MLA attention over latents → [B, L, H, Dv] (equal to expand_kv + attend)."""
@@ -146,7 +196,7 @@ class KVCache:
     kr: rotated rope keys [B, S, R].
     start_B: slot of each row's first new token (rows advance independently: speculative decoding).
     fresh: the cache is empty and start_B is 0: the new tokens attend among themselves through `expand_kv` +
-      `attend`, exactly the training forward's arithmetic (the mask is then [B, L, L]); otherwise they attend
+      `self_attend`, exactly the training forward's arithmetic (the mask is then [B, L, L]); otherwise they attend
       over all S slots in latent space (mask [B, L, S]).
     expand: (not fresh) attend over the S slots with expanded keys and values instead, as `fresh` does over the new
       tokens: for a prefill of many new tokens over reused rows, expanding the slots once costs less than the
@@ -171,7 +221,8 @@ def attention(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array, mask_
               cfg: ModelConfig, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
   """MLA self-attention → ([B, L, D], cache with the new tokens' latents written at start_B, or None).
 
-  Without a cache the L tokens attend among themselves ([B, L, L] mask); with one, see `KVCache.fresh`.
+  Without a cache the L tokens attend among themselves ([B, L, L] mask, causal: `self_attend`); with one, see
+  `KVCache.fresh`.
   """
   q_BxLxHxQ = queries(p, x_BxLxD, cos, sin, cfg)
   c_BxLxC, kr_BxLxR = latent_kv(p, x_BxLxD, cos, sin, cfg)
@@ -180,8 +231,8 @@ def attention(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin: jax.Array, mask_
                                 kr=write_rows(cache.kr, kr_BxLxR, cache.start_B))
   if cache is None or cache.fresh:
     k_BxLxHxQ, v_BxLxHxDv = expand_kv(p, c_BxLxC, kr_BxLxR)
-    out_BxLxHxDv = attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxS, softmax_scale(cfg))
-  elif cache.expand:
+    out_BxLxHxDv = self_attend(q_BxLxHxQ, k_BxLxHxQ, v_BxLxHxDv, mask_BxLxS, cfg)
+  elif cache.expand:   # a prefill window over reused rows: L new queries over S slots, any mask
     k_BxSxHxQ, v_BxSxHxDv = expand_kv(p, cache.c, cache.kr)
     out_BxLxHxDv = attend(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, mask_BxLxS, softmax_scale(cfg))
   else:

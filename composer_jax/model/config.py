@@ -41,6 +41,10 @@ class ModelConfig:
   max_position_embeddings: int = 4096
   attention_impl: str = "dense"           # "dense" | "ring" | "allgather": the last two shard the sequence on the
                                           # mesh's `context` axis (model/context_parallel.py; needs `jax.set_mesh`)
+  attention_kernel: str = "auto"          # self-attention: "whole" | "tiled" | "pallas" (GPU) | "auto" (by platform:
+                                          # attention.AUTO_ATTENTION_KERNEL; how it was chosen: model/README.md)
+  attention_block: int = 64               # tile size (queries and keys) of the tiled single-device attend
+  ring_block: int = 512                   # tile size inside each ring / all-gather attention block
   rms_norm_eps: float = 1e-6
   # MoE
   n_routed_experts: int = 8

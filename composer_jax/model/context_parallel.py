@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.model import ring_attention as ring_lib
+from composer_jax.model import tiled_attention as tiled
 from composer_jax.model.attention import latent_kv, queries
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.rope import softmax_scale
@@ -114,14 +115,15 @@ def from_zigzag(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
   return _permute(x, n, axis, inverse=True)
 
 
-def _allgather_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float):
-  """Per-device body of `allgather_attention`: gather the whole sequence's latent, attend in one block."""
+def _allgather_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, *, scale: float, block: int):
+  """Per-device body of `allgather_attention`: gather the whole sequence's latent, attend to it (tiled; autodiff
+  through the tiled loop, which keeps every tile's probabilities: this path trades memory for simplicity)."""
   gather = lambda a: jax.lax.all_gather(a, AXIS, axis=1, tiled=True)  # noqa: E731
   kv = tuple(gather(a) for a in (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL))
   B, L, H, _ = q_BxLxHxQ.shape
   acc = ring_lib.empty_acc(B, H, L, kvb["v_b"].shape[-1])
-  o, _, l = ring_lib.online_update(acc, q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
-  return ring_lib.finish(o, l, q_BxLxHxQ.dtype)
+  acc = ring_lib.online_update(acc, q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale, ring_lib.tiling(block, False))
+  return tiled.finish(acc, q_BxLxHxQ.dtype)[0]
 
 
 def _check_length(L: int, multiple: int, n: int) -> None:
@@ -131,7 +133,7 @@ def _check_length(L: int, multiple: int, n: int) -> None:
 
 
 def ring_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array, segment_ids_BxL: jax.Array,
-                   index_BxL: jax.Array, kvb: dict, scale: float) -> jax.Array:
+                   index_BxL: jax.Array, kvb: dict, scale: float, block: int = 512) -> jax.Array:
   """Ring attention over the `context` axis of the current mesh → [B, L, H, Dv] (global shapes; ring_attention.py).
 
   Args:
@@ -141,19 +143,20 @@ def ring_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array
     index_BxL: each token's original index in the row (for causality after the zig-zag permutation).
     kvb: {"k_b": [C, H, Qn], "v_b": [C, H, Dv]} expansion weights.
     scale: softmax scale.
+    block: tile size inside each ring block (`cfg.ring_block`).
   """
   n = context_size()
   _check_length(q_BxLxHxQ.shape[1], 2 * n if n > 1 else 1, n)  # the ring works on zig-zag half chunks
-  return ring_lib.ring(q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb, scale, n)
+  return ring_lib.ring(q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb, scale, n, block)
 
 
 def allgather_attention(q_BxLxHxQ: jax.Array, c_BxLxC: jax.Array, kr_BxLxR: jax.Array, segment_ids_BxL: jax.Array,
-                        index_BxL: jax.Array, kvb: dict, scale: float) -> jax.Array:
+                        index_BxL: jax.Array, kvb: dict, scale: float, block: int = 512) -> jax.Array:
   """As `ring_attention`, but all-gathers the latent KV over `context` once instead of passing it around."""
   n = context_size()
   _check_length(q_BxLxHxQ.shape[1], n, n)
   seq = P(None, AXIS)
-  fn = jax.shard_map(functools.partial(_allgather_region, scale=scale), axis_names={AXIS},
+  fn = jax.shard_map(functools.partial(_allgather_region, scale=scale, block=block), axis_names={AXIS},
                      in_specs=(seq,) * 5 + (P(),), out_specs=seq)
   with jax.named_scope("allgather_attention"):
     return fn(q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL, kvb)
@@ -173,5 +176,6 @@ def context_parallel_attention(p: dict, x_BxLxD: jax.Array, cos: jax.Array, sin:
   q_BxLxHxQ = queries(p, x_BxLxD, cos, sin, cfg)
   c_BxLxC, kr_BxLxR = latent_kv(p, x_BxLxD, cos, sin, cfg)
   out_BxLxHxDv = CP_ATTENTION[cfg.attention_impl](q_BxLxHxQ, c_BxLxC, kr_BxLxR, segment_ids_BxL, index_BxL,
-                                                   {"k_b": p["k_b"], "v_b": p["v_b"]}, softmax_scale(cfg))
+                                                   {"k_b": p["k_b"], "v_b": p["v_b"]}, softmax_scale(cfg),
+                                                   cfg.ring_block)
   return jnp.einsum("blhv,hvd->bld", out_BxLxHxDv, p["o"].astype(x_BxLxD.dtype))

@@ -13,6 +13,11 @@ device j = i - t (mod n), chunks (j, 2n-1-j). For j < i both query chunks see KV
 it sees both KV chunks: attend the second query half to all KV. Every device does half a block per step (the
 zig-zag balance); only step 0 (j = i) needs the causal diagonal. The segment/index mask is applied in every case.
 
+Each block is attended by the tiled kernel (tiled_attention.py, tiles of `block`): scratch is one
+[B, H, block, block] tile instead of the block's [B, H, L, S] logits, probabilities and their gradients; step 0
+visits only the causal tile pairs (the local order is increasing in original index), and every step skips tiles
+whose segment/index mask is empty (packed documents).
+
 Letters: B batch, L local query length, S local key length, H heads, Q query/key head dim, R rope head dim,
 Dv value head dim, C kv_lora_rank, N context-parallel size (`n` in code).
 """
@@ -24,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.model import tiled_attention as tiled
 from composer_jax.model.attention import expand_kv
 
 AXIS = "context"
@@ -39,44 +45,20 @@ def shard_index(n: int) -> jax.Array:
   return jnp.arange(n, dtype=jnp.int32)
 
 
-def block_mask(seg_q_BxL, idx_q_BxL, seg_k_BxS, idx_k_BxS) -> jax.Array:
-  """[B, L, S]: same segment and key index <= query index (original sequence indices)."""
-  same = seg_q_BxL[:, :, None] == seg_k_BxS[:, None, :]
-  return same & (idx_k_BxS[:, None, :] <= idx_q_BxL[:, :, None])
+def tiling(block: int, causal: bool) -> tiled.Tiling:
+  """The tiling of one ring block: causal pairs only on the diagonal block, empty tiles skipped at run time."""
+  return tiled.Tiling(block_q=block, block_k=block, causal_offset=0 if causal else None, skip_empty=True)
 
 
-def masked_logits(q_BxLxHxQ, k_BxSxHxQ, mask_BxLxS, scale) -> jax.Array:
-  """Masked logits [B, H, L, S] in float32 (-inf where masked)."""
-  logits = jnp.einsum("blhq,bshq->bhls", q_BxLxHxQ, k_BxSxHxQ, preferred_element_type=jnp.float32) * scale
-  return jnp.where(mask_BxLxS[:, None], logits, -jnp.inf)
-
-
-def online_update(acc, q_BxLxHxQ, kv, kvb, seg_q, idx_q, scale):
-  """Folds one KV block into the running (out [B,H,L,Dv], max [B,H,L], sum [B,H,L]), all float32."""
-  o_BxHxLxDv, m_BxHxL, l_BxHxL = acc
+def online_update(acc, q_BxLxHxQ, kv, kvb, seg_q, idx_q, scale, tile: tiled.Tiling):
+  """Folds one latent KV block (c, kr, seg, idx) into the running (out [B,H,L,Dv], max [B,H,L], sum [B,H,L])."""
   c_BxSxC, kr_BxSxR, seg_k, idx_k = kv
   k_BxSxHxQ, v_BxSxHxDv = expand_kv(kvb, c_BxSxC, kr_BxSxR)
-  logits = masked_logits(q_BxLxHxQ, k_BxSxHxQ, block_mask(seg_q, idx_q, seg_k, idx_k), scale)
-  # The max only stabilises exp; the result does not depend on it, so it carries no gradient.
-  m_new = jnp.maximum(m_BxHxL, jax.lax.stop_gradient(logits.max(-1)))
-  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet: exp(-inf - 0) = 0
-  p_BxHxLxS = jnp.exp(logits - m_safe[..., None])
-  alpha = jnp.exp(m_BxHxL - m_safe)
-  o = alpha[..., None] * o_BxHxLxDv + jnp.einsum("bhls,bshv->bhlv", p_BxHxLxS.astype(v_BxSxHxDv.dtype), v_BxSxHxDv,
-                                                 preferred_element_type=jnp.float32)
-  return o, m_new, alpha * l_BxHxL + p_BxHxLxS.sum(-1)
+  return tiled.fold(acc, q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, (seg_q, idx_q, seg_k, idx_k), scale, tile)
 
 
 def empty_acc(B, H, L, Dv):
-  f32 = jnp.float32
-  acc = (jnp.zeros((B, H, L, Dv), f32), jnp.full((B, H, L), -jnp.inf, f32), jnp.zeros((B, H, L), f32))
-  return jax.lax.pcast(acc, (AXIS,), to="varying")
-
-
-def finish(o_BxHxLxDv, l_BxHxL, dtype) -> jax.Array:
-  """Normalises the accumulator → [B, L, H, Dv]; a row that saw no key gives zeros (as `attend`)."""
-  out = jnp.where(l_BxHxL[..., None] > 0, o_BxHxLxDv / jnp.where(l_BxHxL > 0, l_BxHxL, 1.0)[..., None], 0.0)
-  return out.transpose(0, 2, 1, 3).astype(dtype)
+  return jax.lax.pcast(tiled.empty_acc(B, H, L, Dv), (AXIS,), to="varying")
 
 
 def _split_rows(tree, half):
@@ -84,20 +66,22 @@ def _split_rows(tree, half):
   return jax.tree.map(lambda a: a[:, :, :half], tree), jax.tree.map(lambda a: a[:, :, half:], tree)
 
 
-def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, me_1, *, scale: float, n: int):
+def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, me_1, *, scale: float, n: int, block: int):
   """Forward ring → (out [B, L, H, Dv], lse [B, H, L] float32; -inf for rows that see no key). me_1: [1] this
   device's index on `context` (`shard_index`)."""
   B, L, H, _ = q_BxLxHxQ.shape
   i, half = me_1[0], L // 2
   kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
-  acc = online_update(empty_acc(B, H, L, kvb["v_b"].shape[-1]), q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale)
+  full = tiling(block, causal=False)
+  acc = online_update(empty_acc(B, H, L, kvb["v_b"].shape[-1]), q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale,
+                      tiling(block, causal=True))
 
   def earlier(acc, kv):
-    return online_update(acc, q_BxLxHxQ, tuple(a[:, :half] for a in kv), kvb, seg_BxL, idx_BxL, scale)
+    return online_update(acc, q_BxLxHxQ, tuple(a[:, :half] for a in kv), kvb, seg_BxL, idx_BxL, scale, full)
 
   def later(acc, kv):
     lo, hi = _split_rows(acc, half)
-    hi = online_update(hi, q_BxLxHxQ[:, half:], kv, kvb, seg_BxL[:, half:], idx_BxL[:, half:], scale)
+    hi = online_update(hi, q_BxLxHxQ[:, half:], kv, kvb, seg_BxL[:, half:], idx_BxL[:, half:], scale, full)
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=2), lo, hi)
 
   def step(carry):
@@ -108,29 +92,23 @@ def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, me_1, *, sc
   # A while loop, not a scan: inside a differentiated layer scan, JAX's partial evaluation of a scan here would
   # stack every step's block probabilities as residuals (measured: 3x the step's memory), though this pass is
   # never differentiated (the custom_vjp's backward is `_bwd_region`).
-  _, (o, m, l), _ = jax.lax.while_loop(lambda carry: carry[0] < n, step, (1, acc, kv))
-  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-  return finish(o, l, q_BxLxHxQ.dtype), lse
+  _, acc, _ = jax.lax.while_loop(lambda carry: carry[0] < n, step, (1, acc, kv))
+  return tiled.finish(acc, q_BxLxHxQ.dtype)
 
 
-def _block_grads(q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_q, idx_q, kv, kvb, scale):
+def _block_grads(q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_q, idx_q, kv, kvb, scale, tile):
   """Gradients of one (query rows, KV block) pair: (dq [B,L,H,Q], dkvb, dc [B,S,C], dkr [B,S,R]), float32."""
   c_BxSxC, kr_BxSxR, seg_k, idx_k = kv
   (k_BxSxHxQ, v_BxSxHxDv), expand_vjp = jax.vjp(expand_kv, kvb, c_BxSxC, kr_BxSxR)
-  logits = masked_logits(q_BxLxHxQ, k_BxSxHxQ, block_mask(seg_q, idx_q, seg_k, idx_k), scale)
-  p_BxHxLxS = jnp.exp(logits - jnp.where(jnp.isfinite(lse_BxHxL), lse_BxHxL, 0.0)[..., None])
-  f32 = jnp.float32
-  dp = jnp.einsum("blhv,bshv->bhls", dout_BxLxHxDv, v_BxSxHxDv, preferred_element_type=f32)
-  ds_BxHxLxS = p_BxHxLxS * (dp - delta_BxHxL[..., None]) * scale
-  dq = jnp.einsum("bhls,bshq->blhq", ds_BxHxLxS, k_BxSxHxQ, preferred_element_type=f32)
-  dk = jnp.einsum("bhls,blhq->bshq", ds_BxHxLxS, q_BxLxHxQ, preferred_element_type=f32)
-  dv = jnp.einsum("bhls,blhv->bshv", p_BxHxLxS, dout_BxLxHxDv, preferred_element_type=f32)
+  dq, dk, dv = tiled.block_grads(q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, (seg_q, idx_q, seg_k, idx_k), dout_BxLxHxDv,
+                                 lse_BxHxL, delta_BxHxL, scale, tile)
   dkvb, dc, dkr = expand_vjp((dk.astype(k_BxSxHxQ.dtype), dv.astype(v_BxSxHxDv.dtype)))
+  f32 = jnp.float32
   return dq, jax.tree.map(lambda a: a.astype(f32), dkvb), dc.astype(f32), dkr.astype(f32)
 
 
 def _bwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, out_BxLxHxDv, lse_BxHxL, dout_BxLxHxDv, me_1,
-                *, scale: float, n: int):
+                *, scale: float, n: int, block: int):
   """Backward ring → (dq, dc, dkr, dkvb summed over the ring)."""
   L = q_BxLxHxQ.shape[1]
   i, half = me_1[0], L // 2
@@ -138,21 +116,22 @@ def _bwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, out_BxLxHxD
   # Varying copies: their per-device gradients accumulate locally and are summed once at the end (through the
   # replicated originals, autodiff would insert a psum at every step).
   kvb = jax.lax.pcast(kvb, (AXIS,), to="varying")
-  delta_BxHxL = jnp.einsum("blhv,blhv->bhl", dout_BxLxHxDv, out_BxLxHxDv, preferred_element_type=jnp.float32)
+  delta_BxHxL = tiled.delta_rows(dout_BxLxHxDv, out_BxLxHxDv)
   rows = (q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_BxL, idx_BxL)
   kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
-  dq, dkvb, dc, dkr = _block_grads(*rows, kv, kvb, scale)
+  full = tiling(block, causal=False)
+  dq, dkvb, dc, dkr = _block_grads(*rows, kv, kvb, scale, tiling(block, causal=True))
 
   def earlier(grads, kv):  # all queries x first KV half
     dq, dkvb, dc, dkr = grads
-    g = _block_grads(*rows, tuple(a[:, :half] for a in kv), kvb, scale)
+    g = _block_grads(*rows, tuple(a[:, :half] for a in kv), kvb, scale, full)
     return (dq + g[0], jax.tree.map(jnp.add, dkvb, g[1]), dc.at[:, :half].add(g[2]), dkr.at[:, :half].add(g[3]))
 
   def later(grads, kv):  # second query half x all KV
     dq, dkvb, dc, dkr = grads
     hi = tuple(a[:, half:] for a in rows[:2]) + tuple(a[:, :, half:] for a in rows[2:4]) + tuple(
         a[:, half:] for a in rows[4:])
-    g = _block_grads(*hi, kv, kvb, scale)
+    g = _block_grads(*hi, kv, kvb, scale, full)
     return (dq.at[:, half:].add(g[0]), jax.tree.map(jnp.add, dkvb, g[1]), dc + g[2], dkr + g[3])
 
   ring = [(d, (d + 1) % n) for d in range(n)]
@@ -173,27 +152,28 @@ SEQ = P(None, AXIS)
 LSE = P(None, None, AXIS)
 
 
-def _fwd_call(q, c, kr, seg, idx, kvb, scale, n):
-  fn = jax.shard_map(functools.partial(_fwd_region, scale=scale, n=n), axis_names={AXIS},
+def _fwd_call(q, c, kr, seg, idx, kvb, scale, n, block):
+  fn = jax.shard_map(functools.partial(_fwd_region, scale=scale, n=n, block=block), axis_names={AXIS},
                      in_specs=(SEQ,) * 5 + (P(), P(AXIS)), out_specs=(SEQ, LSE))
   with jax.named_scope("ring_attention_fwd"):
     return fn(q, c, kr, seg, idx, kvb, shard_index(n))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def ring(q_BxLxHxQ, c_BxLxC, kr_BxLxR, seg_BxL, idx_BxL, kvb, scale: float, n: int):
-  """Ring attention on global arrays in the zig-zag layout → [B, L, H, Dv] (see `context.ring_attention`)."""
-  return _fwd_call(q_BxLxHxQ, c_BxLxC, kr_BxLxR, seg_BxL, idx_BxL, kvb, scale, n)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def ring(q_BxLxHxQ, c_BxLxC, kr_BxLxR, seg_BxL, idx_BxL, kvb, scale: float, n: int, block: int):
+  """Ring attention on global arrays in the zig-zag layout → [B, L, H, Dv] (see `context.ring_attention`); each
+  block tiled in `block` x `block` tiles."""
+  return _fwd_call(q_BxLxHxQ, c_BxLxC, kr_BxLxR, seg_BxL, idx_BxL, kvb, scale, n, block)[0]
 
 
-def _ring_fwd(q, c, kr, seg, idx, kvb, scale, n):
-  out, lse = _fwd_call(q, c, kr, seg, idx, kvb, scale, n)
+def _ring_fwd(q, c, kr, seg, idx, kvb, scale, n, block):
+  out, lse = _fwd_call(q, c, kr, seg, idx, kvb, scale, n, block)
   return out, (q, c, kr, seg, idx, kvb, out, lse)
 
 
-def _ring_bwd(scale, n, res, dout):
+def _ring_bwd(scale, n, block, res, dout):
   q, c, kr, seg, idx, kvb, out, lse = res
-  fn = jax.shard_map(functools.partial(_bwd_region, scale=scale, n=n), axis_names={AXIS},
+  fn = jax.shard_map(functools.partial(_bwd_region, scale=scale, n=n, block=block), axis_names={AXIS},
                      in_specs=(SEQ,) * 5 + (P(), SEQ, LSE, SEQ, P(AXIS)), out_specs=(SEQ, SEQ, SEQ, P()))
   with jax.named_scope("ring_attention_bwd"):
     dq, dc, dkr, dkvb = fn(q, c, kr, seg, idx, kvb, out, lse, dout, shard_index(n))
