@@ -101,8 +101,8 @@ STAGES = {
 # Per variant, stage and device count: mesh axis sizes (data, expert, context, tensor; tensor is innermost in the
 # device order, then context, so a context group of 4 is half a node and its weight gathers ride NVLink). Weights
 # are FSDP-sharded over data x context (`rules_for`), experts over `expert`. kimi_k2: the targets are
-# pretrain_32k and rl on <= 256 devices, long_256k on <= 1024; the ring's per-step score block is
-# [H, L/CP, L/CP] in f32 until the ring's block is tiled, hence context 32 at 256k. At 256 devices
+# pretrain_32k and rl on <= 256 devices, long_256k on <= 1024; context 32 at 256k keeps each device's L/CP at
+# 8192 (the ring's blocks are tiled, `ModelConfig.ring_block`, so no [L/CP, L/CP] scores are held). At 256 devices
 # expert=32 x context=8 (FSDP inside the node, L/CP = 4096) fits where data=4 x expert=16 x context=4 (FSDP
 # gathers over IB, L/CP = 8192) does not (README table: both); likewise expert=32 x context=32 for 256k rows on
 # 1024 (12 experts per device instead of 192 to gather). moonlight_16b: one node.
