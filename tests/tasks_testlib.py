@@ -32,3 +32,14 @@ def commit(repo, files: dict, message: str, body: str = "") -> str:
                   *(["-m", body] if body else [])],
                  check=True)
   return git(repo, "rev-parse", "HEAD").strip()
+
+
+def sandbox_factory():
+  """A `rollout.workspace.SandboxFactory` (bubblewrap), or the calling test skipped with the reason it cannot run."""
+  import pytest
+  sandboxes = pytest.importorskip("sandboxes")
+  from rollout.workspace import SandboxFactory
+  try:
+    return SandboxFactory()
+  except sandboxes.BackendUnavailableError as e:
+    pytest.skip(f"no namespaced sandboxes on this machine: {e}")

@@ -214,6 +214,17 @@ def _loss(params, tokens, cfg):
   return main + 0.3 * mtp, aux["dropped_fraction"]
 
 
+def _assert_grads_close(g, ref_g):
+  """Every gradient leaf within 1e-5 of the reference, relative to that leaf's largest entry."""
+  for path, a in jax.tree_util.tree_leaves_with_path(g):
+    b = ref_g
+    for k in path:
+      b = b[k.key]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+
 def test_full_model_loss_and_grads_match_single_device():
   """data=2 x expert=4 (MTP on): loss and every gradient equal the single-device dense run."""
   tokens = jax.random.randint(jax.random.key(5), (8, 16), 0, TINY.vocab_size)
@@ -231,12 +242,7 @@ def test_full_model_loss_and_grads_match_single_device():
   # expert). Measured: loss equal to 1e-7 relative, every gradient leaf within 9e-7 of its largest entry (leaves
   # range from 4e-6 to 2e-2, so the tolerance scales with each leaf); 1e-5 leaves a 10x margin.
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-  for path, a in jax.tree_util.tree_leaves_with_path(g):
-    b = ref_g
-    for k in path:
-      b = b[k.key]
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
-                               err_msg=jax.tree_util.keystr(path))
+  _assert_grads_close(g, ref_g)
 
 
 def test_fsdp_expert_weights_are_gathered_in_the_region_and_their_grads_reduce_scattered():
@@ -260,12 +266,7 @@ def test_fsdp_expert_weights_are_gathered_in_the_region_and_their_grads_reduce_s
   assert float(dropped) == 0.0
   # Same tolerances as the data=2 x expert=4 test above (f32; only summation orders differ).
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-  for path, a in jax.tree_util.tree_leaves_with_path(g):
-    b = ref_g
-    for k in path:
-      b = b[k.key]
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()),
-                               err_msg=jax.tree_util.keystr(path))
+  _assert_grads_close(g, ref_g)
   colls = hc.parse(text, 8, program_dtypes=False)
   ep = [c for c in colls if "ep_capacity" in c.op_name]
   assert any(c.kind == "reduce-scatter" and c.group_size == 4 for c in ep), [(c.kind, c.group_size) for c in ep]

@@ -11,7 +11,7 @@ import pytest
 
 from rollout.tasks import environment, miner
 from rollout.workspace import LocalFactory
-from tests.tasks_testlib import FAST, commit, git, init_repo
+from tests.tasks_testlib import FAST, commit, git, init_repo, sandbox_factory
 
 CALC_V1 = '''"""Small arithmetic helpers."""
 
@@ -242,13 +242,8 @@ def test_miner_rejects_a_broken_gold_patch(repo, tmp_path):
 @pytest.mark.slow
 def test_miner_in_namespaced_sandboxes(repo):
   """The same mining with validation inside bubblewrap sandboxes (git, python and pytest run isolated)."""
-  sandboxes = pytest.importorskip("sandboxes")
-  from rollout.workspace import SandboxFactory
   path, shas = repo
-  try:
-    factory = SandboxFactory()
-  except sandboxes.BackendUnavailableError as e:
-    pytest.skip(f"no namespaced sandboxes on this machine: {e}")
+  factory = sandbox_factory()
   try:
     tasks, rejected = miner.mine(path, environment.EnvironmentCache(factory), FAST, log=lambda s: None)
     assert {t.metadata["commit"] for t in tasks} >= {shas["mul"], shas["sub"], shas["clamp_fix"]}

@@ -13,7 +13,7 @@ from rollout.evaluation.gold_cache import GoldCache
 from rollout.tasks import copies, environment, miner
 from rollout.tasks.task import Environment, HiddenTests, Task
 from rollout.workspace import LocalFactory
-from tests.tasks_testlib import FAST, commit, git, init_repo
+from tests.tasks_testlib import FAST, commit, git, init_repo, sandbox_factory
 
 VENDORED = os.path.join(os.path.dirname(setuptools.__file__), "_vendor", "more_itertools")
 TEST = "from more_itertools import first\n\n\ndef test_first():\n    assert first([3, 4]) == 3\n"
@@ -77,13 +77,8 @@ def test_a_same_named_project_decides_nothing(tmp_path):
 
 def test_the_sandbox_interpreter_shows_the_bundled_copy(repo):
   """The same probe inside a bubblewrap sandbox, which binds the venv read-only: the copy is found there too."""
-  sandboxes = pytest.importorskip("sandboxes")
-  from rollout.workspace import SandboxFactory
   path, shas = repo
-  try:
-    factory = SandboxFactory()
-  except sandboxes.BackendUnavailableError as e:
-    pytest.skip(f"no namespaced sandboxes on this machine: {e}")
+  factory = sandbox_factory()
   try:
     found = copies.find(path, environment.EnvironmentCache(factory))
   finally:
