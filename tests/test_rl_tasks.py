@@ -12,7 +12,8 @@ from composer_jax.rl import loop, setup
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout.evaluation import policies as budget_lib
-from rollout.tasks import procedural, registry, setfile
+from rollout.tasks import environment, miner, procedural, registry, setfile
+from rollout.workspace import LocalFactory
 from tests.tasks_testlib import FAST, commit, init_repo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,7 +107,7 @@ def _rl_main(*args, timeout=900):
 def test_a_set_without_held_out_tasks_is_refused_before_any_work(tmp_path):
   """The README's `tasks=file` command on a set too small for a held-out side: one line at once (it failed ~3 min
   in, after SFT and RL)."""
-  tasks = [t for t in procedural.generate(12, seed=1, split="train", level=1) if registry.split_of(t.id, 20) == "train"]
+  tasks = [t for t in procedural.generate(12, seed=1, split="train", level=1) if registry.split_of(t, 20) == "train"]
   path = _set_file(tmp_path / "small_v1.json", tasks[:3])
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={tmp_path / 'run'}")
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -162,16 +163,13 @@ def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_namin
 
 
 @pytest.mark.slow   # ~6 min on the loaded 2-core machine: mining, demonstrations, 20 SFT steps, 2 RL steps, 2 evals
-def test_the_readmes_mined_command_runs_end_to_end(tmp_path, monkeypatch):
+def test_the_readmes_mined_command_runs_end_to_end(tmp_path):
   """`rl_main.py --config=experiments/configs/rl.py:colab,tasks=mined,repos=...` as the README writes it, sized down
-  by flags, on a two-task repository whose commits are dated so their task ids, and so their sides, are fixed; the
-  held-out share is the one that puts one task on each side."""
-  for var in ("GIT_AUTHOR_DATE", "GIT_COMMITTER_DATE"):
-    monkeypatch.setenv(var, "2026-01-01T00:00:00+00:00")
+  by flags, on a two-task repository; the held-out share is the one that puts one task on each side (sides follow
+  the tasks' gold diffs, mined here the same way)."""
   repo = _mined_repo(tmp_path / "repo")
-  shas = [s[:12] for s in init_log(repo)]
-  ids = [f"miner/repo/{s}" for s in shas]
-  percent = next(p for p in range(1, 100) if {registry.split_of(i, p) for i in ids} == {"train", "heldout"})
+  mined, _ = miner.mine(str(repo), environment.EnvironmentCache(LocalFactory()), FAST, log=lambda s: None)
+  percent = next(p for p in range(1, 100) if {registry.split_of(t, p) for t in mined} == {"train", "heldout"})
   run = tmp_path / "run"
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=mined,repos={repo}", f"--workdir={run}",
                f"--config.tasks.heldout_percent={percent}", "--config.sft.steps=20", "--config.train.steps=2",
@@ -181,9 +179,3 @@ def test_the_readmes_mined_command_runs_end_to_end(tmp_path, monkeypatch):
   result = json.loads(r.stdout.strip().splitlines()[-1])
   assert result["eval_tasks"] == 1 and all(result[p]["T1"]["n"] == 1 for p in ("sft", "rl"))
   assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
-
-
-def init_log(repo) -> list[str]:
-  """The shas of the repository's commits after its first, oldest first (the mined ones)."""
-  return subprocess.run(["git", "-C", str(repo), "rev-list", "--reverse", "HEAD"], capture_output=True, text=True,
-                        check=True).stdout.split()[1:]
