@@ -42,6 +42,13 @@ while True:
 """
 
 
+def _publish(tmp_path, version: int) -> None:
+  """The version workers read, replaced whole: a worker never reads a half-written file (an empty read crashed the
+  working stand-in, whose restart then queued its group numbers again)."""
+  (tmp_path / "version.tmp").write_text(str(version))
+  os.replace(tmp_path / "version.tmp", tmp_path / "version.txt")
+
+
 class _Pool(sources.WorkerPool):
   modes = ()
 
@@ -54,7 +61,7 @@ def _pool(tmp_path, modes, logs):
   # 15 s: a working worker beats every ~0.2 s once its imports are done; 5 s was too short for those imports while
   # a compile shared the 2 cores (the working worker was taken for hung).
   cfg = configs.replace(cfg, **{"rollout.workers": len(modes), "rollout.stall_timeout_s": STALL_S})
-  (tmp_path / "version.txt").write_text("0")
+  _publish(tmp_path, 0)
   _Pool.modes = modes
   consumer = QueueConsumer(f"file://{tmp_path}/queue")
   return _Pool(cfg, None, None, consumer, log_fn=logs.append), consumer
@@ -78,11 +85,11 @@ def test_a_hung_worker_is_restarted_and_the_run_goes_on_with_the_others(tmp_path
       assert time.monotonic() - t0 < 120, "the hung worker was never restarted"
       groups, _ = pool.next(len(steps))
       steps.append([g.meta["n"] for g in groups])
-      (tmp_path / "version.txt").write_text(str(len(steps)))   # "publish"
+      _publish(tmp_path, len(steps))
   finally:
     pool.close()
   ns = [n for s in steps for n in s]
-  assert all(len(s) == 2 for s in steps) and ns == sorted(set(ns))     # whole steps, every group once, in order
+  assert all(len(s) == 2 for s in steps) and ns == sorted(set(ns)), steps   # whole steps, every group once, in order
   stats = consumer.stats()
   assert stats["worker_stalls"] >= 1 and stats["consumed_groups"] == 2 * len(steps)
   assert any("worker0 started no group for" in s and "its group hangs; killed" in s for s in logs)
