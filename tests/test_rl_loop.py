@@ -10,7 +10,8 @@ import time
 import pytest
 
 from composer_jax import configs
-from composer_jax.rl import loop, setup
+from composer_jax.rl import loop
+from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 
@@ -60,7 +61,7 @@ def _wait(pred, timeout, what):
 @pytest.mark.slow
 def test_async_loop_survives_sigkill_of_worker_and_trainer(tmp_path):
   cfg = _cfg(tmp_path, "test,mode=async", **{"train.steps": 6, "train.ckpt_every": 2})
-  setup.save_run_config(cfg)
+  workdir_lib.save_config(cfg)
   env = dict(os.environ, PYTHONPATH=ROOT)
   log = open(tmp_path / "trainer.log", "a")
   cmd = [sys.executable, "-m", "composer_jax.rl.loop", str(tmp_path)]

@@ -86,16 +86,12 @@ def tokenizer_dir(cfg: RunConfig) -> str:
   return os.path.join(cfg.workdir, "tokenizer")
 
 
-def save_run_config(cfg: RunConfig) -> str:
-  return workdir_lib.save_config(cfg)
-
-
 def load_run_config(workdir: str) -> RunConfig:
   cfg = workdir_lib.stored_config(workdir)
   if cfg is None:
     raise FileNotFoundError(f"{workdir}/{workdir_lib.RUN_CONFIG} does not exist: not an RL run's workdir")
   if not isinstance(cfg, RunConfig):
-    raise TypeError(f"{workdir}/run_config.pkl holds a {type(cfg).__name__}, not a RunConfig")
+    raise TypeError(f"{workdir}/{workdir_lib.RUN_CONFIG} holds a {type(cfg).__name__}, not a RunConfig")
   return cfg
 
 
