@@ -26,7 +26,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+
+from rollout.evaluation import atomic
 
 DEFAULT_DIR = "~/.cache/composer_jax/gold"
 UNSTORED = ("environment does not build", "timed out")  # reasons that say more about the machine than the task
@@ -128,9 +129,4 @@ class GoldCache:
     """Stores `check` (a GoldCheck) unless its outcome depends on the machine (see `UNSTORED`)."""
     if key is None or any(u in check.reason for u in UNSTORED):
       return
-    path = self._path(key)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(dataclasses.asdict(check), f)
-    os.replace(tmp, path)  # atomic: a reader sees the whole check or none
+    atomic.write_text(self._path(key), json.dumps(dataclasses.asdict(check)))  # a reader sees the whole check or none

@@ -18,7 +18,8 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
+
+from rollout.evaluation import atomic
 
 ENV = "COMPOSER_JAX_EVAL_CACHE"
 
@@ -69,9 +70,5 @@ def save(store: str, key: str, records: list[dict]) -> bool:
   """Keeps `records` under `key` unless a sample hit a grading timeout; returns whether they were kept."""
   if any(s.get("grade_timed_out") for r in records for s in r["samples"]):
     return False
-  os.makedirs(store, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=store, suffix=".tmp")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
-  os.replace(tmp, os.path.join(store, f"{key}.jsonl"))
+  atomic.write_text(os.path.join(store, f"{key}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
   return True

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 from rollout import harness
 from rollout.engines.protocol import Engine
-from rollout.evaluation import metrics, report, result_cache
+from rollout.evaluation import atomic, metrics, report, result_cache
 from rollout.tasks.environment import TIMEOUT_ERROR, EnvironmentCache
 from rollout.tasks.task import Task
 
@@ -104,10 +104,7 @@ def read_run_info(out_dir: str) -> dict | None:
 
 
 def _write_run_info(out_dir: str, info: dict) -> None:
-  fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    json.dump(info, f, indent=1)
-  os.replace(tmp, os.path.join(out_dir, RUN_INFO))
+  atomic.write_text(os.path.join(out_dir, RUN_INFO), json.dumps(info, indent=1))
 
 
 def _check_run_info(out_dir: str, info: dict, tasks: Sequence[Task], log: Callable[[str], None]) -> None:
