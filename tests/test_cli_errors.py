@@ -11,6 +11,7 @@ from composer_jax import configs
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout.tasks import setfile
+from tests.workdir_testlib import live_lock_holder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,15 +84,8 @@ def test_rl_main_refuses_a_resume_with_another_config_and_names_the_override(tmp
 
 
 def test_rl_main_stops_at_once_when_the_workdir_is_in_use(tmp_path):
-  holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom composer_jax.rl import workdir\n"
-                             f"with workdir.lock({str(tmp_path)!r}):\n  print('held', flush=True)\n  time.sleep(600)"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-  try:
-    assert holder.stdout.readline().strip() == "held"
+  with live_lock_holder(tmp_path) as holder:
     r = _run("rl_main.py", "--config=experiments/configs/rl.py:test", f"--workdir={tmp_path}")
-  finally:
-    holder.kill()
-    holder.wait()
   _one_error_line(r, f"workdir {tmp_path} is in use by a live run (pid {holder.pid} on ")
 
 

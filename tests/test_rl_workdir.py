@@ -19,6 +19,7 @@ from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import interrupt
 from experiments.configs import rl as rl_configs
+from tests.workdir_testlib import live_lock_holder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,17 +69,10 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
 
 
 def test_a_live_runs_lock_stops_a_second_run_and_a_dead_ones_is_taken_over(tmp_path):
-  holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom composer_jax.rl import workdir\n"
-                             f"with workdir.lock({str(tmp_path)!r}):\n  print('held', flush=True)\n  time.sleep(600)"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-  try:
-    assert holder.stdout.readline().strip() == "held"
+  with live_lock_holder(tmp_path) as holder:   # SIGKILLed at the end: no clean-up runs, the lock file stays behind
     with pytest.raises(workdir_lib.WorkdirError, match=rf"in use by a live run \(pid {holder.pid} on "):
       with workdir_lib.lock(str(tmp_path)):
         pass
-  finally:
-    holder.kill()   # SIGKILL: no clean-up ran, the lock file stays behind
-    holder.wait()
   assert (tmp_path / "lock").exists()
   with workdir_lib.lock(str(tmp_path)):
     with workdir_lib.lock(str(tmp_path)):   # re-entrant within a process: the experiment around its RL loop
