@@ -15,7 +15,7 @@ import tempfile
 
 import pytest
 
-from sandboxes import BwrapBackend
+from tests.sandbox_testlib import bwrap_backend
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
 
@@ -25,11 +25,8 @@ OTHER_UID = 60001  # a local user that is not the sandbox
 
 @pytest.fixture(scope="module")
 def backend():
-  d = tempfile.mkdtemp(prefix="sbx_hostview_", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
-  os.chmod(d, 0o711)  # the unprivileged sandbox uid must traverse it
-  with BwrapBackend(state_root=d) as be:
+  with bwrap_backend("sbx_hostview_") as be:
     yield be
-  shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

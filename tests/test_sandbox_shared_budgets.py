@@ -10,25 +10,21 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
-import tempfile
 import threading
 import time
 
 import pytest
 
-from sandboxes import BwrapBackend, Limits, SandboxConfig
+from sandboxes import Limits, SandboxConfig
+from tests.sandbox_testlib import bwrap_backend
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
 
 
 @pytest.fixture(scope="module")
 def backend():
-  d = tempfile.mkdtemp(prefix="sbx_budgets_", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
-  os.chmod(d, 0o711)  # the unprivileged sandbox uid must traverse it
-  with BwrapBackend(state_root=d) as be:
+  with bwrap_backend("sbx_budgets_") as be:
     yield be
-  shutil.rmtree(d, ignore_errors=True)
 
 
 @contextlib.contextmanager
