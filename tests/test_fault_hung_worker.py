@@ -23,7 +23,7 @@ STALL_S = 5.0
 # trainer published).
 _WORKER = """
 import sys, threading, time
-from composer_jax.rl import worker
+from composer_jax.rl import worker_process as worker
 workdir, i, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 worker.beat(worker.beat_path(workdir, i))
 if mode == "hang":

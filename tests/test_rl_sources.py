@@ -27,7 +27,7 @@ def test_a_group_appended_right_after_an_empty_poll_joins_the_step(tmp_path):
   """The step waits for its second group instead of ending short because a group arrived during the poll: a depth
   check after the empty poll would see that group and take it for one that does not fit."""
   cfg = configs.from_dict(RunConfig, rl_configs.get_config("test,mode=async"), workdir=str(tmp_path))
-  assert cfg.train.groups_per_step == 2
+  assert cfg.rl.groups_per_step == 2
   url = f"file://{tmp_path}/queue"
   producer = QueueProducer(url, "worker0")
 
