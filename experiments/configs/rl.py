@@ -133,6 +133,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_staleness=0 if arg.mode == "sync" else (arg.staleness if arg.staleness >= 0 else 2),
       staleness_policy="drop", publish_every=1, backend=arg.backend or ("local" if test else "sandbox"),
       stall_timeout_s=1800.0, tree_branch_turns=(), tree_fanouts=(),   # flat groups; a tree: e.g. (0, 1), (4, 2)
+      tree_branch_entropy=ml_collections.config_dict.placeholder(float),   # e.g. 1.0: branch earlier where uncertain
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
   c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test,

@@ -1,0 +1,244 @@
+"""Tree rollouts against flat groups at equal G (issue 50): what a group costs per leaf.
+
+  PYTHONPATH=. python benchmarks/tree_rollout.py --workdir=runs/rl --levels=2,3 --tasks=8
+  PYTHONPATH=. python benchmarks/tree_rollout.py --workdir=runs/rl --branch_turns=0,2 --fanouts=2,4
+
+From one policy (the run's SFT start, `<workdir>/sft`, or `--params=<dir>` holding exported params) and the run's
+harness, engine and sandbox settings, each training task of each level is rolled out as a flat group (G episodes
+from the prompt) and as a tree of the same G leaves (`rollout.tree_harness`), the two arms alternating which goes
+first, with the engine's prefix cache emptied before every group (no arm reuses the other's prefixes). Per leaf:
+  * generated tokens: what the engine decoded (a shared opening counts once);
+  * prefilled tokens: prompt tokens the engine ran (those its prefix cache did not hold);
+  * sandbox-seconds: wall-clock inside workspace calls (tool calls, forks, snapshots, grading, closing);
+  * rollout seconds: the group's wall-clock, and engine seconds, the part spent in `generate`;
+  * solved: the leaves' success rate (the same policy in both arms, so it should agree within noise);
+  * distinct leaves: the share of leaves that are episodes of their own (a tree episode that ends before a branch
+    point stands for all the leaves below it, `multiplicity`: fewer distinct samples for the same G).
+One flat and one tree group on another task run first, untimed, so compiling is not in any figure.
+Environment snapshots are built before timing. The last line printed is one JSON object with these per arm and
+level and the flat/tree ratios (`tokens_ratio`: flat's generated tokens per leaf over the tree's); the load average
+is printed beside it, since timings on a shared machine mean something only as same-run ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# Run as a script, this file's folder is sys.path[0], where benchmarks/rollout.py would shadow the `rollout` package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import numpy as np  # noqa: E402
+
+from composer_jax.rl import publishers, setup  # noqa: E402
+from composer_jax.sampling.engine import JaxEngine  # noqa: E402
+from composer_jax.train import stages  # noqa: E402
+from rollout import harness, tree_harness  # noqa: E402
+from rollout.workspace import Workspace, WorkspaceFactory  # noqa: E402
+
+
+class Clock:
+  """Seconds spent inside timed calls."""
+
+  def __init__(self):
+    self.seconds = 0.0
+
+  def timed(self, fn, *args, **kwargs):
+    t = time.perf_counter()
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      self.seconds += time.perf_counter() - t
+
+
+class TimedWorkspace(Workspace):
+  """A workspace whose every call is added to a clock."""
+
+  def __init__(self, inner: Workspace, clock: Clock):
+    self.inner, self.clock = inner, clock
+
+  def run(self, command, timeout_s=30.0, output_limit=1 << 16):
+    return self.clock.timed(self.inner.run, command, timeout_s, output_limit)
+
+  def read_file(self, path):
+    return self.clock.timed(self.inner.read_file, path)
+
+  def write_file(self, path, text):
+    return self.clock.timed(self.inner.write_file, path, text)
+
+  def list_dir(self, path="."):
+    return self.clock.timed(self.inner.list_dir, path)
+
+  def exists(self, path):
+    return self.clock.timed(self.inner.exists, path)
+
+  def close(self):
+    return self.clock.timed(self.inner.close)
+
+
+class TimedFactory(WorkspaceFactory):
+  """A factory whose forks, snapshots and workspaces are timed on one clock (environment builds are not: they are
+  cached before timing starts)."""
+
+  def __init__(self, inner: WorkspaceFactory, clock: Clock):
+    self.inner, self.clock = inner, clock
+
+  def snapshot_from_dir(self, directory):
+    return self.inner.snapshot_from_dir(directory)
+
+  def fork(self, snapshot):
+    return TimedWorkspace(self.clock.timed(self.inner.fork, snapshot), self.clock)
+
+  def snapshot(self, workspace):
+    inner = workspace.inner if isinstance(workspace, TimedWorkspace) else workspace
+    return self.clock.timed(self.inner.snapshot, inner)
+
+  def delete_snapshot(self, snapshot):
+    return self.clock.timed(self.inner.delete_snapshot, snapshot)
+
+  def close(self):
+    self.inner.close()
+
+
+class CountingEngine:
+  """The engine, counting generated and prefilled tokens and the seconds spent generating."""
+
+  def __init__(self, engine: JaxEngine):
+    self.engine, self.clock = engine, Clock()
+    self.generated = self.prefilled = 0
+
+  def generate(self, requests):
+    results = self.clock.timed(self.engine.generate, requests)
+    self.generated += sum(len(r.output_ids) for r in results)
+    stats = self.engine.last_stats   # of its last chunk; one chunk per call at max_batch >= the group's rows
+    self.prefilled += stats.get("prompt_tokens", 0) - stats.get("prefix_reused_tokens", 0)
+    return results
+
+
+def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task) -> dict:
+  """Runs `group(task)` (one group's rollout) and returns what it cost and its leaves' success."""
+  engine.engine.prefix_cache.clear()
+  g0, p0, e0, s0 = engine.generated, engine.prefilled, engine.clock.seconds, sandbox.seconds
+  t = time.perf_counter()
+  trajs = group(task)
+  return {"wall_s": time.perf_counter() - t, "engine_s": engine.clock.seconds - e0,
+          "sandbox_s": sandbox.seconds - s0, "generated": engine.generated - g0, "prefilled": engine.prefilled - p0,
+          "leaves": sum((t.tree or {}).get("multiplicity", 1) for t in trajs), "episodes": len(trajs),
+          "solved": float(np.mean([t.metrics["solved"] for t in trajs]))}
+
+
+def per_leaf(rows: list[dict]) -> dict:
+  leaves = sum(r["leaves"] for r in rows)
+  out = {k: sum(r[k] for r in rows) / leaves for k in ("generated", "prefilled", "sandbox_s", "wall_s", "engine_s")}
+  out.update(groups=len(rows), leaves=leaves, distinct_leaves=sum(r["episodes"] for r in rows) / leaves,
+             solved=float(np.mean([r["solved"] for r in rows])))
+  return out
+
+
+FIGURES = (("generated", "generated tokens / leaf"), ("prefilled", "prefilled tokens / leaf"),
+           ("sandbox_s", "sandbox-seconds / leaf"), ("wall_s", "rollout seconds / leaf"))
+
+
+def render(result: dict, prefix: str) -> None:
+  """`prefix`.md (a table per level) and `prefix`.png (flat against tree per figure and level) from a result."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  levels = sorted(result["levels"])
+  lines = [f"| level | arm | {' | '.join(name for _, name in FIGURES)} | distinct leaves | solved |",
+           "|---|---|" + "---|" * (len(FIGURES) + 2)]
+  for lv in levels:
+    row = result["levels"][lv]
+    for arm in ("flat", "tree"):
+      r = row[arm]
+      lines.append(f"| {lv} | {arm} | " + " | ".join(f"{r[k]:.3g}" for k, _ in FIGURES)
+                   + f" | {r['distinct_leaves']:.2f} | {r['solved']:.3f} |")
+    lines.append(f"| {lv} | flat / tree | {row['tokens_ratio']:.2f}x | {row['prefill_ratio']:.2f}x | "
+                 f"{row['sandbox_ratio']:.2f}x | {row['wall_ratio']:.2f}x (paired median "
+                 f"{row['wall_ratio_median_paired']:.2f}x) | | |")
+  with open(prefix + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  fig, axes = plt.subplots(1, len(FIGURES), figsize=(4 * len(FIGURES), 3.2))
+  x = np.arange(len(levels))
+  for ax, (key, name) in zip(axes, FIGURES, strict=True):
+    for j, arm in enumerate(("flat", "tree")):
+      ax.bar(x + (j - 0.5) * 0.4, [result["levels"][lv][arm][key] for lv in levels], 0.4, label=arm)
+    ax.set_xticks(x, [f"level {lv}" for lv in levels])
+    ax.set_title(name, fontsize=10)
+  axes[0].legend()
+  fig.suptitle(f"G = {result['G']}: flat groups vs trees (branch_turns {result['branch_turns']}, fanouts "
+               f"{result['fanouts']})", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(prefix + ".png", dpi=110)
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--workdir", default="", help="an RL run's workdir (its run config and tokenizer)")
+  ap.add_argument("--params", default="", help="exported params to roll out with (default: <workdir>/sft)")
+  ap.add_argument("--levels", default="2,3")
+  ap.add_argument("--tasks", type=int, default=8, help="training tasks per level (one group per arm each; one more "
+                  "warms up)")
+  ap.add_argument("--branch_turns", default="0,2")
+  ap.add_argument("--fanouts", default="2,4")
+  ap.add_argument("--out", default="", help="also write the JSON here, and its table and plot beside it (.md, .png)")
+  ap.add_argument("--render", default="", help="only render the table and plot of this JSON (written by --out)")
+  args = ap.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      result = json.load(f)
+    render(result, os.path.splitext(args.render)[0])
+    return result
+  if not args.workdir:
+    ap.error("--workdir is required (an RL run's workdir), unless --render")
+  cfg = setup.load_run_config(args.workdir)
+  ints = lambda s: tuple(int(x) for x in s.split(","))   # noqa: E731
+  tree = tree_harness.TreeConfig(ints(args.branch_turns), ints(args.fanouts))
+  G = tree.size
+  tok = setup.load_tokenizer(cfg)
+  params = stages.load_params(args.params or os.path.join(args.workdir, "sft"), cfg.model)
+  engine = CountingEngine(JaxEngine(params, cfg.model, publishers.engine_config(cfg)))
+  sandbox = Clock()
+  envs = setup.make_envs(cfg)
+  envs.factory = TimedFactory(envs.factory, sandbox)
+  pool = setup.train_pool(cfg)
+  hcfg = cfg.harness
+  result = {"workdir": args.workdir, "G": G, "branch_turns": list(tree.branch_turns), "fanouts": list(tree.fanouts),
+            "levels": {}}
+  for level in map(int, args.levels.split(",")):
+    *tasks, warm = setup.of_levels(pool, (level,))[:args.tasks + 1]
+    for task in tasks + [warm]:
+      envs.snapshot(task.environment)   # built (and cached) before timing
+    arms = {"flat": [], "tree": []}
+    runs = {"flat": lambda task: harness.run_episodes(engine, tok, [task] * G, envs, hcfg),
+            "tree": lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, tree)}
+    for run in runs.values():   # compiles the engine's programs outside the timed groups
+      rollout_cost(engine, sandbox, run, warm)
+    for i, task in enumerate(tasks):
+      for arm in (("flat", "tree") if i % 2 == 0 else ("tree", "flat")):
+        arms[arm].append(rollout_cost(engine, sandbox, runs[arm], task))
+      print(f"level {level} task {i}: " + ", ".join(f"{a} {r[-1]['generated'] / G:.0f} tok/leaf "
+                                                    f"{r[-1]['wall_s']:.1f}s" for a, r in arms.items()), flush=True)
+    row = {arm: per_leaf(rows) for arm, rows in arms.items()}
+    for key, name in (("generated", "tokens_ratio"), ("sandbox_s", "sandbox_ratio"), ("wall_s", "wall_ratio"),
+                      ("prefilled", "prefill_ratio")):
+      row[name] = row["flat"][key] / max(row["tree"][key], 1e-9)
+    # Per task (paired), the median of flat/tree wall-clock: robust to a load spike in one group.
+    row["wall_ratio_median_paired"] = float(np.median([f["wall_s"] / t["wall_s"]
+                                                       for f, t in zip(arms["flat"], arms["tree"], strict=True)]))
+    result["levels"][str(level)] = row
+  result["load_avg"] = list(os.getloadavg())
+  print(f"load average {os.getloadavg()}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+    render(result, os.path.splitext(args.out)[0])
+  print(json.dumps(result))
+  return result
+
+
+if __name__ == "__main__":
+  sys.exit(main() and 0)
