@@ -16,12 +16,13 @@ first, with the engine's prefix cache emptied before every group (no arm reuses 
     point stands for all the leaves below it, `multiplicity`: fewer distinct samples for the same G).
 One flat and one tree group on another task run first, untimed, so compiling is not in any figure.
 Environment snapshots are built before timing. The last line printed is one JSON object with these per arm and
-level and the flat/tree ratios (`tokens_ratio`: flat's generated tokens per leaf over the tree's); the load average
+level and the flat/tree ratios (`flat_over_tree`: flat's figures per leaf over the tree's); the load average
 is printed beside it, since timings on a shared machine mean something only as same-run ratios.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -138,6 +139,7 @@ def per_leaf(rows: list[dict]) -> dict:
   return out
 
 
+ARMS = ("flat", "tree", "tree_entropy")
 FIGURES = (("generated", "generated tokens / leaf"), ("prefilled", "prefilled tokens / leaf"),
            ("sandbox_s", "sandbox-seconds / leaf"), ("wall_s", "rollout seconds / leaf"))
 
@@ -148,29 +150,34 @@ def render(result: dict, prefix: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   levels = sorted(result["levels"])
+  arms = [a for a in ARMS if a in result["levels"][levels[0]]]
   lines = [f"| level | arm | {' | '.join(name for _, name in FIGURES)} | distinct leaves | solved |",
            "|---|---|" + "---|" * (len(FIGURES) + 2)]
   for lv in levels:
     row = result["levels"][lv]
-    for arm in ("flat", "tree"):
+    for arm in arms:
       r = row[arm]
       lines.append(f"| {lv} | {arm} | " + " | ".join(f"{r[k]:.3g}" for k, _ in FIGURES)
                    + f" | {r['distinct_leaves']:.2f} | {r['solved']:.3f} |")
-    lines.append(f"| {lv} | flat / tree | {row['tokens_ratio']:.2f}x | {row['prefill_ratio']:.2f}x | "
-                 f"{row['sandbox_ratio']:.2f}x | {row['wall_ratio']:.2f}x (paired median "
-                 f"{row['wall_ratio_median_paired']:.2f}x) | | |")
+    for arm in arms[1:]:
+      q = row[f"flat_over_{arm}"]
+      lines.append(f"| {lv} | flat / {arm} | " + " | ".join(f"{q[k]:.2f}x" for k, _ in FIGURES)
+                   + f" (paired median {q['wall_s_paired_median']:.2f}x) | | |")
   with open(prefix + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   fig, axes = plt.subplots(1, len(FIGURES), figsize=(4 * len(FIGURES), 3.2))
   x = np.arange(len(levels))
   for ax, (key, name) in zip(axes, FIGURES, strict=True):
-    for j, arm in enumerate(("flat", "tree")):
-      ax.bar(x + (j - 0.5) * 0.4, [result["levels"][lv][arm][key] for lv in levels], 0.4, label=arm)
+    width = 0.8 / len(arms)
+    for j, arm in enumerate(arms):
+      ax.bar(x + (j - (len(arms) - 1) / 2) * width, [result["levels"][lv][arm][key] for lv in levels], width,
+             label=arm)
     ax.set_xticks(x, [f"level {lv}" for lv in levels])
     ax.set_title(name, fontsize=10)
   axes[0].legend()
+  by_entropy = f"; tree_entropy: branch_entropy {result['branch_entropy']}" if result.get("branch_entropy") else ""
   fig.suptitle(f"G = {result['G']}: flat groups vs trees (branch_turns {result['branch_turns']}, fanouts "
-               f"{result['fanouts']})", fontsize=10)
+               f"{result['fanouts']}{by_entropy})", fontsize=10)
   fig.tight_layout()
   fig.savefig(prefix + ".png", dpi=110)
 
@@ -184,6 +191,8 @@ def main(argv=None) -> dict:
                   "warms up)")
   ap.add_argument("--branch_turns", default="0,2")
   ap.add_argument("--fanouts", default="2,4")
+  ap.add_argument("--branch_entropy", type=float, default=0.0, help="> 0: a third arm, the same tree branching "
+                  "earlier where a greedy probe meets a token of this entropy (nats)")
   ap.add_argument("--out", default="", help="also write the JSON here, and its table and plot beside it (.md, .png)")
   ap.add_argument("--render", default="", help="only render the table and plot of this JSON (written by --out)")
   args = ap.parse_args(argv)
@@ -207,28 +216,32 @@ def main(argv=None) -> dict:
   pool = setup.train_pool(cfg)
   hcfg = cfg.harness
   result = {"workdir": args.workdir, "G": G, "branch_turns": list(tree.branch_turns), "fanouts": list(tree.fanouts),
-            "levels": {}}
+            "branch_entropy": args.branch_entropy or None, "levels": {}}
+  runs = {"flat": lambda task: harness.run_episodes(engine, tok, [task] * G, envs, hcfg),
+          "tree": lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, tree)}
+  if args.branch_entropy:
+    by_entropy = dataclasses.replace(tree, branch_entropy=args.branch_entropy)
+    runs["tree_entropy"] = lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, by_entropy)
   for level in map(int, args.levels.split(",")):
     *tasks, warm = setup.of_levels(pool, (level,))[:args.tasks + 1]
     for task in tasks + [warm]:
       envs.snapshot(task.environment)   # built (and cached) before timing
-    arms = {"flat": [], "tree": []}
-    runs = {"flat": lambda task: harness.run_episodes(engine, tok, [task] * G, envs, hcfg),
-            "tree": lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, tree)}
+    arms = {arm: [] for arm in runs}
     for run in runs.values():   # compiles the engine's programs outside the timed groups
       rollout_cost(engine, sandbox, run, warm)
     for i, task in enumerate(tasks):
-      for arm in (("flat", "tree") if i % 2 == 0 else ("tree", "flat")):
+      order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]   # each arm goes first as often
+      for arm in order:
         arms[arm].append(rollout_cost(engine, sandbox, runs[arm], task))
       print(f"level {level} task {i}: " + ", ".join(f"{a} {r[-1]['generated'] / G:.0f} tok/leaf "
                                                     f"{r[-1]['wall_s']:.1f}s" for a, r in arms.items()), flush=True)
     row = {arm: per_leaf(rows) for arm, rows in arms.items()}
-    for key, name in (("generated", "tokens_ratio"), ("sandbox_s", "sandbox_ratio"), ("wall_s", "wall_ratio"),
-                      ("prefilled", "prefill_ratio")):
-      row[name] = row["flat"][key] / max(row["tree"][key], 1e-9)
-    # Per task (paired), the median of flat/tree wall-clock: robust to a load spike in one group.
-    row["wall_ratio_median_paired"] = float(np.median([f["wall_s"] / t["wall_s"]
-                                                       for f, t in zip(arms["flat"], arms["tree"], strict=True)]))
+    for arm in list(runs)[1:]:
+      q = {k: row["flat"][k] / max(row[arm][k], 1e-9) for k, _ in FIGURES}
+      # Per task (paired), the median of flat/tree wall-clock: robust to a load spike in one group.
+      q["wall_s_paired_median"] = float(np.median([f["wall_s"] / t["wall_s"]
+                                                    for f, t in zip(arms["flat"], arms[arm], strict=True)]))
+      row[f"flat_over_{arm}"] = q
     result["levels"][str(level)] = row
   result["load_avg"] = list(os.getloadavg())
   print(f"load average {os.getloadavg()}")
