@@ -1,10 +1,10 @@
 """A group as a tree: episodes run to a branch point, fork (sandbox and context), and each branch samples on.
 
 Branch points are turn boundaries: by default after the k-th action turn of an episode (its tool results
-appended), every live episode at that depth forks into b. `TreeConfig(branch_turns=(0, 2), fanouts=(2, 4))` starts 2 independent
-episodes from the prompt and forks each into 4 after its second turn: 8 leaves, the group's G samples; the flat
-group is `branch_turns=(0,), fanouts=(G,)`. A first branch turn k > 0 makes the first k turns a trunk that all
-leaves share (the root's one child, whose advantage is 0: nothing to compare it with).
+appended), every live episode at that depth forks into b. `TreeConfig(branch_turns=(0, 2), fanouts=(2, 4))` starts
+2 independent episodes from the prompt and forks each into 4 after its second turn: 8 leaves, the group's G
+samples; the flat group is `branch_turns=(0,), fanouts=(G,)`. A first branch turn k > 0 makes the first k turns a
+trunk that all leaves share (the root's one child, whose advantage is 0: nothing to compare it with).
 
 Branch points are turn starts, because there the sandbox is quiescent (tool calls are synchronous, nothing runs),
 so its files are the whole state to fork, and the next request's prompt is exactly the shared context, so an engine
