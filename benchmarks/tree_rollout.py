@@ -119,6 +119,17 @@ class CountingEngine:
     return results
 
 
+def branch_turn(traj) -> int | None:
+  """Action turns a tree leaf had before its second node starts (where its first branch point below the prompt
+  is), None for a flat leaf or a leaf that ended before it."""
+  starts = (traj.tree or {}).get("starts", [])
+  if len(starts) < 2:
+    return None
+  seg, off = starts[1]
+  return sum(t["kind"] == "act" and (s < seg or t["start"] < off)
+             for s, segment in enumerate(traj.segments[:seg + 1]) for t in segment.turns)
+
+
 def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task) -> dict:
   """Runs `group(task)` (one group's rollout) and returns what it cost and its leaves' success."""
   engine.engine.prefix_cache.clear()
@@ -128,13 +139,16 @@ def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task) -> dict:
   return {"wall_s": time.perf_counter() - t, "engine_s": engine.clock.seconds - e0,
           "sandbox_s": sandbox.seconds - s0, "generated": engine.generated - g0, "prefilled": engine.prefilled - p0,
           "leaves": sum((t.tree or {}).get("multiplicity", 1) for t in trajs), "episodes": len(trajs),
-          "solved": float(np.mean([t.metrics["solved"] for t in trajs]))}
+          "solved": float(np.mean([t.metrics["solved"] for t in trajs])),
+          "branch_turns": [b for b in map(branch_turn, trajs) if b is not None]}
 
 
 def per_leaf(rows: list[dict]) -> dict:
   leaves = sum(r["leaves"] for r in rows)
   out = {k: sum(r[k] for r in rows) / leaves for k in ("generated", "prefilled", "sandbox_s", "wall_s", "engine_s")}
+  turns = [b for r in rows for b in r["branch_turns"]]
   out.update(groups=len(rows), leaves=leaves, distinct_leaves=sum(r["episodes"] for r in rows) / leaves,
+             branch_turn=float(np.mean(turns)) if turns else None,
              solved=float(np.mean([r["solved"] for r in rows])))
   return out
 
@@ -151,18 +165,19 @@ def render(result: dict, prefix: str) -> None:
   import matplotlib.pyplot as plt
   levels = sorted(result["levels"])
   arms = [a for a in ARMS if a in result["levels"][levels[0]]]
-  lines = [f"| level | arm | {' | '.join(name for _, name in FIGURES)} | distinct leaves | solved |",
-           "|---|---|" + "---|" * (len(FIGURES) + 2)]
+  lines = [f"| level | arm | {' | '.join(name for _, name in FIGURES)} | distinct leaves | mean branch turn | "
+           "solved |", "|---|---|" + "---|" * (len(FIGURES) + 3)]
   for lv in levels:
     row = result["levels"][lv]
     for arm in arms:
       r = row[arm]
+      turn = "" if r["branch_turn"] is None else f"{r['branch_turn']:.2f}"
       lines.append(f"| {lv} | {arm} | " + " | ".join(f"{r[k]:.3g}" for k, _ in FIGURES)
-                   + f" | {r['distinct_leaves']:.2f} | {r['solved']:.3f} |")
+                   + f" | {r['distinct_leaves']:.2f} | {turn} | {r['solved']:.3f} |")
     for arm in arms[1:]:
       q = row[f"flat_over_{arm}"]
       lines.append(f"| {lv} | flat / {arm} | " + " | ".join(f"{q[k]:.2f}x" for k, _ in FIGURES)
-                   + f" (paired median {q['wall_s_paired_median']:.2f}x) | | |")
+                   + f" (paired median {q['wall_s_paired_median']:.2f}x) | | | |")
   with open(prefix + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   fig, axes = plt.subplots(1, len(FIGURES), figsize=(4 * len(FIGURES), 3.2))
@@ -175,7 +190,8 @@ def render(result: dict, prefix: str) -> None:
     ax.set_xticks(x, [f"level {lv}" for lv in levels])
     ax.set_title(name, fontsize=10)
   axes[0].legend()
-  by_entropy = f"; tree_entropy: branch_entropy {result['branch_entropy']}" if result.get("branch_entropy") else ""
+  by_entropy = (f"; tree_entropy: branch_entropy {result['branch_entropy']}, by turns "
+                f"{result['entropy_branch_turns']}" if result.get("branch_entropy") else "")
   fig.suptitle(f"G = {result['G']}: flat groups vs trees (branch_turns {result['branch_turns']}, fanouts "
                f"{result['fanouts']}{by_entropy})", fontsize=10)
   fig.tight_layout()
@@ -191,8 +207,9 @@ def main(argv=None) -> dict:
                   "warms up)")
   ap.add_argument("--branch_turns", default="0,2")
   ap.add_argument("--fanouts", default="2,4")
-  ap.add_argument("--branch_entropy", type=float, default=0.0, help="> 0: a third arm, the same tree branching "
-                  "earlier where a greedy probe meets a token of this entropy (nats)")
+  ap.add_argument("--branch_entropy", type=float, default=0.0, help="> 0: a third arm, a tree of the same fanouts "
+                  "branching where a greedy probe meets a token of this entropy (nats), by --entropy_branch_turns")
+  ap.add_argument("--entropy_branch_turns", default="", help="that arm's deadlines (default: --branch_turns)")
   ap.add_argument("--out", default="", help="also write the JSON here, and its table and plot beside it (.md, .png)")
   ap.add_argument("--render", default="", help="only render the table and plot of this JSON (written by --out)")
   args = ap.parse_args(argv)
@@ -215,13 +232,15 @@ def main(argv=None) -> dict:
   envs.factory = TimedFactory(envs.factory, sandbox)
   pool = setup.train_pool(cfg)
   hcfg = cfg.harness
-  result = {"workdir": args.workdir, "G": G, "branch_turns": list(tree.branch_turns), "fanouts": list(tree.fanouts),
-            "branch_entropy": args.branch_entropy or None, "levels": {}}
   runs = {"flat": lambda task: harness.run_episodes(engine, tok, [task] * G, envs, hcfg),
           "tree": lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, tree)}
   if args.branch_entropy:
-    by_entropy = dataclasses.replace(tree, branch_entropy=args.branch_entropy)
+    by_entropy = dataclasses.replace(tree, branch_entropy=args.branch_entropy,
+                                     branch_turns=ints(args.entropy_branch_turns or args.branch_turns))
     runs["tree_entropy"] = lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, by_entropy)
+  result = {"workdir": args.workdir, "G": G, "branch_turns": list(tree.branch_turns), "fanouts": list(tree.fanouts),
+            "branch_entropy": args.branch_entropy or None,
+            "entropy_branch_turns": list(by_entropy.branch_turns) if args.branch_entropy else None, "levels": {}}
   for level in map(int, args.levels.split(",")):
     *tasks, warm = setup.of_levels(pool, (level,))[:args.tasks + 1]
     for task in tasks + [warm]:
