@@ -280,3 +280,19 @@ def test_entropy_branch_points_need_an_engine_that_reports_entropies(setting):
                               tree_harness.TreeConfig(branch_turns=(0, 3), fanouts=(2, 2), branch_entropy=1.0))
   with pytest.raises(ValueError, match="branch_entropy must be > 0"):
     tree_harness.TreeConfig(branch_turns=(0, 3), fanouts=(2, 2), branch_entropy=0.0)
+
+
+def test_a_threshold_never_met_branches_at_the_deadlines_as_by_turn(setting):
+  """Probes that never meet the threshold change nothing: the same tree, tokens and files as branching by turn."""
+  pool, tok, envs = setting
+  by_turn = tree_harness.TreeConfig(branch_turns=(0, 3), fanouts=(2, 2))
+  runs = []
+  for tcfg in (by_turn, dataclasses.replace(by_turn, branch_entropy=5.0)):
+    envs.factory.closed.clear()
+    trajs = tree_harness.rollout_tree(UncertainEngine(tok), tok, pool[0], envs, HCFG, tcfg)
+    runs.append((trajs, list(envs.factory.closed)))
+  (turn_trajs, turn_files), (ent_trajs, ent_files) = runs
+  assert [t.tree for t in ent_trajs] == [t.tree for t in turn_trajs]
+  for a, b in zip(ent_trajs, turn_trajs, strict=True):
+    np.testing.assert_array_equal(a.segments[0].tokens_T, b.segments[0].tokens_T)
+  assert ent_files == turn_files
