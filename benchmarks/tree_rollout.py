@@ -35,6 +35,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import numpy as np  # noqa: E402
 
 from composer_jax.rl import publishers, setup  # noqa: E402
+from composer_jax.rl import workdir as workdir_lib  # noqa: E402
 from composer_jax.sampling.engine import JaxEngine  # noqa: E402
 from composer_jax.train import stages  # noqa: E402
 from rollout import harness, tree_harness  # noqa: E402
@@ -198,6 +199,51 @@ def render(result: dict, prefix: str) -> None:
   fig.savefig(prefix + ".png", dpi=110)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(","))
+
+
+def measure(args, cfg, tree: tree_harness.TreeConfig, tok, pool: list, envs) -> dict:
+  """Every arm's groups on `args.tasks` training tasks of each level (`main`'s arguments), per leaf."""
+  G = tree.size
+  params = stages.load_params(args.params or os.path.join(args.workdir, "sft"), cfg.model)
+  engine = CountingEngine(JaxEngine(params, cfg.model, publishers.engine_config(cfg)))
+  sandbox = Clock()
+  envs.factory = TimedFactory(envs.factory, sandbox)
+  hcfg = cfg.harness
+  runs = {"flat": lambda task: harness.run_episodes(engine, tok, [task] * G, envs, hcfg),
+          "tree": lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, tree)}
+  if args.branch_entropy:
+    by_entropy = dataclasses.replace(tree, branch_entropy=args.branch_entropy,
+                                     branch_turns=_ints(args.entropy_branch_turns or args.branch_turns))
+    runs["tree_entropy"] = lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, by_entropy)
+  result = {"workdir": args.workdir, "G": G, "branch_turns": list(tree.branch_turns), "fanouts": list(tree.fanouts),
+            "branch_entropy": args.branch_entropy or None,
+            "entropy_branch_turns": list(by_entropy.branch_turns) if args.branch_entropy else None, "levels": {}}
+  for level in map(int, args.levels.split(",")):
+    *tasks, warm = setup.of_levels(pool, (level,))[:args.tasks + 1]
+    for task in tasks + [warm]:
+      envs.snapshot(task.environment)   # built (and cached) before timing
+    arms = {arm: [] for arm in runs}
+    for group in runs.values():   # compiles the engine's programs outside the timed groups
+      rollout_cost(engine, sandbox, group, warm)
+    for i, task in enumerate(tasks):
+      order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]   # each arm goes first as often
+      for arm in order:
+        arms[arm].append(rollout_cost(engine, sandbox, runs[arm], task))
+      print(f"level {level} task {i}: " + ", ".join(f"{a} {r[-1]['generated'] / G:.0f} tok/leaf "
+                                                    f"{r[-1]['wall_s']:.1f}s" for a, r in arms.items()), flush=True)
+    row = {arm: per_leaf(rows) for arm, rows in arms.items()}
+    for arm in list(runs)[1:]:
+      q = {k: row["flat"][k] / max(row[arm][k], 1e-9) for k, _ in FIGURES}
+      # Per task (paired), the median of flat/tree wall-clock: robust to a load spike in one group.
+      q["wall_s_paired_median"] = float(np.median([f["wall_s"] / t["wall_s"]
+                                                    for f, t in zip(arms["flat"], arms[arm], strict=True)]))
+      row[f"flat_over_{arm}"] = q
+    result["levels"][str(level)] = row
+  return result
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", default="", help="an RL run's workdir (its run config and tokenizer)")
@@ -220,48 +266,10 @@ def main(argv=None) -> dict:
     return result
   if not args.workdir:
     ap.error("--workdir is required (an RL run's workdir), unless --render")
-  cfg = setup.load_run_config(args.workdir)
-  ints = lambda s: tuple(int(x) for x in s.split(","))   # noqa: E731
-  tree = tree_harness.TreeConfig(ints(args.branch_turns), ints(args.fanouts))
-  G = tree.size
-  tok = setup.load_tokenizer(cfg)
-  params = stages.load_params(args.params or os.path.join(args.workdir, "sft"), cfg.model)
-  engine = CountingEngine(JaxEngine(params, cfg.model, publishers.engine_config(cfg)))
-  sandbox = Clock()
-  envs = setup.make_envs(cfg)
-  envs.factory = TimedFactory(envs.factory, sandbox)
-  pool = setup.train_pool(cfg)
-  hcfg = cfg.harness
-  runs = {"flat": lambda task: harness.run_episodes(engine, tok, [task] * G, envs, hcfg),
-          "tree": lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, tree)}
-  if args.branch_entropy:
-    by_entropy = dataclasses.replace(tree, branch_entropy=args.branch_entropy,
-                                     branch_turns=ints(args.entropy_branch_turns or args.branch_turns))
-    runs["tree_entropy"] = lambda task: tree_harness.rollout_tree(engine, tok, task, envs, hcfg, by_entropy)
-  result = {"workdir": args.workdir, "G": G, "branch_turns": list(tree.branch_turns), "fanouts": list(tree.fanouts),
-            "branch_entropy": args.branch_entropy or None,
-            "entropy_branch_turns": list(by_entropy.branch_turns) if args.branch_entropy else None, "levels": {}}
-  for level in map(int, args.levels.split(",")):
-    *tasks, warm = setup.of_levels(pool, (level,))[:args.tasks + 1]
-    for task in tasks + [warm]:
-      envs.snapshot(task.environment)   # built (and cached) before timing
-    arms = {arm: [] for arm in runs}
-    for run in runs.values():   # compiles the engine's programs outside the timed groups
-      rollout_cost(engine, sandbox, run, warm)
-    for i, task in enumerate(tasks):
-      order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]   # each arm goes first as often
-      for arm in order:
-        arms[arm].append(rollout_cost(engine, sandbox, runs[arm], task))
-      print(f"level {level} task {i}: " + ", ".join(f"{a} {r[-1]['generated'] / G:.0f} tok/leaf "
-                                                    f"{r[-1]['wall_s']:.1f}s" for a, r in arms.items()), flush=True)
-    row = {arm: per_leaf(rows) for arm, rows in arms.items()}
-    for arm in list(runs)[1:]:
-      q = {k: row["flat"][k] / max(row[arm][k], 1e-9) for k, _ in FIGURES}
-      # Per task (paired), the median of flat/tree wall-clock: robust to a load spike in one group.
-      q["wall_s_paired_median"] = float(np.median([f["wall_s"] / t["wall_s"]
-                                                    for f, t in zip(arms["flat"], arms[arm], strict=True)]))
-      row[f"flat_over_{arm}"] = q
-    result["levels"][str(level)] = row
+  cfg = workdir_lib.load_run_config(args.workdir)
+  tree = tree_harness.TreeConfig(_ints(args.branch_turns), _ints(args.fanouts))
+  with setup.open_run(cfg) as run:
+    result = measure(args, cfg, tree, run.tokenizer, run.pool, run.envs)
   result["load_avg"] = list(os.getloadavg())
   print(f"load average {os.getloadavg()}")
   if args.out:
