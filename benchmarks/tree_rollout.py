@@ -190,7 +190,7 @@ def render(result: dict, prefix: str) -> None:
              label=arm)
     ax.set_xticks(x, [f"level {lv}" for lv in levels])
     ax.set_title(name, fontsize=10)
-  axes[0].legend()
+  axes[0].legend(loc="lower left", fontsize=8)
   by_entropy = (f"; tree_entropy: branch_entropy {result['branch_entropy']}, by turns "
                 f"{result['entropy_branch_turns']}" if result.get("branch_entropy") else "")
   fig.suptitle(f"G = {result['G']}: flat groups vs trees (branch_turns {result['branch_turns']}, fanouts "
