@@ -25,6 +25,8 @@ def check_tasks(cfg: RunConfig) -> tuple[list, list]:
     try:
       pool = setup.train_pool(cfg)
       heldout = setup.heldout_tasks(cfg)
+    except RunInputError:
+      raise
     except _LOAD_ERRORS as e:
       raise RunInputError(f"cannot load the {cfg.tasks.kind!r} task source: {e}") from None
     if not heldout:

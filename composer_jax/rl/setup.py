@@ -14,7 +14,7 @@ import os
 from composer_jax import configs
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import workdir as workdir_lib
-from composer_jax.rl.config import RunConfig
+from composer_jax.rl.config import RunConfig, RunInputError
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout.tasks import registry
 from rollout.tasks.environment import EnvironmentCache
@@ -54,7 +54,9 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
 def train_pool(cfg: RunConfig) -> list[Task]:
   pool = _load(cfg, cfg.tasks)
   if not pool:
-    raise ValueError(f"the {cfg.tasks.kind!r} task source has no training tasks ({cfg.tasks})")
+    raise RunInputError(f"the {cfg.tasks.kind!r} task source has no training tasks at tasks.heldout_percent="
+                        f"{cfg.tasks.heldout_percent} (a finite set's sides follow its tasks' gold patches): lower "
+                        "tasks.heldout_percent or use a bigger set")
   return pool
 
 
