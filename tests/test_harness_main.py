@@ -26,6 +26,6 @@ def test_the_rollout_readmes_summarization_command_is_solved_by_the_oracle():
   from experiments.configs import agent
   readme = open(os.path.join(ROOT, "rollout", "README.md")).read()
   (arg,) = re.findall(r"agent_main\.py --config=experiments/configs/agent\.py:(colab,level=4,budget=\d+)", readme)
-  cfg = configs.from_dict(agent_demo.DemoConfig, agent.get_config(f"{arg},policies=oracle,backend=local"))
+  cfg = configs.from_dict(agent_demo.DemoConfig, agent.get_config(f"{arg},policies=oracle,workspaces=local"))
   summary = agent_demo.run(cfg, log=lambda s: None)["oracle"]
   assert summary["n_tasks"] == 16 and summary["pass@1"] == 1.0, summary

@@ -57,9 +57,9 @@ def test_the_notebooks_run_is_colab_trimmed_only_where_its_docstring_says():
             for k, v in (flat(val, f"{prefix}{key}.") if hasattr(val, "items") else {f"{prefix}{key}": val}).items()}
   colab, nb = flat(rl_configs.get_config("colab").to_dict()), flat(notebook_configs.get_config().to_dict())
   assert {k for k in colab if colab[k] != nb[k]} == {
-      "rollout.mode", "rollout.max_staleness", "rollout.backend", "train.steps", "eval.tasks", "eval.temperatures",
+      "rollout.mode", "rollout.max_staleness", "rollout.workspaces", "rl.steps", "eval.tasks", "eval.temperatures",
       "eval.control"}
-  assert (nb["rollout.mode"], nb["rollout.backend"], nb["train.steps"], nb["eval.tasks"]) == ("sync", "local", 40,
+  assert (nb["rollout.mode"], nb["rollout.workspaces"], nb["rl.steps"], nb["eval.tasks"]) == ("sync", "local", 40,
                                                                                              200)
   with pytest.raises(ValueError, match="unknown notebook variant 'fast'; valid: learn, quick"):
     notebook_configs.get_config("fast")

@@ -220,7 +220,7 @@ def test_the_readmes_swe_command_runs_end_to_end(tmp_path):
   sides = [registry.split_of(t, 20) for t in swe.load_jsonl(jsonl, repos)]
   run = tmp_path / "run"
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=swe,jsonl={jsonl},repos_dir={repos}",
-               f"--workdir={run}", "--config.sft.steps=20", "--config.train.steps=2",
+               f"--workdir={run}", "--config.sft.steps=20", "--config.rl.steps=2",
                "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
                timeout=1800)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

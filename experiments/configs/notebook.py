@@ -10,7 +10,7 @@ after 40 RL steps ~70% (colab's training pass rate over its steps 26-50: 0.79-0.
 steps 1-25); ~9 min on an idle 2-core CPU (the SFT start ~5 of them, 40 RL steps ~2).
 
 What is trimmed from rl.py:colab, and why:
-- Workspaces are plain temporary directories (`rollout.backend=local`) and rollouts run in the notebook's own
+- Workspaces are plain temporary directories (`rollout.workspaces=local`) and rollouts run in the notebook's own
   process (`rollout.mode=sync`): a notebook runtime such as Colab has no bubblewrap, and worker processes would
   each start their own JAX. Level-1 tasks only read and edit files the harness wrote.
 - 40 RL steps, not 100: colab's training pass rate climbs most in its first ~40 steps (above).
@@ -33,12 +33,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, variant="learn", seed=0)
   if arg.variant not in VARIANTS:
     raise ValueError(f"unknown notebook variant {arg.variant!r}; valid: {', '.join(VARIANTS)}")
-  c = rl.get_config(f"colab,mode=sync,backend=local,seed={arg.seed}")
-  c.train.steps = 40
+  c = rl.get_config(f"colab,mode=sync,workspaces=local,seed={arg.seed}")
+  c.rl.steps = 40
   c.eval.update(tasks=200, temperatures=(1.0,), control=False)
   if arg.variant == "quick":
     c.sft.update(steps=4, tasks=16, batch=4)
-    c.train.update(steps=2, ckpt_every=2, groups_per_step=2)
+    c.rl.update(steps=2, ckpt_every=2, groups_per_step=2)
     c.rollout.samples_per_prompt = 2
     c.eval.tasks = 8
   return c
