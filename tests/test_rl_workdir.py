@@ -156,10 +156,27 @@ def test_evaluating_an_rl_checkpoint_reads_its_model_from_the_run_config(tmp_pat
   with workdir_lib.claim(_cfg(tmp_path / "colab", "colab")):
     pass
   both = f"{tmp_path / 'tiny'}:{tmp_path / 'colab'}"
-  with pytest.raises(ValueError, match="were trained with different models"):
+  with pytest.raises(ValueError, match="were trained with different model configs"):
     eval_configs.get_config(f"procedural,policies=checkpoint,checkpoint={both}")
   named = eval_configs.get_config(f"procedural,policies=checkpoint,checkpoint={both},model=rl_colab")
   assert named.checkpoint.model.hidden_size == 96
+
+
+def test_evaluating_an_rl_checkpoint_runs_it_in_the_loop_it_was_trained_in(tmp_path):
+  """`eval.py:file,...,checkpoint=runs/rl_colab,model=rl_colab` without `harness=` failed mid-run ("prompt bucket
+  256 + output bucket 1024 exceed max_position_embeddings=1024"): the default loop's budgets are not colab's. The
+  checkpoint's stored loop is now the default; `harness=default` or a preset still overrides it."""
+  from experiments.configs import eval as eval_configs
+  cfg = _cfg(tmp_path / "colab", "colab")
+  with workdir_lib.claim(cfg):
+    pass
+  c = eval_configs.get_config(f"procedural,policies=checkpoint,checkpoint={tmp_path / 'colab'},model=rl_colab")
+  h = cfg.harness
+  assert (c.harness.context_budget, c.harness.max_turn_tokens, c.harness.max_turns, c.harness.max_segments) == (
+      h.context_budget, h.max_turn_tokens, h.max_turns, h.max_segments)
+  assert c.harness.context_budget <= c.checkpoint.model.max_position_embeddings and not c.auto_budget
+  plain = eval_configs.get_config(f"procedural,policies=checkpoint,checkpoint={tmp_path / 'colab'},harness=default")
+  assert plain.harness.context_budget == 4096
 
 
 @pytest.mark.slow   # ~75 s on the loaded 2-core machine (a subprocess through its demonstrations into SFT)

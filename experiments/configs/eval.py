@@ -20,7 +20,9 @@ real patch is 1,100-2,200 tokens with the colab BPE at ~1.3 characters per token
 2-3x fewer); tasks whose oracle still does not fit are flagged. `harness.grade_workers` sets how many episodes are
 graded at once.
 
-`harness=rl` runs the agent loop with the settings the default RL run's checkpoints (`make run`, `rl.py:recipe_best`)
+An RL-run checkpoint is evaluated by default in the agent loop it was trained in (the harness its run_config.pkl
+stores); `harness=default` runs the loop above instead. `harness=rl` runs the agent loop with the settings the
+default RL run's checkpoints (`make run`, `rl.py:recipe_best`)
 were trained in (short system prompt, 496-token budget, up to 4 segments with the short summary prompt, 10 turns;
 evaluate with `levels=1+2+3,model=rl_colab`); `harness=rl_colab` those of `rl.py:colab` (`make colab`: 320-token
 budget, 4 turns, one segment).
@@ -51,17 +53,17 @@ _LOOP_KEYS = ("context_budget", "max_turn_tokens", "observation_reserve", "max_t
               "summary_max_tokens", "summary_prompt", "system_prompt")
 
 
-def _stored_model(checkpoints: str) -> dict | None:
-  """The model config RL runs stored with their checkpoints (`run_config.pkl`; ':'-joined workdirs must agree), or
-  None when none of them stores one (an LM-stage workdir: `model=` names it, colab by default)."""
+def _stored(checkpoints: str, field: str) -> dict | None:
+  """The `field` ("model" or "harness") of the run config RL runs stored with their checkpoints (`run_config.pkl`;
+  ':'-joined workdirs must agree), or None when none of them stores one (an LM-stage workdir)."""
   found = {}
   for workdir in filter(None, checkpoints.split(":")):
     if os.path.isfile(os.path.join(workdir, "run_config.pkl")):
       from composer_jax.rl import workdir as workdir_lib
-      found[workdir] = dataclasses.asdict(workdir_lib.stored_config(workdir).model)
+      found[workdir] = dataclasses.asdict(getattr(workdir_lib.stored_config(workdir), field))
   if len({repr(m) for m in found.values()}) > 1:
-    raise ValueError(f"the checkpoints {sorted(found)} were trained with different models: evaluate them apart, "
-                     "or name their shape with model=")
+    raise ValueError(f"the checkpoints {sorted(found)} were trained with different {field} configs: evaluate them "
+                     f"apart, or name one with {field}=")
   return next(iter(found.values()), None)
 
 
@@ -74,7 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          chunk_tasks=8, policies="oracle+noop+random", repos="", jsonl="", repos_dir="", set_file="",
                          corpus="", keep_contaminated=False, checkpoint="", model="", sglang_url="",
                          workspaces="sandbox", out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
-                         max_prompt_chars=1000, temperature=1.0, harness="default")
+                         max_prompt_chars=1000, temperature=1.0, harness="")
   c = ml_collections.ConfigDict()   # mirrors composer_jax.eval_run.EvalRunConfig
   # c.set mirrors rollout.tasks.registry.SetSpec (the one task-source registry RL and SFT use too).
   c.set = ml_collections.ConfigDict(dict(
@@ -88,7 +90,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.corpus = arg.corpus  # pretraining corpus (dir or JSONL with "text") for the contamination guard; "" = off
   c.keep_contaminated = arg.keep_contaminated
   # checkpoint.model: the shape of every checkpoint in `workdir` (':'-joined), a variant of configs/model.py.
-  model = model_configs.get_config(arg.model).to_dict() if arg.model else _stored_model(arg.checkpoint)
+  model = model_configs.get_config(arg.model).to_dict() if arg.model else _stored(arg.checkpoint, "model")
   c.checkpoint = ml_collections.ConfigDict(dict(workdir=arg.checkpoint,
                                                 model=model or model_configs.get_config("colab").to_dict()))
   c.sglang_url = arg.sglang_url
@@ -107,11 +109,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                              tools=dict(max_output_chars=2000), system_prompt="full",
                                              grade_workers=4, seed=c.get_ref("seed")))
   c.auto_budget = arg.variant != "procedural"
-  if arg.harness in RL_HARNESS:   # the loop an RL run's checkpoint was trained in (a policy is judged in its own)
-    r = rl_configs.get_config(RL_HARNESS[arg.harness]).harness
+  # A policy is judged in the loop it was trained in: by default the one its RL checkpoint stored, else a preset.
+  stored = _stored(arg.checkpoint, "harness") if not arg.harness else None
+  if arg.harness in RL_HARNESS or stored is not None:
+    r = stored or rl_configs.get_config(RL_HARNESS[arg.harness]).harness
     c.harness.update({k: r[k] for k in _LOOP_KEYS if k in r})
-    c.harness.tools.max_output_chars = r.tools.max_output_chars
+    c.harness.tools.max_output_chars = r["tools"]["max_output_chars"]
     c.auto_budget = False
-  elif arg.harness != "default":
+  elif arg.harness not in ("", "default"):
     raise ValueError(f"unknown harness preset {arg.harness!r}; valid: default, {', '.join(RL_HARNESS)}")
   return c
