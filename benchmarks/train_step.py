@@ -15,8 +15,9 @@ timing `--steps` steps of each. Torch is timed with 1 and with 2 threads and the
 (1 min) is printed beside them. Model FLOPs utilisation is against the matmul peak measured in the same rounds
 (`jnp.dot` of two 2048² float32 matrices). The persistent compilation cache is off, so `compile_s` is a compile.
 Every step time is also taken as process CPU seconds (`cpu_s`, `torch_cpu_s`: all threads' CPU time over the same
-steps): on a machine shared with other jobs wall time swings with the load, while the CPU time a step needs stays
-within ~10% (it measures work, not parallelism: at 2 threads our wall time is ~0.85x the CPU time when idle).
+steps): on a machine shared with other jobs wall time swings with the load, while the CPU time a step needs moves
+far less (most rounds within ~10% at load 20-30, single rounds up to 1.8x). It measures work, not parallelism, and
+torch's 2-thread CPU time there includes its OpenMP threads spinning while they wait for a core.
 `--data_devices N` runs our step data-parallel over N host CPU devices (`jax_num_cpu_devices`; the batch split
 over a `data` mesh axis, one XLA stream per device) instead of one device using the intra-op thread pool.
 `--attention_kernels` (comma-separated `cfg.attention_kernel` values, default "auto") builds our step once per
