@@ -262,6 +262,7 @@ class QueueConsumer:
         raise ValueError(f"unknown consumer state keys {sorted(unknown)}; valid: {sorted(base)}")
       base.update(json.loads(json.dumps(state)))   # deep copy, and ints/strs as JSON gives them back
     self._state = base
+    self.held_back: GroupKey | None = None   # see poll
 
   def state(self) -> dict:
     """The consumer position and counters: small, JSON-serialisable; save it in the trainer checkpoint."""
@@ -289,9 +290,14 @@ class QueueConsumer:
       batch_rows: the whole batch's rows (default max_rows): a group larger than it can never be batched, an error.
       fits: called with each group about to be delivered (decoded, after the checks above); False: it does not fit
         (e.g. its tokens do not pack into what is left of the batch) and waits for the next poll, like max_rows.
+
+    Afterwards `held_back` is the group it stopped at because it did not fit (max_rows or fits), or None when it
+    stopped for max_groups or at the end of the queue: the caller learns from this poll's own listing that the batch
+    is full, where a `depth()` after it could also count a group that arrived since.
     """
     out, rows = [], 0
     st = self._state
+    self.held_back = None
     for g in self._pending():
       if max_groups is not None and len(out) >= max_groups:
         break
@@ -306,6 +312,7 @@ class QueueConsumer:
           raise ValueError(f"group {g.key} has {g.n_rows} rows, more than the batch's {capacity}: it can never "
                            "be batched; raise the batch size (rl.rows_per_step) or shorten groups")
         if rows + g.n_rows > max_rows:
+          self.held_back = g
           break
       r = self.kv.read(g.key).result()
       try:
@@ -318,6 +325,7 @@ class QueueConsumer:
       s = trainer_version - g.version
       group = ConsumedGroup(g, s, decision == "keep_stale", arrays, meta)
       if fits is not None and not fits(group):
+        self.held_back = g
         break
       st["cursor"][g.producer] = g.name
       st["consumed"] += 1

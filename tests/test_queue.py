@@ -142,13 +142,14 @@ class TestQueue:
     c = QueueConsumer(kv, StalenessConfig(max_staleness=10))
     first = c.poll(5, max_rows=4)
     assert [g.tree()["meta"]["group_id"] for g in first] == ["g0"]       # g1 would overflow 4 rows: waits
+    assert c.held_back is not None and c.held_back.n_rows == 2 and c.depth() == (2, 4)
     assert first[0].key.version == 3 and first[0].staleness == 2 and first[0].key.n_rows == 3
     _assert_tree_equal(first[0].trajectories()[0], _traj(8, 3, 1.0, n_segments=2))
     second = c.poll(5, max_rows=4)
-    assert [g.tree()["meta"]["group_id"] for g in second] == ["g1", "g2"]
+    assert [g.tree()["meta"]["group_id"] for g in second] == ["g1", "g2"] and c.held_back is None   # the end
     p.append_group([_traj(8, 5, 1.0)] * 3, group_id="g3")                               # 3 rows
     # What is left of a 4-row batch (2) is not the batch: the group waits rather than failing ...
-    assert c.poll(5, max_rows=2, batch_rows=4) == []
+    assert c.poll(5, max_rows=2, batch_rows=4) == [] and c.held_back.n_rows == 3
     # ... but a group larger than the whole batch can never be batched.
     with pytest.raises(ValueError, match="3 rows, more than the batch's 2"):
       c.poll(5, max_rows=2)
@@ -167,7 +168,11 @@ class TestQueue:
       return len(seen) == 1
     assert [g.tree()["meta"]["group_id"] for g in c.poll(0, fits=fits)] == ["g0"]
     assert seen == ["g0", "g1"] and c.stats()["consumed_groups"] == 1 and c.depth() == (2, 4)
-    assert [g.tree()["meta"]["group_id"] for g in c.poll(0, fits=lambda g: True)] == ["g1", "g2"]
+    held = c.held_back
+    (g1,) = c.poll(0, fits=lambda g: True, max_groups=1)
+    assert g1.tree()["meta"]["group_id"] == "g1" and g1.key == held   # the group it stopped at comes next
+    assert c.held_back is None                                        # stopped for max_groups: nothing refused
+    assert [g.tree()["meta"]["group_id"] for g in c.poll(0, fits=lambda g: True)] == ["g2"]
 
   @pytest.mark.parametrize("policy", ["drop", "keep"])
   def test_staleness_policies(self, store, policy):

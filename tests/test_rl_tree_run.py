@@ -24,6 +24,15 @@ def test_a_tree_whose_leaves_are_not_the_group_size_is_refused(tmp_path):
     _cfg(tmp_path, **{"rollout.tree_branch_turns": (0, 1), "rollout.tree_fanouts": (2, 3)})
 
 
+def test_entropy_branch_points_reach_the_tree_config(tmp_path):
+  tree = {"rollout.tree_branch_turns": (0, 3), "rollout.tree_fanouts": (2, 2)}
+  assert _cfg(tmp_path, **tree).rollout.tree.branch_entropy is None
+  cfg = _cfg(tmp_path, **tree, **{"rollout.tree_branch_entropy": 1.5})
+  assert cfg.rollout.tree == tree_harness.TreeConfig((0, 3), (2, 2), branch_entropy=1.5)
+  with pytest.raises(ValueError, match="branch_entropy must be > 0"):
+    _cfg(tmp_path, **tree, **{"rollout.tree_branch_entropy": -1.0})
+
+
 @pytest.mark.slow   # a warm start and two RL steps: minutes on a loaded 2-core machine
 def test_a_sync_run_trains_on_tree_groups(tmp_path, monkeypatch):
   trees, real = [], tree_harness.rollout_tree

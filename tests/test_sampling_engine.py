@@ -101,6 +101,15 @@ def test_outputs_match_trainer_forward(engine, params):
     P = len(req.prompt_ids)   # the prefill's routing of the prompt, as the trainer's forward routes it
     np.testing.assert_array_equal(res.prompt_routed_experts,
                                   np.transpose(aux["experts"][:, b, 16 - n - P:16 - n], (1, 0, 2)))
+    # Each token's entropy: of the policy (tempered, full vocabulary) it was drawn from; the speculative path
+    # reports none.
+    if engine.engine_cfg.speculative:
+      assert res.entropies is None
+    else:
+      z = np.asarray(logits[b, out], np.float64) / (sp.temperature or 1.0)
+      p = np.exp(z - z.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      np.testing.assert_allclose(res.entropies, -np.sum(p * np.log(p), -1), rtol=1e-4, err_msg=f"request {b}")
     if sp.top_k == 1 or sp.temperature == 0:  # greedy rows: every token is the argmax
       np.testing.assert_array_equal(res.output_ids, np.argmax(logits[b, out], -1))
   assert any(r.finish_reason == "stop" for r in results)

@@ -34,6 +34,15 @@ def test_policy_logprobs_are_tempered_full_softmax():
   np.testing.assert_allclose(got[1], jax.nn.log_softmax(logits[1]), atol=1e-6)  # greedy rows score at T=1
 
 
+def test_policy_entropy_hand_computed():
+  """p = (1/4, 3/4) at T = 1: H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623; the same logits doubled at T = 2 are the same
+  distribution; a uniform row over 4 tokens is ln 4; a greedy row (T = 0) is scored at T = 1."""
+  logits = jnp.asarray([[0.0, np.log(3.0), -np.inf, -np.inf], [0.0, 2 * np.log(3.0), -np.inf, -np.inf],
+                        [1.0, 1.0, 1.0, 1.0], [0.0, np.log(3.0), -np.inf, -np.inf]])
+  got = sampler.policy_entropy(logits, jnp.asarray([1.0, 2.0, 0.5, 0.0]))
+  np.testing.assert_allclose(got, [0.562335, 0.562335, np.log(4.0), 0.562335], rtol=1e-5)
+
+
 def test_draw_frequencies_match_distribution():
   probs = np.array([0.5, 0.25, 0.15, 0.1, 0.0])
   n = 20000

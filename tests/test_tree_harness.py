@@ -224,3 +224,75 @@ def test_branches_that_cross_a_summary_boundary(setting):
   assert_same(tree_codec.restore_prefixes(stored), leaves)
   for traj, got in zip(trajs, envs.factory.closed[-3:], strict=True):
     assert got == replay(envs, pool[0], traj), traj.tree
+
+
+class UncertainEngine(BranchingEngine):
+  """Writes a file in each of its first three turns, then finishes. Its greedy probes meet a token of entropy
+  2 nats at episode 0's second turn start, and 0.2 nats everywhere else."""
+
+  def _turn(self, req) -> int:
+    return list(req.prompt_ids).count(self.assistant) - 1
+
+  def _message(self, req) -> dict:
+    if self._turn(req) < 3:
+      return {"content": "", "tool_calls": [{"name": "write_file", "arguments": {
+          "path": f"notes/t{self._turn(req)}_{req.params.seed % 1000}.txt", "content": "x"}}]}
+    return {"content": "", "tool_calls": [{"name": "finish", "arguments": {"message": "done"}}]}
+
+  def generate(self, requests):
+    out = []
+    for req, res in zip(requests, super().generate(requests), strict=True):
+      ent = np.full(len(res.output_ids), 0.2, np.float32)
+      if req.request_id.endswith("/probe") and "#0/" in req.request_id and self._turn(req) == 2:
+        ent[-1] = 2.0
+      out.append(dataclasses.replace(res, entropies=ent))
+    return out
+
+
+def test_entropy_branch_points_come_before_the_deadline_where_the_probe_is_uncertain(setting):
+  """branch_turns=(0, 3) with branch_entropy: episode 0 branches at its second turn start (its probe met 2 nats),
+  episode 1 at the deadline, after its third turn. Probes are greedy, short, and continue the branch point's
+  context; the branches' sandboxes hold the files of their own calls."""
+  pool, tok, envs = setting
+  engine = UncertainEngine(tok)
+  envs.factory.closed.clear()
+  tcfg = tree_harness.TreeConfig(branch_turns=(0, 3), fanouts=(2, 2), branch_entropy=1.0, probe_tokens=5)
+  trajs = tree_harness.rollout_tree(engine, tok, pool[0], envs, HCFG, tcfg)
+  assert [t.tree["path"] for t in trajs] == [[0, 0], [1, 0], [0, 1], [1, 1]]
+  tree = tree_lib.build([t.to_dict() for t in trajs])     # validates the shared tokens of every node
+  assert tree.size == 4
+  turns_before = [list(t.segments[0].tokens_T[:t.tree["starts"][1][1]]).count(engine.assistant) - 1 for t in trajs]
+  assert turns_before == [2, 3, 2, 3]
+  probes = [r for r in engine.requests if r.request_id.endswith("/probe")]
+  # Turn starts 1 and 2 of both episodes are probed (a start at the deadline is not); none after a branch.
+  assert sorted(engine._turn(r) for r in probes) == [1, 1, 2, 2]
+  assert all(r.params.top_k == 1 and r.params.max_tokens == 5 for r in probes)
+  branch_at = trajs[0].tree["starts"][1][1]
+  assert any(r.prompt_ids == tuple(trajs[0].segments[0].tokens_T[:branch_at]) for r in probes)
+  for traj, got in zip(trajs, envs.factory.closed[-4:], strict=True):
+    assert got == replay(envs, pool[0], traj), traj.tree
+
+
+def test_entropy_branch_points_need_an_engine_that_reports_entropies(setting):
+  pool, tok, envs = setting
+  with pytest.raises(ValueError, match="the engine reports no entropies"):
+    tree_harness.rollout_tree(BranchingEngine(tok), tok, pool[0], envs, HCFG,
+                              tree_harness.TreeConfig(branch_turns=(0, 3), fanouts=(2, 2), branch_entropy=1.0))
+  with pytest.raises(ValueError, match="branch_entropy must be > 0"):
+    tree_harness.TreeConfig(branch_turns=(0, 3), fanouts=(2, 2), branch_entropy=0.0)
+
+
+def test_a_threshold_never_met_branches_at_the_deadlines_as_by_turn(setting):
+  """Probes that never meet the threshold change nothing: the same tree, tokens and files as branching by turn."""
+  pool, tok, envs = setting
+  by_turn = tree_harness.TreeConfig(branch_turns=(0, 3), fanouts=(2, 2))
+  runs = []
+  for tcfg in (by_turn, dataclasses.replace(by_turn, branch_entropy=5.0)):
+    envs.factory.closed.clear()
+    trajs = tree_harness.rollout_tree(UncertainEngine(tok), tok, pool[0], envs, HCFG, tcfg)
+    runs.append((trajs, list(envs.factory.closed)))
+  (turn_trajs, turn_files), (ent_trajs, ent_files) = runs
+  assert [t.tree for t in ent_trajs] == [t.tree for t in turn_trajs]
+  for a, b in zip(ent_trajs, turn_trajs, strict=True):
+    np.testing.assert_array_equal(a.segments[0].tokens_T, b.segments[0].tokens_T)
+  assert ent_files == turn_files

@@ -143,6 +143,8 @@ class RolloutConfig:
   # each; the product of the fanouts is samples_per_prompt. Both empty: flat groups (G samples from the prompt).
   tree_branch_turns: tuple[int, ...] = ()
   tree_fanouts: tuple[int, ...] = ()
+  # Branch before a branch turn where the policy is uncertain (entropy >= this many nats; None: by turn only).
+  tree_branch_entropy: float | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -174,7 +176,7 @@ class RolloutConfig:
     """The groups' tree (None: flat groups); a malformed one is refused by `TreeConfig`."""
     if not self.tree_branch_turns and not self.tree_fanouts:
       return None
-    return TreeConfig(tuple(self.tree_branch_turns), tuple(self.tree_fanouts))
+    return TreeConfig(tuple(self.tree_branch_turns), tuple(self.tree_fanouts), self.tree_branch_entropy)
 
 
 @dataclasses.dataclass(frozen=True)

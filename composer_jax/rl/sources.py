@@ -36,10 +36,14 @@ class Source(Protocol):
 
 
 def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lambda: None) -> list:
-  """Polls `consumer` for one step's whole groups (`wait()` between empty polls): `rl.groups_per_step` of them,
-  or fewer when the next one does not fit in what is left of the step's `cfg.batch_rows` segments (a
+  """Polls `consumer` for one step's whole groups (`wait()` between polls while it is short): `rl.groups_per_step`
+  of them, or fewer when the next one does not fit in what is left of the step's `cfg.batch_rows` segments (a
   self-summarising chain has one per context) or, packed, does not pack into the `rl.pack_rows` rows with the
-  ones before it; that group opens the next step. A group too large to pack alone gets a step of its own."""
+  ones before it; that group opens the next step. A group too large to pack alone gets a step of its own.
+
+  Never fewer for any other reason: while workers are slow the step waits for its groups. That the next group does
+  not fit is read from the poll itself (`consumer.held_back`), not from a `depth()` after it, which would also count
+  a group a worker appended in between and end the step short."""
   groups, rows = [], 0
   bcfg = setup.batch_config(cfg)
   packer = rl_batch.Packer(bcfg.pack_rows, bcfg.length, bcfg.rows)
@@ -59,7 +63,7 @@ def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lamb
                         batch_rows=cfg.batch_rows, fits=packs if bcfg.pack_rows else None)
     groups += got
     rows += sum(g.key.n_rows for g in got)
-    if groups and not got and consumer.depth()[0]:   # the oldest pending group waits for the next step
+    if consumer.held_back is not None:   # the oldest pending group does not fit: it opens the next step
       break
     if len(groups) < cfg.rl.groups_per_step:
       wait()

@@ -51,6 +51,7 @@ class Output(NamedTuple):
   stats: dict                 # speculative decoding: steps, drafted, accepted (scalars)
   cache: dict                 # the final cache [.., B, S, ..] (split layers): row b's slots up to its last fed
                               # token hold its prompt's and outputs' rows (what the prefix cache keeps)
+  entropies_BxLo: jax.Array | None = None   # the policy's entropy over each output token (None: not reported)
 
 
 def is_stop(tok_B: jax.Array, stop_BxZ: jax.Array) -> jax.Array:
@@ -122,13 +123,14 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, window:
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
   toks, lps, routes = _out_buffers(B, Lo, cfg)
   toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
+  ents = jnp.zeros_like(lps).at[:, 0].set(sampler.policy_entropy(logits_BxV, batch.temperature_B))
 
   def cond(state):
-    i, _, _, _, _, _, end_B = state
+    i, _, _, _, _, _, _, end_B = state
     return (i < end_B).any()
 
   def body(greedy: bool, state):
-    i, tok_B, cache, toks, lps, routes, end_B = state
+    i, tok_B, cache, toks, lps, ents, routes, end_B = state
     start_B = jnp.full((B,), P, jnp.int32) + i
     logits, _, experts, cache = cm.forward_cached(params, tok_B[:, None], cache, start_B, pad_B, cfg)
     routes = jax.lax.dynamic_update_slice_in_dim(routes, jnp.transpose(experts, (1, 2, 0, 3)), i, axis=1)
@@ -138,12 +140,14 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, window:
     else:
       slp = sampler.sampling_logprobs(logits[:, 0], batch.temperature_B, batch.top_k_B, batch.top_p_B)
       nxt_B = sampler.draw_inverse_cdf(sampler.step_keys(keys_B, jnp.full((B,), i + 1)), slp)
-    lp_B = jnp.take_along_axis(sampler.policy_logprobs(logits[:, 0], batch.temperature_B), nxt_B[:, None], 1)[:, 0]
+    policy_BxV = sampler.policy_logprobs(logits[:, 0], batch.temperature_B)
+    lp_B = jnp.take_along_axis(policy_BxV, nxt_B[:, None], 1)[:, 0]
     toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt_B[:, None], i + 1, axis=1)
     lps = jax.lax.dynamic_update_slice_in_dim(lps, lp_B[:, None], i + 1, axis=1)
-    return i + 1, nxt_B, cache, toks, lps, routes, end_B
+    ents = jax.lax.dynamic_update_slice_in_dim(ents, sampler.entropy(policy_BxV)[:, None], i + 1, axis=1)
+    return i + 1, nxt_B, cache, toks, lps, ents, routes, end_B
 
-  state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, routes, batch.max_tokens_B.astype(jnp.int32))
-  i, _, cache, toks, lps, routes, end_B = greedy_or_sampled(batch, cond, body, state)
+  state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, ents, routes, batch.max_tokens_B.astype(jnp.int32))
+  i, _, cache, toks, lps, ents, routes, end_B = greedy_or_sampled(batch, cond, body, state)
   stats = {"steps": i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
-  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats, cache)
+  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats, cache, ents[:, :Lo])

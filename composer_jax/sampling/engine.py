@@ -259,7 +259,9 @@ class JaxEngine:
                                     routed_experts=np.asarray(out.experts_BxLoxLmxK[b, :n], np.int32),
                                     policy_version=self.policy_version,
                                     finish_reason="stop" if stopped else "length",
-                                    prompt_routed_experts=np.asarray(prompt_PxLmxK, np.int32)))
+                                    prompt_routed_experts=np.asarray(prompt_PxLmxK, np.int32),
+                                    entropies=None if out.entropies_BxLo is None
+                                    else np.asarray(out.entropies_BxLo[b, :n], np.float32)))
     return results
 
 

@@ -25,6 +25,17 @@ def policy_logprobs(logits_BxV: jax.Array, temperature_B: jax.Array) -> jax.Arra
   return jax.nn.log_softmax(logits_BxV.astype(jnp.float32) / _safe_temperature(temperature_B)[:, None], axis=-1)
 
 
+def entropy(logprobs_BxV: jax.Array) -> jax.Array:
+  """Entropy [B] (nats) of each row's distribution given as log-probabilities (-inf entries contribute 0)."""
+  return -jnp.sum(jnp.where(jnp.isfinite(logprobs_BxV), jnp.exp(logprobs_BxV) * logprobs_BxV, 0.0), axis=-1)
+
+
+def policy_entropy(logits_BxV: jax.Array, temperature_B: jax.Array) -> jax.Array:
+  """Entropy [B] of the policy distribution `policy_logprobs` (T == 0 rows at T = 1): how uncertain the policy is
+  about its next token (tree rollouts branch where a turn's tokens were uncertain, `rollout.tree_harness`)."""
+  return entropy(policy_logprobs(logits_BxV, temperature_B))
+
+
 def sampling_logprobs(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
                       top_p_B: jax.Array) -> jax.Array:
   """Log-probabilities [B, V] of the sampling distribution (-inf outside its support).

@@ -67,6 +67,10 @@ class GenerateResult:
     prompt_routed_experts: int32 [P, N, K] experts each prompt token was routed to in this call's prefill, at its
       own position (same layout); with it the trainer replays the whole context as the engine ran it. None when
       the engine does not report prefill routing.
+    entropies: float32 [T] the policy's entropy (nats; at the request's temperature, T = 0 scored at T = 1) over
+      each output token's distribution: how uncertain it was at each step (tree rollouts may branch where a turn
+      was uncertain, `rollout.tree_harness`). None when the engine does not report it (SGLang, scripted, the
+      embedded engine's speculative path).
   """
   output_ids: np.ndarray
   logprobs: np.ndarray
@@ -74,6 +78,7 @@ class GenerateResult:
   policy_version: int
   finish_reason: FinishReason
   prompt_routed_experts: np.ndarray | None = None
+  entropies: np.ndarray | None = None
 
   def __post_init__(self):
     t = len(self.output_ids)
@@ -85,6 +90,8 @@ class GenerateResult:
     if pr is not None and (pr.ndim != 3 or (self.routed_experts is not None
                                             and pr.shape[1:] != self.routed_experts.shape[1:])):
       raise ValueError(f"prompt_routed_experts must be [P, layers, top_k] like routed_experts, got {pr.shape}")
+    if self.entropies is not None and self.entropies.shape != (t,):
+      raise ValueError(f"entropies shape {self.entropies.shape} != ({t},) output tokens")
     if self.finish_reason not in FINISH_REASONS:
       raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
 
