@@ -15,7 +15,9 @@ Two engines, identical but for the prefix cache, replay the same episodes (same 
 round after one warm-up round (its compiles): `reuse` (cache on: a continuation runs only a window over its new
 tail) and `reprefill` (cache off: every prompt prefilled over the whole prompt bucket, the path before the cache
 existed, except that a prefill now computes logits at the last position only). Decode tokens/s = generated tokens /
-seconds inside `generate`, per engine the median over rounds. The engines must generate the same tokens
+seconds inside `generate`, per engine the median over rounds; the same per process CPU second
+(`decode_tokens_per_cpu_s`, `speedup_vs_reprefill_cpu`: on a machine shared with other jobs the wall-time ratio
+swings with the load, the CPU time each engine needs much less). The engines must generate the same tokens
 (`same_tokens`). The last line printed is one JSON object.
 """
 from __future__ import annotations
@@ -99,20 +101,22 @@ def replay(engine, structures: list[list[list]], seed: int) -> list[list[int]]:
 
 
 class Timed:
-  """An engine that counts the seconds spent in `generate`, the tokens generated and the prompt tokens reused."""
+  """An engine that counts the seconds (wall and process CPU) spent in `generate`, the tokens generated and the
+  prompt tokens reused."""
 
   def __init__(self, engine: JaxEngine):
     self.engine = engine
     self.reset()
 
   def reset(self):
-    self.seconds, self.generated, self.prompt, self.reused, self.calls = 0.0, 0, 0, 0, 0
+    self.seconds, self.cpu_seconds, self.generated, self.prompt, self.reused, self.calls = 0.0, 0.0, 0, 0, 0, 0
     self.engine.prefix_cache.clear()   # each round starts cold, as a fresh batch of episodes would
 
   def generate(self, requests):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     results = self.engine.generate(requests)
     self.seconds += time.perf_counter() - t0
+    self.cpu_seconds += time.process_time() - c0
     self.generated += sum(len(r.output_ids) for r in results)
     self.prompt += self.engine.last_stats["prompt_tokens"]
     self.reused += self.engine.last_stats["prefix_reused_tokens"]
@@ -143,7 +147,7 @@ def main() -> None:
     variants = {"reuse": base, "reprefill": dataclasses.replace(base, prefix_cache_bytes=0)}
     engines = {k: Timed(JaxEngine(params, mcfg, e)) for k, e in variants.items()}
     structures = record_structures(tasks, tok, envs, hcfg)
-    rates = {k: [] for k in ENGINES}
+    rates, cpu_rates = {k: [] for k in ENGINES}, {k: [] for k in ENGINES}
     outputs, same = {}, True
     for rnd in range(args.rounds + 1):
       order = ENGINES if rnd % 2 == 0 else ENGINES[::-1]
@@ -154,13 +158,17 @@ def main() -> None:
         same &= outputs.setdefault(rnd, streams) == streams
         if rnd:   # round 0 compiles
           rates[name].append(eng.generated / eng.seconds)
+          cpu_rates[name].append(eng.generated / eng.cpu_seconds)
         print(f"round {rnd} {name:12s} {eng.generated} tokens in {eng.seconds:.2f} s = "
-              f"{eng.generated / eng.seconds:.0f} tokens/s; {eng.calls} calls, reused {eng.reused} of "
-              f"{eng.prompt} prompt tokens; load {os.getloadavg()[0]:.1f}", flush=True)
+              f"{eng.generated / eng.seconds:.0f} tokens/s (CPU {eng.cpu_seconds:.2f} s); {eng.calls} calls, "
+              f"reused {eng.reused} of {eng.prompt} prompt tokens; load {os.getloadavg()[0]:.1f}", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu_rates.items()}
     last = engines["reuse"]
     result = {"decode_tokens_per_s": {k: round(v, 1) for k, v in med.items()},
               "speedup_vs_reprefill": round(med["reuse"] / med["reprefill"], 3),
+              "decode_tokens_per_cpu_s": {k: round(v, 1) for k, v in med_cpu.items()},
+              "speedup_vs_reprefill_cpu": round(med_cpu["reuse"] / med_cpu["reprefill"], 3),
               "reused_prompt_fraction": round(last.reused / max(last.prompt, 1), 3),
               "generated_tokens_per_round": last.generated, "generate_calls_per_round": last.calls,
               "episodes": args.episodes, "segments": sum(map(len, structures)),

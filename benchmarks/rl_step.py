@@ -12,7 +12,9 @@ every step as well, which is what a step costs when its metric is due (every `RL
 routing is missing.
 
 Method: the implementations alternate over `--rounds` rounds of `--steps` steps each after 2 warm-up steps; figures
-are medians over rounds, the load average (1 min) is printed beside them. `init_compile_s` is the median over 3
+are medians over rounds, the load average (1 min) is printed beside them; each step is timed in wall seconds and in
+process CPU seconds (`*_cpu` ratios: the work a step needs, which a shared machine's load moves far less than wall
+time). `init_compile_s` is the median over 3
 calls of `model.init` on the full config (MTP included) in this process, each after `jax.clear_caches()` (trace +
 compile + run; the persistent compilation cache is off). Last line: JSON with `rl_step_vs_train_step`,
 `init_compile_s` and the rest.
@@ -67,37 +69,40 @@ def rl_batch(cfg, params, lm, prompt: int, group: int = 4, seed: int = 0) -> dic
 
 
 def rl_runner(cfg, params, batch, rl_cfg):
-  """`rl_step` as `rl.trainer` builds it; returns run(n) → seconds per step (after 2 warm-up steps)."""
+  """`rl_step` as `rl.trainer` builds it; returns run(n) → (wall, CPU) seconds per step (after 2 warm-up steps)."""
   mesh = loop.single_device_mesh()
   p_shard = model.shardings(cfg, mesh)
   opt = rl_step.freeze_subtrees(optim.make_optimizer(OptimConfig(), params), params)
   shardings = step.state_shardings(opt, params, p_shard)
-  box = [step.init_state(params, opt)]
+  box = [step.init_state(params, opt), None]
   ref = jax.tree.map(jnp.copy, params)
   bsh = rl_step.batch_shardings(mesh)
   batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, bsh)
   fn = rl_step.make_rl_step(cfg, rl_cfg, opt, shardings, bsh, p_shard)
 
+  def one():
+    box[0], box[1] = fn(box[0], batch, ref)
+
   def run(n):
-    t = time.perf_counter()
-    for _ in range(n):
-      box[0], m = fn(box[0], batch, ref)
-    jax.block_until_ready(m)
-    return (time.perf_counter() - t) / n
+    return lm_bench.timed(one, n, lambda: jax.block_until_ready(box[1]))
   run(2)
   return run
 
 
-def alternate(run: dict, rounds: int, steps: int) -> tuple[dict, list]:
-  """Runs each `run[name](steps)` (→ seconds per step) in turn for `rounds` rounds, printing each round with the
-  load average; returns (median seconds per name, the loads)."""
-  times, loads = {k: [] for k in run}, []
+def alternate(run: dict, rounds: int, steps: int) -> tuple[dict, dict, list]:
+  """Runs each `run[name](steps)` (→ (wall, CPU) seconds per step) in turn for `rounds` rounds, printing each round
+  with the load average; returns (median wall seconds per name, median CPU seconds per name, the loads)."""
+  times, cpu, loads = {k: [] for k in run}, {k: [] for k in run}, []
   for r in range(rounds):
     loads.append(os.getloadavg()[0])
     for k, f in run.items():
-      times[k].append(f(steps))
-    print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()) + f"  load {loads[-1]:.1f}")
-  return {k: statistics.median(v) for k, v in times.items()}, loads
+      wall, cpu_s = f(steps)
+      times[k].append(wall)
+      cpu[k].append(cpu_s)
+    print(f"round {r}: " + "  ".join(f"{k} {times[k][-1]:.3f} s (cpu {cpu[k][-1]:.3f})" for k in run)
+          + f"  load {loads[-1]:.1f}")
+  return ({k: statistics.median(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in cpu.items()},
+          loads)
 
 
 def main():
@@ -114,13 +119,15 @@ def main():
   run = {"train_step": lm_bench.ours(cfg, params, lm)[0],
          "rl_step": rl_runner(cfg, params, batch, rl_step.RLConfig(unreplayed_every=0)),
          "rl_step_with_unreplayed": rl_runner(cfg, params, batch, rl_step.RLConfig(unreplayed_every=1))}
-  med, loads = alternate(run, args.rounds, args.steps)
+  med, med_cpu, loads = alternate(run, args.rounds, args.steps)
   result = {"variant": args.variant, "batch": args.batch, "seq": args.seq, "prompt": args.prompt,
             "rounds": args.rounds, "steps_per_round": args.steps,
             "rl_step_vs_train_step": med["rl_step"] / med["train_step"],
             "rl_step_with_unreplayed_vs_train_step": med["rl_step_with_unreplayed"] / med["train_step"],
             "rl_step_s": med["rl_step"], "rl_step_with_unreplayed_s": med["rl_step_with_unreplayed"],
             "train_step_s": med["train_step"], "init_compile_s": init_s,
+            "rl_step_vs_train_step_cpu": med_cpu["rl_step"] / med_cpu["train_step"],
+            "rl_step_with_unreplayed_vs_train_step_cpu": med_cpu["rl_step_with_unreplayed"] / med_cpu["train_step"],
             "load_average": statistics.mean(loads), "load_average_end": os.getloadavg()[0]}
   lm_bench.report(result)
 

@@ -3,6 +3,7 @@ r"""Training-step throughput: our jitted step vs transformers' DeepseekV3ForCaus
   python benchmarks/train_step.py [--variant colab] [--batch 8] [--seq 256] [--steps 3] [--rounds 5]
   python benchmarks/train_step.py --variant small --batch 4
   python benchmarks/train_step.py --attention_kernels tiled,whole   # both attention kernels, alternating
+  python benchmarks/train_step.py --data_devices 2                  # ours data-parallel over 2 host devices
 
 Same model (our params exported with `composer_jax.interop.hf.save` and loaded by transformers), same batch, same
 work per step: forward + backward + AdamW (MTP off on both sides — transformers does not train MTP heads).
@@ -13,11 +14,17 @@ timing `--steps` steps of each. Torch is timed with 1 and with 2 threads and the
 (under load its 2-thread time collapses while 1 thread holds). Figures are medians over rounds; the load average
 (1 min) is printed beside them. Model FLOPs utilisation is against the matmul peak measured in the same rounds
 (`jnp.dot` of two 2048² float32 matrices). The persistent compilation cache is off, so `compile_s` is a compile.
+Every step time is also taken as process CPU seconds (`cpu_s`, `torch_cpu_s`: all threads' CPU time over the same
+steps): on a machine shared with other jobs wall time swings with the load, while the CPU time a step needs moves
+far less (most rounds within ~10% at load 20-30, single rounds up to 1.8x). It measures work, not parallelism, and
+torch's 2-thread CPU time there includes its OpenMP threads spinning while they wait for a core.
+`--data_devices N` runs our step data-parallel over N host CPU devices (`jax_num_cpu_devices`; the batch split
+over a `data` mesh axis, one XLA stream per device) instead of one device using the intra-op thread pool.
 `--attention_kernels` (comma-separated `cfg.attention_kernel` values, default "auto") builds our step once per
 kernel; they alternate with the others in every round. The headline figures are the first kernel's; each kernel's
 median step is in `step_s_by_attention_kernel`, and `attention_speedup` is the last kernel's step time over the
 first's. Last line: JSON with `tokens_per_s`, `speedup_vs_torch`, `mfu_vs_matmul_peak`, `step_s`, `torch_step_s`,
-`load_average` and the rest.
+`cpu_s`, `torch_cpu_s`, `load_average` and the rest.
 """
 import argparse
 import dataclasses
@@ -38,6 +45,7 @@ from composer_jax import configs, model  # noqa: E402
 from composer_jax.interop import hf  # noqa: E402
 from composer_jax.model import attention  # noqa: E402
 from composer_jax.parallel import layout  # noqa: E402
+from composer_jax.parallel import mesh as mesh_lib  # noqa: E402
 from composer_jax.parallel.rules import ShardingRules  # noqa: E402
 from composer_jax.train import loop, optim, step  # noqa: E402
 from composer_jax.train.config import OptimConfig, TrainConfig  # noqa: E402
@@ -75,32 +83,45 @@ def lm_batch(cfg, B, L, seed=0):
           "loss_mask": np.ones((B, L), np.float32)}
 
 
-def ours(cfg, params, batch):
-  """The step exactly as the trainer builds it (`train.loop`): explicit shardings, state donated.
+def timed(call, n: int, finish=lambda: None) -> tuple[float, float]:
+  """(wall seconds, process CPU seconds) per call of `call()` over n calls, then `finish()` (e.g. a wait for
+  dispatched work)."""
+  t, c = time.perf_counter(), time.process_time()
+  for _ in range(n):
+    call()
+  finish()
+  return (time.perf_counter() - t) / n, (time.process_time() - c) / n
 
-  Returns (run(n) → seconds per step over n steps, compile_s of the first call).
+
+def ours(cfg, params, batch, data_devices: int = 1):
+  """The step exactly as the trainer builds it (`train.loop`): explicit shardings, state donated; on a `data` mesh
+  of `data_devices` host devices (1: the trainer's single-device mesh).
+
+  Returns (run(n) → (wall, CPU) seconds per step over n steps, compile_s of the first call).
   """
+  mesh = (loop.single_device_mesh() if data_devices == 1
+          else mesh_lib.make_mesh({"data": data_devices}, devices=jax.devices()[:data_devices]))
+  params = jax.device_put(params, model.shardings(cfg, mesh))
   opt = optim.make_optimizer(OptimConfig(), params)
-  mesh = loop.single_device_mesh()
   shardings = step.state_shardings(opt, params, model.shardings(cfg, mesh))
-  box = [step.init_state(params, opt)]
+  box = [step.init_state(params, opt), None]
   batch_sharding = layout.batch_sharding(mesh, ShardingRules())
   batch = jax.device_put(batch, batch_sharding)
   fn = step.make_train_step(cfg, TrainConfig(mtp_loss="none"), opt, shardings, batch_sharding)
 
+  def one():
+    box[0], box[1] = fn(box[0], batch)
+
   def run(n):
-    t = time.perf_counter()
-    for _ in range(n):
-      box[0], m = fn(box[0], batch)
-    jax.block_until_ready(m)
-    return (time.perf_counter() - t) / n
-  compile_s = run(1)
+    return timed(one, n, lambda: jax.block_until_ready(box[1]))
+  compile_s = run(1)[0]
   run(1)                                                       # the second warm-up step
   return run, compile_s
 
 
 def torch_step(path, tokens):
-  """Returns run(n, threads) → seconds per step of transformers' model (2 warm-up steps per thread count)."""
+  """Returns run(n, threads) → (wall, CPU) seconds per step of transformers' model (2 warm-up steps per thread
+  count)."""
   import torch
   from transformers import DeepseekV3ForCausalLM
   m = DeepseekV3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
@@ -117,10 +138,7 @@ def torch_step(path, tokens):
 
   def run(n, threads):
     torch.set_num_threads(threads)
-    t = time.perf_counter()
-    for _ in range(n):
-      one()
-    return (time.perf_counter() - t) / n
+    return timed(one, n)
   for threads in (1, 2):
     run(2, threads)
   return run
@@ -149,7 +167,10 @@ def main():
   ap = step_args()
   ap.add_argument("--moe_impl", default=None, help="override the config's MoE path (model.moe.MOE_IMPLS)")
   ap.add_argument("--attention_kernels", default="auto", help="cfg.attention_kernel values to time, comma-separated")
+  ap.add_argument("--data_devices", type=int, default=1, help="host CPU devices our step is data-parallel over")
   args = ap.parse_args()
+  if args.data_devices > 1:
+    jax.config.update("jax_num_cpu_devices", args.data_devices)   # before anything touches the backend
   kernels = args.attention_kernels.split(",")
   d = model_configs.get_config(args.variant).to_dict()
   d["num_nextn_predict_layers"] = 0
@@ -160,35 +181,44 @@ def main():
   params = model.init(jax.random.key(0), cfg)
   batch = lm_batch(cfg, B, L)
   peak = matmul_peak()
-  times = {"ours": [], "torch_1": [], "torch_2": [], "peak": [], "load": [], **{f"ours_{k}": [] for k in kernels}}
+  names = ["ours", "torch_1", "torch_2", *(f"ours_{k}" for k in kernels)]
+  times, cpu = {k: [] for k in names}, {k: [] for k in names}
+  peaks, loads = [], []
   with tempfile.TemporaryDirectory() as tmp:
     hf.save(tmp, cfg, jax.device_get(params))
-    built = {k: ours(dataclasses.replace(cfg, attention_kernel=k), params, batch) for k in kernels}
+    built = {k: ours(dataclasses.replace(cfg, attention_kernel=k), params, batch, args.data_devices) for k in kernels}
     compile_s = built[kernels[0]][1]
     run_torch = torch_step(tmp, batch["tokens"])
     for r in range(args.rounds):
-      times["load"].append(os.getloadavg()[0])
-      for k, (run_k, _) in built.items():
-        times[f"ours_{k}"].append(run_k(args.steps))
-      times["ours"].append(times[f"ours_{kernels[0]}"][-1])
-      times["torch_1"].append(run_torch(args.steps, 1))
-      times["torch_2"].append(run_torch(args.steps, 2))
-      times["peak"].append(peak())
-      ours_s = "  ".join(f"ours[{k}] {times[f'ours_{k}'][-1]:.3f} s" for k in kernels)
-      print(f"round {r}: {ours_s}  torch(1) {times['torch_1'][-1]:.3f} s  torch(2) "
-            f"{times['torch_2'][-1]:.3f} s  peak {times['peak'][-1] / 1e9:.1f} GFLOP/s  load {times['load'][-1]:.1f}")
+      loads.append(os.getloadavg()[0])
+      got = {f"ours_{k}": run_k(args.steps) for k, (run_k, _) in built.items()}
+      got["ours"] = got[f"ours_{kernels[0]}"]
+      got["torch_1"], got["torch_2"] = run_torch(args.steps, 1), run_torch(args.steps, 2)
+      for k, (wall, cpu_s) in got.items():
+        times[k].append(wall)
+        cpu[k].append(cpu_s)
+      peaks.append(peak())
+      ours_s = "  ".join(f"ours[{k}] {times[f'ours_{k}'][-1]:.3f} s (cpu {cpu[f'ours_{k}'][-1]:.3f})" for k in kernels)
+      print(f"round {r}: {ours_s}  torch(1) {times['torch_1'][-1]:.3f} s (cpu {cpu['torch_1'][-1]:.3f})  torch(2) "
+            f"{times['torch_2'][-1]:.3f} s (cpu {cpu['torch_2'][-1]:.3f})  peak {peaks[-1] / 1e9:.1f} GFLOP/s  "
+            f"load {loads[-1]:.1f}")
   med = {k: statistics.median(v) for k, v in times.items()}
+  med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+  med_peak = statistics.median(peaks)
   torch_threads = 1 if med["torch_1"] <= med["torch_2"] else 2
   torch_s = med[f"torch_{torch_threads}"]
   flops = model_flops_per_step(cfg, B, L)
   result = {
       "variant": args.variant, "batch": B, "seq": L, "rounds": args.rounds, "steps_per_round": args.steps,
+      "data_devices": args.data_devices,
       "tokens_per_s": B * L / med["ours"], "speedup_vs_torch": torch_s / med["ours"],
-      "mfu_vs_matmul_peak": flops / med["ours"] / med["peak"], "step_s": med["ours"], "torch_step_s": torch_s,
+      "mfu_vs_matmul_peak": flops / med["ours"] / med_peak, "step_s": med["ours"], "torch_step_s": torch_s,
       "torch_threads": torch_threads, "torch_1_thread_step_s": med["torch_1"], "torch_2_threads_step_s": med["torch_2"],
-      "torch_mfu_vs_matmul_peak": flops / torch_s / med["peak"], "compile_s": compile_s,
-      "matmul_peak_gflops": med["peak"] / 1e9, "model_gflops_per_step": flops / 1e9,
-      "load_average": statistics.mean(times["load"]), "load_average_end": os.getloadavg()[0],
+      "torch_mfu_vs_matmul_peak": flops / torch_s / med_peak, "compile_s": compile_s,
+      "cpu_s": med_cpu["ours"], "torch_cpu_s": med_cpu[f"torch_{torch_threads}"],
+      "torch_1_thread_cpu_s": med_cpu["torch_1"],
+      "matmul_peak_gflops": med_peak / 1e9, "model_gflops_per_step": flops / 1e9,
+      "load_average": statistics.mean(loads), "load_average_end": os.getloadavg()[0],
       "attention_kernel": attention.resolve_kernel(dataclasses.replace(cfg, attention_kernel=kernels[0])),
       "step_s_by_attention_kernel": {k: med[f"ours_{k}"] for k in kernels},
       "attention_speedup": med[f"ours_{kernels[-1]}"] / med[f"ours_{kernels[0]}"],
