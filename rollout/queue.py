@@ -246,7 +246,7 @@ class QueueConsumer:
   Usage (`state()` goes into the trainer checkpoint):
 
     consumer = QueueConsumer(url, StalenessConfig(2, "drop"), state=restored_or_None)
-    groups = consumer.poll(trainer_version=v, max_rows=batch_rows)
+    groups = consumer.poll(policy_version=v, max_rows=batch_rows)
     ... train on groups; at a checkpoint: save consumer.state() with the params, wait for the save,
     then consumer.commit(that_state) to garbage-collect.
   """
@@ -277,13 +277,13 @@ class QueueConsumer:
     pending = self._pending()
     return len(pending), sum(g.n_rows for g in pending)
 
-  def poll(self, trainer_version: int, *, max_groups: int | None = None, max_rows: int | None = None,
+  def poll(self, policy_version: int, *, max_groups: int | None = None, max_rows: int | None = None,
            batch_rows: int | None = None,
            fits: Callable[[ConsumedGroup], bool] | None = None) -> list[ConsumedGroup]:
     """Delivers the oldest pending groups (possibly none), advancing the cursor past them and past dropped ones.
 
     Args:
-      trainer_version: the policy version the trainer is at (staleness = trainer_version − group version).
+      policy_version: the policy version the trainer is at (staleness = policy_version − group version).
       max_groups: deliver at most this many.
       max_rows: deliver whole groups while their rows sum to at most this (what is left of a fixed-size batch); a
         group that does not fit waits for the next poll.
@@ -301,7 +301,7 @@ class QueueConsumer:
     for g in self._pending():
       if max_groups is not None and len(out) >= max_groups:
         break
-      decision = self.staleness.decide(trainer_version, g.version)
+      decision = self.staleness.decide(policy_version, g.version)
       if decision == "drop":
         st["dropped_stale"] += 1
         st["cursor"][g.producer] = g.name
@@ -322,7 +322,7 @@ class QueueConsumer:
       except queue_codec.UnreadableRecordError as e:
         self._skip(g, e)
         continue
-      s = trainer_version - g.version
+      s = policy_version - g.version
       group = ConsumedGroup(g, s, decision == "keep_stale", arrays, meta)
       if fits is not None and not fits(group):
         self.held_back = g

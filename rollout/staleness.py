@@ -32,12 +32,12 @@ class StalenessConfig:
     if self.max_staleness < 0:
       raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
-  def decide(self, trainer_version: int, group_version: int) -> str:
-    """'use', 'keep_stale' or 'drop' for a group of `group_version` at `trainer_version`.
+  def decide(self, policy_version: int, group_version: int) -> str:
+    """'use', 'keep_stale' or 'drop' for a group of `group_version` at `policy_version`.
 
     A group from a *newer* version than the trainer's (possible after the trainer restarts from an older
     checkpoint) has negative staleness and is used.
     """
-    if trainer_version - group_version <= self.max_staleness:
+    if policy_version - group_version <= self.max_staleness:
       return "use"
     return "keep_stale" if self.policy == "keep" else "drop"

@@ -130,8 +130,9 @@ class BwrapSandbox(Sandbox):
         os.close(fd)
     at_file_limit = self._file_size_hit()  # always: it also records this run's files for the next one
     hit = (cg.limit_hit() if cg is not None else None) or self._layer_full() or full_seen[0] or at_file_limit
-    if out.returncode == 1 and out.stderr.startswith(b"bwrap: execvp "):
-      out = dataclasses.replace(out, returncode=127)  # bwrap's report of a missing argv[0]; a shell says 127
+    if out.result.exit_code == 1 and out.result.stderr.startswith(b"bwrap: execvp "):
+      # bwrap's report of a missing argv[0]; a shell says 127
+      out = dataclasses.replace(out, result=dataclasses.replace(out.result, exit_code=127))
     return result_from(out, hit)
 
   def _launcher(self, argv: list[str]) -> tuple[list[str], dict]:

@@ -9,6 +9,8 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
+from sandboxes.types import RunResult
+
 
 class CappedBuffer:
   """Keeps the first and last `limit // 2` bytes of a stream and counts what it drops."""
@@ -42,13 +44,9 @@ class CappedBuffer:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessOutcome:
-  returncode: int | None  # None if we killed it
-  stdout: bytes
-  stderr: bytes
-  stdout_truncated: bool
-  stderr_truncated: bool
-  wall_s: float
-  timed_out: bool
+  """What `run_process` saw: the command's `RunResult` (exit code in shell convention, None if we killed it; no
+  limit attributed yet, `sandbox.result_from` does that) and why we killed it."""
+  result: RunResult
   kill_reason: str | None  # "timeout" or what `poll` returned
 
 
@@ -198,7 +196,9 @@ def run_process(
       proc.wait()
     pipes.close()
   out, err = pipes.bufs[pipes.out_fd], pipes.bufs[pipes.err_fd]
-  return ProcessOutcome(
-    returncode=None if kill_reason is not None else proc.returncode, stdout=out.value(), stderr=err.value(),
-    stdout_truncated=out.truncated, stderr_truncated=err.truncated, wall_s=wall_s,
-    timed_out=kill_reason == "timeout", kill_reason=kill_reason)
+  rc = None if kill_reason is not None else proc.returncode
+  if rc is not None and rc < 0:   # subprocess reports a signal N as -N, a shell (and bwrap) as 128+N
+    rc = 128 - rc
+  return ProcessOutcome(RunResult(exit_code=rc, stdout=out.value(), stderr=err.value(),
+                                  stdout_truncated=out.truncated, stderr_truncated=err.truncated, wall_s=wall_s,
+                                  timed_out=kill_reason == "timeout"), kill_reason)

@@ -9,6 +9,7 @@ for it), the backend's set of live sandboxes, and turning a process outcome into
 from __future__ import annotations
 
 import abc
+import dataclasses
 import signal
 import threading
 import warnings
@@ -19,7 +20,7 @@ from sandboxes import checks, fsops
 from sandboxes.process import ProcessOutcome
 from sandboxes.types import RunResult, SandboxClosedError, SandboxConfig, Snapshot
 
-# 128+N is how a shell (and bwrap) reports a command killed by signal N; subprocess reports -N.
+# 128+N is how a shell (and bwrap) reports a command killed by signal N (`run_process` reports it so).
 _SIGNAL_LIMITS = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
 
 
@@ -30,16 +31,12 @@ def result_from(out: ProcessOutcome, limit_hit: str | None = None) -> RunResult:
     out: what `run_process` saw.
     limit_hit: a limit the backend detected itself (cgroup counters, a full disk); wins over the exit status.
   """
-  rc = out.returncode
-  if rc is not None and rc < 0:
-    rc = 128 - rc
+  rc = out.result.exit_code
   if limit_hit is None and out.kill_reason not in (None, "timeout", "closed"):
     limit_hit = out.kill_reason  # what the backend's poll killed it for (e.g. "cpu_time")
   if limit_hit is None and rc is not None and rc > 128:
     limit_hit = _SIGNAL_LIMITS.get(rc - 128)
-  return RunResult(exit_code=rc, stdout=out.stdout, stderr=out.stderr, stdout_truncated=out.stdout_truncated,
-                   stderr_truncated=out.stderr_truncated, wall_s=out.wall_s, timed_out=out.timed_out,
-                   limit_hit=limit_hit)
+  return dataclasses.replace(out.result, limit_hit=limit_hit)
 
 
 class Sandbox(abc.ABC):

@@ -1,4 +1,5 @@
-"""A `BwrapBackend` on a state root of its own, for sandbox tests that run commands as other host users."""
+"""Sandbox test helpers: a `BwrapBackend` on a state root of its own (for tests that run commands as other host
+users), and the host's processes found by their command line."""
 import contextlib
 import os
 import shutil
@@ -18,3 +19,17 @@ def bwrap_backend(prefix: str, **kwargs):
       yield be
   finally:
     shutil.rmtree(d, ignore_errors=True)
+
+
+def host_procs_with(marker: str) -> list[int]:
+  """Host pids whose command line contains `marker` (independent of the sandbox's own bookkeeping)."""
+  out = []
+  for pid in os.listdir("/proc"):
+    if pid.isdigit():
+      try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          if marker.encode() in f.read():
+            out.append(int(pid))
+      except OSError:
+        pass
+  return out

@@ -21,6 +21,27 @@ class Outer:
   name: str = "x"
 
 
+@dataclasses.dataclass(frozen=True)
+class WithOptional:
+  inner: Inner = Inner()
+  scale: float | None = None
+  steps: int = 3
+
+
+def test_a_config_file_starts_from_the_dataclass_defaults():
+  """`common.defaults_of`: every field at its default, sections nested, a None default a placeholder a flag can set;
+  `override` takes nested sections and dotted keys, and names a key the config lacks by its whole path."""
+  from experiments.configs import common
+  c = common.defaults_of(WithOptional)
+  assert (c.inner.a, c.inner.b, c.scale, c.steps) == (1, (), None, 3)
+  assert configs.from_dict(WithOptional, c) == WithOptional()
+  common.override(c, {"inner": {"a": 2}}, {"scale": 0.5, "inner.b": (4,)})
+  assert configs.from_dict(WithOptional, c) == WithOptional(Inner(2, (4,)), 0.5, 3)
+  assert common.defaults_of(WithOptional, steps=7).steps == 7
+  with pytest.raises(KeyError, match="'inner.c': the config has no 'inner.c'"):
+    common.override(c, {"inner": {"c": 1}})
+
+
 def test_nested_mapping_becomes_nested_dataclasses():
   c = ml_collections.ConfigDict(dict(inner=dict(a=2, b=[3, 4]), maybe=dict(a=5), name="y"))
   got = configs.from_dict(Outer, c)

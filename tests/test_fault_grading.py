@@ -45,7 +45,7 @@ def _run(setting, tmp_path, pool=None, envs=None, **wcfg):
                          envs or EnvironmentCache(factory), hcfg, QueueProducer(url, cfg.producer_id), cfg,
                          str(tmp_path / "w0.json"), log_fn=lines.append)
   consumer = QueueConsumer(url)
-  return n, consumer.poll(trainer_version=0), consumer.stats(), lines
+  return n, consumer.poll(policy_version=0), consumer.stats(), lines
 
 
 def test_a_grade_timing_out_mid_group_reruns_the_whole_group_once(setting, tmp_path, monkeypatch):

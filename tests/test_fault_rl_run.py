@@ -38,16 +38,16 @@ def test_a_sync_run_through_faults_applies_every_group_once(tmp_path, monkeypatc
 
   bad_keys, real_next = [], sources.InProcess.next
 
-  def next_after_bad_records(self, version):
+  def next_after_bad_records(self, policy_version):
     armed.set()
-    if version == 1:   # before step 2: another producer's records, one torn and one from a newer codec version
+    if policy_version == 1:   # before step 2: another producer's records, one torn and one from a newer codec version
       intruder = QueueProducer(setup.queue_url(cfg), "intruder")
       for damage in (lambda b: b[:len(b) // 2], lambda b: b"CJQ2" + b[4:-4] + struct.pack("<I", zlib.crc32(
           b"CJQ2" + b[4:-4]))):
-        key = intruder.append({"x": np.zeros(8)}, {"bad": True}, policy_version=version, n_rows=1)
+        key = intruder.append({"x": np.zeros(8)}, {"bad": True}, policy_version=policy_version, n_rows=1)
         intruder.kv.write(key, damage(intruder.kv.read(key).result().value)).result()
         bad_keys.append(key)
-    return real_next(self, version)
+    return real_next(self, policy_version)
 
   monkeypatch.setattr(harness, "grade", second_rl_grade_times_out)
   monkeypatch.setattr(sources.InProcess, "next", next_after_bad_records)

@@ -95,7 +95,7 @@ def test_a_server_dying_mid_request_is_retried_elsewhere_and_the_fleet_regrows(s
   finally:
     fleet.close()
   assert not any(p.alive() for p in fleet.processes())
-  got = QueueConsumer(url).poll(trainer_version=1)
+  got = QueueConsumer(url).poll(policy_version=1)
   assert [g.tree()["meta"]["stream_index"] for g in got] == [0, 1, 2]                # every group once, in order
   for g in got:
     trajs = g.trajectories()

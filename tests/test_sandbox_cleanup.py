@@ -12,21 +12,11 @@ import pytest
 
 from sandboxes import BwrapBackend, cleanup
 from sandboxes.overlay import mounts_under
+from tests.sandbox_testlib import host_procs_with
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
 
 
-def _procs_with(marker: str) -> list[int]:
-  out = []
-  for pid in os.listdir("/proc"):
-    if pid.isdigit():
-      try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-          if marker.encode() in f.read():
-            out.append(int(pid))
-      except OSError:
-        pass
-  return out
 
 
 def _wait_until(cond, timeout=5.0) -> bool:
@@ -88,12 +78,12 @@ def test_parent_sigkill_then_cleanup(tmp_path):
     store, workspace, *cgroup_dirs = child.stdout.readline().split()
     # Wait until the command itself runs (not just its launcher), then kill the parent.
     assert _wait_until(lambda: os.path.exists(os.path.join(workspace, "started"))), "the command never started"
-    assert _procs_with(f"sleep {marker}")
+    assert host_procs_with(f"sleep {marker}")
     assert mounts_under(store)
     child.send_signal(signal.SIGKILL)
     child.wait()
     # --die-with-parent: the sandbox's whole process tree dies with its parent, before any cleanup runs.
-    assert _wait_until(lambda: not _procs_with(f"sleep {marker}")), "sandboxed process outlived its parent"
+    assert _wait_until(lambda: not host_procs_with(f"sleep {marker}")), "sandboxed process outlived its parent"
     assert os.path.exists(store) and mounts_under(store)  # a SIGKILLed owner cannot unmount...
     assert cleanup(root) == [store]  # ...so the next cleanup (also run when a backend starts) does
     assert mounts_under(root) == [] and not os.path.exists(store)

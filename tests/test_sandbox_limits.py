@@ -5,6 +5,7 @@ import os
 import pytest
 
 from sandboxes import BwrapBackend, Limits, SandboxConfig, limits
+from tests.sandbox_testlib import host_procs_with
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
 
@@ -31,18 +32,6 @@ def sb(backend):
     yield s
 
 
-def _host_procs_with(marker: str) -> list[int]:
-  """Host pids whose command line contains `marker` (independent of the sandbox's own bookkeeping)."""
-  out = []
-  for pid in os.listdir("/proc"):
-    if pid.isdigit():
-      try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-          if marker.encode() in f.read():
-            out.append(int(pid))
-      except OSError:
-        pass
-  return out
 
 
 def test_fork_bomb_is_bounded_by_pids_limit(sb):
@@ -110,7 +99,7 @@ def test_background_processes_die_with_the_command(sb, how):
   r = sb.run(launch + "\n echo launched", timeout=10)
   assert r.ok and r.stdout == b"launched\n"
   assert r.wall_s < 5  # the escapee does not hold the output pipes open
-  assert _host_procs_with(f"sleep {marker}") == []
+  assert host_procs_with(f"sleep {marker}") == []
   assert sb.cgroup.pids() == set()
 
 

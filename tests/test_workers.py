@@ -43,7 +43,7 @@ def test_worker_appends_whole_groups_and_resumes_after_restart(setting, tmp_path
   assert json.load(open(state)) == {"next": 2}
   # A "restarted" worker (new producer object, same id and state file) continues with task 2, then 3.
   assert workers.run_worker(engine, tok, pool, envs, hcfg, QueueProducer(url, cfg.producer_id), cfg, state) == 2
-  got = QueueConsumer(url).poll(trainer_version=0)
+  got = QueueConsumer(url).poll(policy_version=0)
   assert [g.tree()["meta"]["task_id"] for g in got] == [t.id for t in pool[:4]]
   assert [g.tree()["meta"]["stream_index"] for g in got] == [0, 1, 2, 3]
   for g in got:

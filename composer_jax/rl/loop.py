@@ -6,7 +6,7 @@ also the frozen KL reference) with the run's tokenizer, pool and workspaces (`ru
   trainer = Trainer(cfg, start)                 # state restored from workdir/checkpoints or initialised (`trainer.py`)
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
   source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
-  for step: groups = source.next(version); trainer.step(groups); publisher.publish(params, step); checkpoint
+  for step: groups = source.next(policy_version); trainer.step(groups); publisher.publish(params, step); checkpoint
 
 `run_rl(cfg)` is the RL job alone (the workdir claimed, the warm start, then `train_rl`); run it in a process of
 its own with `python -m composer_jax.rl.loop <workdir>` (it reads the workdir's RunConfig).
@@ -57,7 +57,7 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
         raise interrupt.Interrupted(f"RL stopped at step {done} of {cfg.rl.steps}, checkpointed in "
                                     f"{trainer.ckpts.directory}: rerun the same command to resume")
       t0 = time.perf_counter()
-      groups, rollout_s = source.next(version=step_no - 1)
+      groups, rollout_s = source.next(step_no - 1)   # the policy version the trainer is at
       idle_s = time.perf_counter() - t0
       m = trainer.step(step_no, groups)
       train_s = time.perf_counter() - t0 - idle_s

@@ -29,13 +29,13 @@ from rollout.queue import QueueConsumer, QueueProducer
 
 
 class Source(Protocol):
-  def next(self, version: int) -> tuple[list, float]:
-    """The next step's whole groups for a trainer at policy `version`, and the seconds spent rolling out here."""
+  def next(self, policy_version: int) -> tuple[list, float]:
+    """The next step's whole groups for a trainer at `policy_version`, and the seconds spent rolling out here."""
 
   def close(self) -> None: ...
 
 
-def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lambda: None) -> list:
+def take_groups(consumer: QueueConsumer, cfg: RunConfig, policy_version: int, wait=lambda: None) -> list:
   """Polls `consumer` for one step's whole groups (`wait()` between polls while it is short): `rl.groups_per_step`
   of them, or fewer when the next one does not fit in what is left of the step's `cfg.batch_rows` segments (a
   self-summarising chain has one per context) or, packed, does not pack into the `rl.pack_rows` rows with the
@@ -59,7 +59,7 @@ def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lamb
     return packed["alone"]
 
   while len(groups) < cfg.rl.groups_per_step:
-    got = consumer.poll(version, max_groups=cfg.rl.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows,
+    got = consumer.poll(policy_version, max_groups=cfg.rl.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows,
                         batch_rows=cfg.batch_rows, fits=packs if bcfg.pack_rows else None)
     groups += got
     rows += sum(g.key.n_rows for g in got)
@@ -82,12 +82,12 @@ class InProcess:
     self.wcfg = workers.WorkerConfig(samples_per_prompt=cfg.rollout.samples_per_prompt,
                                      max_groups=cfg.rl.groups_per_step, tree=cfg.rollout.tree)
 
-  def next(self, version: int) -> tuple[list, float]:
+  def next(self, policy_version: int) -> tuple[list, float]:
     t0 = time.perf_counter()
     workers.run_worker(self.engine, self.run.tokenizer, self.run.pool, self.run.envs, self.cfg.harness, self.producer,
                        self.wcfg, os.path.join(self.cfg.workdir, "sync0.json"))
     rollout_s = time.perf_counter() - t0
-    return take_groups(self.consumer, self.cfg, version), rollout_s
+    return take_groups(self.consumer, self.cfg, policy_version), rollout_s
 
   def close(self) -> None:
     pass   # the run's workspaces are `setup.open_run`'s to close
@@ -169,8 +169,8 @@ class WorkerPool:
       raise WorkersHung(f"{self.stalls} worker stalls (no heartbeat for rollout.stall_timeout_s={timeout:g} s) and "
                         f"no group finished since: every worker's groups hang; see {self.logs}/worker*.log")
 
-  def next(self, version: int) -> tuple[list, float]:
-    return take_groups(self.consumer, self.cfg, version, wait=self.check), 0.0
+  def next(self, policy_version: int) -> tuple[list, float]:
+    return take_groups(self.consumer, self.cfg, policy_version, wait=self.check), 0.0
 
   def close(self) -> None:
     open(os.path.join(self.logs, "STOP"), "w").close()

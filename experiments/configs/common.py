@@ -63,12 +63,12 @@ def parse_arg(arg: str | None, *, lazy: bool = False, renames: dict[str, str] | 
 
 def override(c: ml_collections.ConfigDict, *overrides: dict) -> ml_collections.ConfigDict:
   """Sets each of `overrides` on `c` in turn: `{"a.b": v}`-style dotted keys, as `--config.a.b=v` does (a sweep
-  row onto its variant), or nested sections (`{"a": {"b": v}}`).
+  row onto its variant), or nested sections (`{"a": {"b": v}}`, a config literal).
 
   A key `c` does not have is an error naming it (a typo must not start a run with the default).
   """
   for group in overrides:
-    for key, value in group.items():
+    for key, value in _dotted(group):
       *path, leaf = key.split(".")
       node = c
       for i, p in enumerate(path):
@@ -77,11 +77,17 @@ def override(c: ml_collections.ConfigDict, *overrides: dict) -> ml_collections.C
         node = node[p]
       if leaf not in node:
         raise KeyError(f"{key!r}: the config has no {key!r}")
-      if isinstance(value, dict) and isinstance(node[leaf], ml_collections.ConfigDict):
-        override(node[leaf], value)
-      else:
-        node[leaf] = value
+      node[leaf] = value
   return c
+
+
+def _dotted(group: dict, prefix: str = ""):
+  """(dotted key, value) of a mapping whose dict values are sections."""
+  for key, value in group.items():
+    if isinstance(value, dict):
+      yield from _dotted(value, f"{prefix}{key}.")
+    else:
+      yield prefix + key, value
 
 
 def defaults_of(cls, **given) -> ml_collections.ConfigDict:
