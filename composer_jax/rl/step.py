@@ -37,7 +37,6 @@ from composer_jax.model.moe import select_experts
 from composer_jax.parallel import layout
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import losses
-from composer_jax.train import losses as lm_losses
 from composer_jax.train import step as train_step_lib
 from composer_jax.train.step import TrainState
 
@@ -48,7 +47,12 @@ class RLConfig:
   loss: losses.LossConfig = losses.LossConfig()
   router_replay: bool = True        # policy (and reference) forwards use the engine's experts
   ref_router_replay: bool = True    # the reference forward replays them too (same routing on both sides of k1)
-  mtp_weight: float = 0.0           # > 0: keep training MTP heads by self-distillation on the rollout tokens
+  # > 0: train the MTP modules by self-distillation on the rollout tokens (`losses.mtp_self_distill`); a model with
+  # MTP modules reports the drafter's agreement with the policy (`mtp_*` metrics) whatever the weight.
+  mtp_weight: float = 0.0
+  # The MTP loss's gradient also reaches the trunk, the embedding and the LM head (False: only the MTP modules
+  # learn, and the policy's update is the one without MTP; experiments/results/mtp_rl.md measured both).
+  mtp_trunk_grad: bool = False
   bias_update_rate: float = 0.0     # aux-loss-free router-bias update from the (replayed) expert load
   # Run the unreplayed forward (pass 2) for its `logprob_gap_no_replay` metric on every N-th step even when the
   # engine recorded all the routing (0: only when some is missing). It costs one forward of the policy.
@@ -160,7 +164,8 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   `measure_unreplayed` (bool, may be traced): run pass 2 for its metric even when no routing is missing.
   """
   cfg_no_mtp = dataclasses.replace(model_cfg, num_nextn_predict_layers=0)
-  fwd_cfg = model_cfg if rl_cfg.mtp_weight > 0 else cfg_no_mtp
+  trains_mtp = rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers > 0
+  detach_mtp = not (trains_mtp and rl_cfg.mtp_trunk_grad)
   tokens, mask = batch["tokens"], batch["gen_mask"]
   valid_BxL = batch["segment_ids"] > 0
   recorded = batch["routing"]                                  # −1: not reported by the engine
@@ -172,7 +177,7 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
     replay, metrics["logprob_gap_no_replay"] = replay_routing(params, batch, cfg_no_mtp, measure_unreplayed,
                                                               rl_cfg.temperature)
 
-  h, aux = _hidden(params, batch, fwd_cfg, replay, detach_mtp=True)
+  h, aux = _hidden(params, batch, model_cfg, replay, detach_mtp=detach_mtp)
   w = model.lm_head(params, model_cfg)
   logp, entropy = losses.token_logprobs(h, _tempered(w, rl_cfg.temperature), tokens, with_entropy=True)
   ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None,
@@ -191,11 +196,13 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
                                           weight_BxL=weight)
   metrics.update(loss_metrics)
   metrics["pg_loss"] = loss
-  if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:
-    mtp, agree = lm_losses.mtp_losses(h, aux["mtp_hidden"], w, model.lm_head(params, model_cfg, detach=True), tokens,
-                                      batch["segment_ids"], valid_BxL.astype(jnp.float32), "self_distill")
-    loss = loss + rl_cfg.mtp_weight * jnp.mean(mtp)
-    metrics.update(mtp_loss=jnp.mean(mtp), mtp_agreement=jnp.mean(agree))
+  if model_cfg.num_nextn_predict_layers:
+    mtp_h = aux["mtp_hidden"] if trains_mtp else jax.lax.stop_gradient(aux["mtp_hidden"])
+    mtp_loss, mtp_metrics = losses.mtp_self_distill(h, mtp_h, w, model.lm_head(params, model_cfg, detach=detach_mtp),
+                                                    tokens, batch["segment_ids"], mask, rl_cfg.temperature)
+    metrics.update(mtp_metrics)
+    if trains_mtp:
+      loss = loss + rl_cfg.mtp_weight * mtp_loss
 
   if has_moe:
     own = own_routing(params, jax.lax.stop_gradient(aux["router_scores"]), model_cfg)
@@ -225,7 +232,7 @@ def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: Mode
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   loads = {"moe_layers": aux["expert_load"]}
-  if rl_cfg.mtp_weight > 0:   # the MTP blocks ran (on their own routing) only when they are trained
+  if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:   # the MTP blocks' own routing, when trained
     loads["mtp"] = aux["mtp_expert_load"]
   params = train_step_lib.update_router_bias(params, loads, rl_cfg.bias_update_rate)
   metrics.update(train_step_lib.update_metrics(grads, updates, params, aux["expert_load"]))
@@ -257,6 +264,11 @@ def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = Fals
   out |= {k: NamedSharding(mesh, P()) for k in per_seq}
   out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
   return out
+
+
+def rl_optimizer(optimizer: optax.GradientTransformation, params, rl_cfg: RLConfig) -> optax.GradientTransformation:
+  """The RL step's optimizer: `optimizer`, with the MTP modules frozen unless `rl_cfg.mtp_weight` trains them."""
+  return optimizer if rl_cfg.mtp_weight > 0 else freeze_subtrees(optimizer, params)
 
 
 def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...] = ("mtp",)
