@@ -127,6 +127,17 @@ def test_mtp_metrics_are_reported_with_and_without_training(grads):
   np.testing.assert_allclose(m["loss"], m["pg_loss"] + m["mtp_loss"], rtol=1e-6)
 
 
+def test_start_drafter_metrics_equal_the_drafters_own_when_nothing_has_moved():
+  params = model.init(jax.random.key(0), CFG)
+  rl_cfg = rl_step_lib.RLConfig(mtp_start_metrics=True)
+  _, (m, _) = jax.jit(lambda p: rl_step_lib.rl_loss_fn(p, _batch(), p, model_cfg=CFG, rl_cfg=rl_cfg))(params)
+  np.testing.assert_allclose(m["mtp_start_acceptance"], m["mtp_acceptance"], rtol=1e-5)
+  np.testing.assert_allclose(m["mtp_start_agreement"], m["mtp_agreement"])
+  moved = {**params, "mtp": jax.tree.map(lambda x: x + 0.05, params["mtp"])}   # the drafter trained on
+  _, (m, _) = jax.jit(lambda p: rl_step_lib.rl_loss_fn(p, _batch(), params, model_cfg=CFG, rl_cfg=rl_cfg))(moved)
+  assert abs(float(m["mtp_start_acceptance"]) - float(m["mtp_acceptance"])) > 1e-4
+
+
 def test_rl_optimizer_freezes_mtp_only_when_it_is_not_trained():
   params = {"mtp": {"w": jnp.ones((2, 2))}, "embed": jnp.ones((2, 2))}
   base = optim.make_optimizer(OptimConfig(warmup_steps=0), params)

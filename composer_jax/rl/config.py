@@ -124,6 +124,11 @@ class RolloutConfig:
   # each; the product of the fanouts is samples_per_prompt. Both empty: flat groups (G samples from the prompt).
   tree_branch_turns: tuple[int, ...] = ()
   tree_fanouts: tuple[int, ...] = ()
+  # The embedded engine's MTP speculative decoding (in rollouts and the evaluations): at most this many drafts per
+  # step (0: plain decoding); `adaptive_draft`: each engine picks k in 0..draft_tokens from its measured acceptance
+  # and step cost (`sampling/draft_depth.py`), else always draft_tokens. Needs a model with MTP modules.
+  draft_tokens: int = 0
+  adaptive_draft: bool = True
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -143,6 +148,11 @@ class RolloutConfig:
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
     _positive(self, "workers", "publish_every", "stall_timeout_s")
+    if self.draft_tokens < 0:
+      raise ValueError(f"rollout.draft_tokens={self.draft_tokens} must be >= 0 (0: no speculative decoding)")
+    if self.draft_tokens and self.engine != "jax":
+      raise ValueError(f"rollout.draft_tokens is the embedded JAX engine's speculative decoding; rollout.engine="
+                       f"{self.engine!r} (SGLang's MTP runs on GPU fleets: rollout/engines/sglang_launcher.py)")
     if self.tree is not None and self.tree.size != self.samples_per_prompt:
       raise ValueError(f"rollout.tree_fanouts={self.tree.fanouts} give {self.tree.size} leaves per group, but "
                        f"rollout.samples_per_prompt={self.samples_per_prompt}")
@@ -228,6 +238,9 @@ class RunConfig:
       raise ValueError(f"harness.context_budget={self.harness.context_budget} exceeds the model's positions "
                        f"(model.max_position_embeddings={self.model.max_position_embeddings}): lower the one or "
                        "raise the other")
+    if self.rollout.draft_tokens and self.model.num_nextn_predict_layers < 1:
+      raise ValueError(f"rollout.draft_tokens={self.rollout.draft_tokens} drafts with the model's MTP module, but "
+                       "model.num_nextn_predict_layers=0: set it to 1 (or draft_tokens=0)")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

@@ -53,6 +53,9 @@ class RLConfig:
   # The MTP loss's gradient also reaches the trunk, the embedding and the LM head (False: only the MTP modules
   # learn, and the policy's update is the one without MTP; experiments/results/mtp_rl.md measured both).
   mtp_trunk_grad: bool = False
+  # Also measure the drafter frozen at the start (the reference params' MTP modules) against the current policy:
+  # `mtp_start_agreement` / `mtp_start_acceptance`, at the cost of one more forward without gradient.
+  mtp_start_metrics: bool = False
   bias_update_rate: float = 0.0     # aux-loss-free router-bias update from the (replayed) expert load
   # Run the unreplayed forward (pass 2) for its `logprob_gap_no_replay` metric on every N-th step even when the
   # engine recorded all the routing (0: only when some is missing). It costs one forward of the policy.
@@ -203,6 +206,8 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
     metrics.update(mtp_metrics)
     if trains_mtp:
       loss = loss + rl_cfg.mtp_weight * mtp_loss
+    if rl_cfg.mtp_start_metrics:
+      metrics.update(start_drafter_metrics(params, ref_params, batch, model_cfg, replay, rl_cfg.temperature))
 
   if has_moe:
     own = own_routing(params, jax.lax.stop_gradient(aux["router_scores"]), model_cfg)
@@ -219,6 +224,17 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
                  advantage_abs_mean=jnp.sum(jnp.abs(adv_S) * first) / n_traj,
                  staleness_mean=jnp.sum(batch["staleness"] * first) / n_traj)
   return loss, (metrics, aux)
+
+
+def start_drafter_metrics(params, ref_params, batch, cfg: ModelConfig, routing, temperature: float) -> dict:
+  """`mtp_start_*`: the agreement of the start's MTP modules (`ref_params`) with the current policy's trunk, i.e.
+  what a drafter frozen at the start of RL would get now (no gradient)."""
+  mixed = jax.lax.stop_gradient({**params, "mtp": ref_params["mtp"]})
+  h, aux = _hidden(mixed, batch, cfg, routing)
+  w = model.lm_head(mixed, cfg)
+  _, m = losses.mtp_self_distill(h, aux["mtp_hidden"], w, w, batch["tokens"], batch["segment_ids"],
+                                 batch["gen_mask"], temperature)
+  return {"mtp_start_agreement": m["mtp_agreement"], "mtp_start_acceptance": m["mtp_acceptance"]}
 
 
 def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: ModelConfig, rl_cfg: RLConfig,

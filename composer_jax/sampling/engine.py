@@ -183,19 +183,24 @@ class JaxEngine:
 
   def _pick_draft_tokens(self, rows: int) -> int:
     """This call's k: fixed by the config, or chosen by `depth` (logged when the choice changes)."""
-    if not self.engine_cfg.speculative:
-      return 0
     if self.depth is None:
-      return self.engine_cfg.draft_tokens
+      return self._draft_tokens
     before = self.depth.chosen
     k, why = self.depth.pick(rows)
     if self.log_fn is not None and why == "best" and k != before:
       self.log_fn(f"engine {self.version_log.engine}: draft depth k={k} for {rows} rows ({self.depth.describe(rows)})")
     return k
 
-  def _batch(self, requests: list[GenerateRequest], draft_tokens: int) -> tuple[Batch, int, int]:
-    """(device batch, output bucket, prefill window (0: from scratch))."""
+  @property
+  def _draft_tokens(self) -> int:
+    """The configured drafts per step (0: plain); an adaptive engine picks each call's k up to it."""
+    return self.engine_cfg.draft_tokens if self.engine_cfg.speculative else 0
+
+  def _batch(self, requests: list[GenerateRequest], draft_tokens: int | None = None) -> tuple[Batch, int, int]:
+    """(device batch, output bucket, prefill window (0: from scratch)) for a call drafting `draft_tokens` per step
+    (default: the configured number)."""
     cfg, ecfg = self.cfg, self.engine_cfg
+    draft_tokens = self._draft_tokens if draft_tokens is None else draft_tokens
     for r in requests:
       if not r.prompt_ids:
         raise ValueError(f"request {r.request_id!r} has an empty prompt")

@@ -122,7 +122,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       optim=dict(learning_rate=3e-4, warmup_steps=1, decay_steps=1000, final_lr_fraction=1.0, weight_decay=0.0,
                  grad_clip=1.0)))
   c.rl = ml_collections.ConfigDict(dict(
-      router_replay=True, ref_router_replay=True, mtp_weight=0.0, bias_update_rate=0.0,
+      router_replay=True, ref_router_replay=True, mtp_weight=0.0, mtp_trunk_grad=False, bias_update_rate=0.0,
       temperature=c.harness.sampling.get_ref("temperature"),   # the trainer scores π at the rollouts' temperature
       unreplayed_every=10,   # the unreplayed forward (only a metric when routing is fully recorded) every N steps
       loss=dict(kl_coef=1e-3, is_cap=2.0, importance="truncate", normalize="tokens",
@@ -133,6 +133,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_staleness=0 if arg.mode == "sync" else (arg.staleness if arg.staleness >= 0 else 2),
       staleness_policy="drop", publish_every=1, backend=arg.backend or ("local" if test else "sandbox"),
       stall_timeout_s=1800.0, tree_branch_turns=(), tree_fanouts=(),   # flat groups; a tree: e.g. (0, 1), (4, 2)
+      draft_tokens=0, adaptive_draft=True,   # MTP speculative decoding (needs model.num_nextn_predict_layers=1)
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
   c.eval = ml_collections.ConfigDict(dict(tasks=8 if test else 500, temperatures=(0.0, 1.0), control=not test,
