@@ -48,7 +48,7 @@ PER_STEP = ("reward", "pass_rate", "mtp_acceptance", "mtp_agreement", "mtp_start
 def run_config(workdir: str, arm: str, steps: int) -> RunConfig:
   cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab,mode=sync"), workdir=os.path.join(workdir, arm))
   over = {"model.num_nextn_predict_layers": 1, "rollout.draft_tokens": 2, "rl.mtp_weight": 0.3,
-          "rl.mtp_start_metrics": True, "train.steps": steps, "progress_bar": False}
+          "rl.mtp_start_metrics": True, "rl.steps": steps, "progress_bar": False}
   if arm == "through":
     over.update({"rl.mtp_trunk_grad": True, "sft.steps": 0,
                  "sft.init_checkpoint": os.path.join(workdir, "stopped", "sft")})
@@ -80,14 +80,14 @@ def decode(workdir: str, steps: int, episodes: int, rounds: int) -> dict:
   import jax
   import numpy as np
 
-  from composer_jax.rl import publish, publishers, setup
+  from composer_jax.rl import publishers, setup, weight_files
   from composer_jax.sampling.engine import JaxEngine
   from rollout import harness
 
   cfg = run_config(workdir, "stopped", steps)
-  version, path = publish.latest(publishers.weights_dir(cfg))
+  version, path = weight_files.latest(publishers.weights_dir(cfg))
   from composer_jax import model
-  params = publish.load(path, jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model)))
+  params = weight_files.load(path, jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model)))
   tok, envs = setup.load_tokenizer(cfg), setup.make_envs(cfg)
   tasks = setup.heldout_tasks(cfg, episodes)
   base = publishers.engine_config(cfg)

@@ -17,7 +17,7 @@ def _cfg(workdir, **kw):
 
 @pytest.mark.slow   # ~3 min on 2 idle cores: SFT, and the plain and speculative programs of an adaptive engine
 def test_speculative_rollouts_log_acceptance_per_version_and_train_the_drafter(tmp_path):
-  cfg = _cfg(tmp_path, **{"train.steps": 3, "rollout.draft_tokens": 2, "rl.mtp_weight": 0.3,
+  cfg = _cfg(tmp_path, **{"rl.steps": 3, "rollout.draft_tokens": 2, "rl.mtp_weight": 0.3,
                           "rl.mtp_start_metrics": True})
   logged = []
   loop.train_rl(cfg, log_fn=logged.append)
