@@ -45,19 +45,20 @@ PER_STEP = ("reward", "pass_rate", "mtp_acceptance", "mtp_agreement", "mtp_start
             "spec/decode_tokens_per_s", "kl", "step_s")
 
 
-def run_config(workdir: str, arm: str, steps: int) -> RunConfig:
+def run_config(workdir: str, arm: str, steps: int, workspaces: str = "sandbox", sft_tasks: int = 1024) -> RunConfig:
   cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab,mode=sync"), workdir=os.path.join(workdir, arm))
   over = {"model.num_nextn_predict_layers": 1, "rollout.draft_tokens": 2, "rl.mtp_weight": 0.3,
-          "rl.mtp_start_metrics": True, "rl.steps": steps, "progress_bar": False}
+          "rl.mtp_start_metrics": True, "rl.steps": steps, "progress_bar": False,
+          "rollout.workspaces": workspaces, "sft.tasks": sft_tasks}
   if arm == "through":
     over.update({"rl.mtp_trunk_grad": True, "sft.steps": 0,
                  "sft.init_checkpoint": os.path.join(workdir, "stopped", "sft")})
   return configs.replace(cfg, **over)
 
 
-def train(workdir: str, arm: str, steps: int) -> None:
+def train(workdir: str, arm: str, steps: int, workspaces: str, sft_tasks: int) -> None:
   from composer_jax.rl import loop
-  loop.train_rl(run_config(workdir, arm, steps))
+  loop.train_rl(run_config(workdir, arm, steps, workspaces, sft_tasks))
 
 
 def _timed(engine):
@@ -73,7 +74,7 @@ def _timed(engine):
   return engine
 
 
-def decode(workdir: str, steps: int, episodes: int, rounds: int) -> dict:
+def decode(workdir: str, steps: int, episodes: int, rounds: int, workspaces: str, sft_tasks: int) -> dict:
   """k = 0 vs adaptive vs fixed k on the same held-out episodes with the final `stopped` policy."""
   import dataclasses
 
@@ -84,7 +85,7 @@ def decode(workdir: str, steps: int, episodes: int, rounds: int) -> dict:
   from composer_jax.sampling.engine import JaxEngine
   from rollout import harness
 
-  cfg = run_config(workdir, "stopped", steps)
+  cfg = run_config(workdir, "stopped", steps, workspaces, sft_tasks)
   version, path = weight_files.latest(publishers.weights_dir(cfg))
   from composer_jax import model
   params = weight_files.load(path, jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model)))
@@ -218,14 +219,16 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=60)
   ap.add_argument("--episodes", type=int, default=16)
   ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--workspaces", default="sandbox", help="'local': episodes without bubblewrap (faster under load)")
+  ap.add_argument("--sft_tasks", type=int, default=1024, help="oracle demonstrations for the SFT start")
   args = ap.parse_args()
   print(f"load average {os.getloadavg()}")
   if args.arm in ("stopped", "through"):
     t0 = time.time()
-    train(args.workdir, args.arm, args.steps)
+    train(args.workdir, args.arm, args.steps, args.workspaces, args.sft_tasks)
     result = {"arm": args.arm, "minutes": (time.time() - t0) / 60}
   elif args.arm == "decode":
-    result = {n: v for n, v in decode(args.workdir, args.steps, args.episodes, args.rounds).items()}
+    result = decode(args.workdir, args.steps, args.episodes, args.rounds, args.workspaces, args.sft_tasks)
     result = {n: ({k: v for k, v in r.items() if k != "rounds"} if isinstance(r, dict) else r)
               for n, r in result.items()}
   else:
