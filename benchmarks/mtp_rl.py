@@ -45,20 +45,25 @@ PER_STEP = ("reward", "pass_rate", "mtp_acceptance", "mtp_agreement", "mtp_start
             "spec/decode_tokens_per_s", "kl", "step_s")
 
 
-def run_config(workdir: str, arm: str, steps: int, workspaces: str = "sandbox", sft_tasks: int = 1024) -> RunConfig:
+def run_config(workdir: str, arm: str, steps: int, workspaces: str = "sandbox", sft_tasks: int = 1024,
+               sft_steps: int = 0) -> RunConfig:
   cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab,mode=sync"), workdir=os.path.join(workdir, arm))
   over = {"model.num_nextn_predict_layers": 1, "rollout.draft_tokens": 2, "rl.mtp_weight": 0.3,
           "rl.mtp_start_metrics": True, "rl.steps": steps, "progress_bar": False,
           "rollout.workspaces": workspaces, "sft.tasks": sft_tasks}
+  if sft_steps:
+    over["sft.steps"] = sft_steps
   if arm == "through":
     over.update({"rl.mtp_trunk_grad": True, "sft.steps": 0,
                  "sft.init_checkpoint": os.path.join(workdir, "stopped", "sft")})
   return configs.replace(cfg, **over)
 
 
-def train(workdir: str, arm: str, steps: int, workspaces: str, sft_tasks: int) -> None:
+def train(workdir: str, arm: str, steps: int, workspaces: str, sft_tasks: int, sft_steps: int) -> None:
   from composer_jax.rl import loop
-  loop.train_rl(run_config(workdir, arm, steps, workspaces, sft_tasks))
+  # sft.steps and rl.steps may change in a resumed run (the SFT continues from its last checkpoint).
+  loop.train_rl(run_config(workdir, arm, steps, workspaces, sft_tasks, sft_steps),
+                allow_changes=("sft.steps", "rl.steps"))
 
 
 def _timed(engine):
@@ -74,7 +79,8 @@ def _timed(engine):
   return engine
 
 
-def decode(workdir: str, steps: int, episodes: int, rounds: int, workspaces: str, sft_tasks: int) -> dict:
+def decode(workdir: str, steps: int, episodes: int, rounds: int, workspaces: str, sft_tasks: int,
+           sft_steps: int) -> dict:
   """k = 0 vs adaptive vs fixed k on the same held-out episodes with the final `stopped` policy."""
   import dataclasses
 
@@ -85,7 +91,7 @@ def decode(workdir: str, steps: int, episodes: int, rounds: int, workspaces: str
   from composer_jax.sampling.engine import JaxEngine
   from rollout import harness
 
-  cfg = run_config(workdir, "stopped", steps, workspaces, sft_tasks)
+  cfg = run_config(workdir, "stopped", steps, workspaces, sft_tasks, sft_steps)
   version, path = weight_files.latest(publishers.weights_dir(cfg))
   from composer_jax import model
   params = weight_files.load(path, jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model)))
@@ -221,14 +227,16 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--workspaces", default="sandbox", help="'local': episodes without bubblewrap (faster under load)")
   ap.add_argument("--sft_tasks", type=int, default=1024, help="oracle demonstrations for the SFT start")
+  ap.add_argument("--sft_steps", type=int, default=0, help="SFT steps of the start (0: the config's 900)")
   args = ap.parse_args()
   print(f"load average {os.getloadavg()}")
   if args.arm in ("stopped", "through"):
     t0 = time.time()
-    train(args.workdir, args.arm, args.steps, args.workspaces, args.sft_tasks)
+    train(args.workdir, args.arm, args.steps, args.workspaces, args.sft_tasks, args.sft_steps)
     result = {"arm": args.arm, "minutes": (time.time() - t0) / 60}
   elif args.arm == "decode":
-    result = decode(args.workdir, args.steps, args.episodes, args.rounds, args.workspaces, args.sft_tasks)
+    result = decode(args.workdir, args.steps, args.episodes, args.rounds, args.workspaces, args.sft_tasks,
+                    args.sft_steps)
     result = {n: ({k: v for k, v in r.items() if k != "rounds"} if isinstance(r, dict) else r)
               for n, r in result.items()}
   else:
