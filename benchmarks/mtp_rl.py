@@ -16,7 +16,8 @@ the online and the frozen drafter on the same policies. Acceptances are measured
 T = 1: `mtp_acceptance` the expected acceptance of one draft, Σ min(p, q); `mtp_agreement` the top-1 match (the
 greedy acceptance rate); the engine's own counts of each policy version (`spec/*`) beside them.
 
-`decode` replays episodes of held-out tasks through the harness with the final policy of `stopped`: engines with
+`decode` runs episodes of held-out tasks through the harness with the final policy of `stopped` (its SFT start
+while RL has not finished): engines with
 k = 0 (plain), k adaptive (0..2) and k fixed at 1 and 2, alternating over `--rounds` rounds after one warm-up round
 each (compiles), timing the seconds inside `generate` per episode; tokens per trunk forward from the engines' counts.
 
@@ -87,14 +88,19 @@ def decode(workdir: str, steps: int, episodes: int, rounds: int, workspaces: str
   import jax
   import numpy as np
 
+  from composer_jax import model
   from composer_jax.rl import publishers, setup, weight_files
   from composer_jax.sampling.engine import JaxEngine
+  from composer_jax.train import stages
   from rollout import harness
 
   cfg = run_config(workdir, "stopped", steps, workspaces, sft_tasks, sft_steps)
-  version, path = weight_files.latest(publishers.weights_dir(cfg))
-  from composer_jax import model
-  params = weight_files.load(path, jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model)))
+  got = weight_files.latest(publishers.weights_dir(cfg))
+  if got is None:   # RL still running: the SFT start (its drafter trained by self-distillation)
+    version, params = 0, stages.load_params(os.path.join(cfg.workdir, "sft"), cfg.model)
+  else:
+    version, path = got
+    params = weight_files.load(path, jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model)))
   tok, envs = setup.load_tokenizer(cfg), setup.make_envs(cfg)
   tasks = setup.heldout_tasks(cfg, episodes)
   base = publishers.engine_config(cfg)
