@@ -219,7 +219,8 @@ def plot(json_path: str, png: str) -> None:
     ax.set_xlabel("RL step (policy version)")
     ax.grid(alpha=0.3)
   axes[0].set_ylabel("acceptance of one draft")
-  axes[1].legend(fontsize=7)
+  for ax in axes:
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(png, dpi=110)
 
