@@ -12,7 +12,9 @@ Sections, each a key of the JSON object printed as the last line:
 - `train_small`: the `small` config's LM train step (bf16, the trainer's jitted step with explicit shardings)
   tokens/s, and MFU against the H200's 989 TFLOP/s bf16 dense peak (model FLOPs: `train_step.model_flops_per_step`).
 - `decode`: the embedded engine's greedy decode tokens/s at batch 1 and 32, plain and MTP speculative
-  (1 draft token), and their ratio. The MTP heads are random unless `--pretrain_workdir` gives trained params, and
+  (1 draft token), and their ratio; and the adaptive engine (k chosen in 0..2 from its measured acceptance and step
+  cost, `sampling/draft_depth.py`): its tokens/s, ratio, the k it chose and tokens per trunk forward. The MTP heads
+  are random unless `--pretrain_workdir` gives trained params, and
   `mtp_heads` says which: random heads accept few drafts, so that speedup measures the machinery, not MTP.
 - `ep_ragged`: the dropless expert-parallel MoE layer (`lax.ragged_all_to_all`, which XLA:CPU lacks) run on a
   one-device mesh, against the dense one-hot reference (`experts.experts_dense`). `--dry` swaps in the padded
@@ -132,8 +134,12 @@ def decode(dry: bool, repeats: int, workdir: str | None) -> dict:
   for b in (1, 32):
     ecfg = EngineConfig(min_prompt_bucket=prompt_len, min_len_bucket=tokens, max_batch=32, min_batch_bucket=b)
     engines = {"plain": JaxEngine(params, cfg, ecfg),
-               "mtp": JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True, draft_tokens=1))}
+               "mtp": JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True, draft_tokens=1)),
+               "adaptive": JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True, draft_tokens=2,
+                                                                      adaptive_draft=True))}
     prompts = rb._prompts(cfg, b, prompt_len, seed=b)
+    for _ in range(3):   # the adaptive engine times k = 2, 0, 1 (a compile and a timed call each) before it chooses
+      rb.jax_decode(engines["adaptive"], prompts, tokens, 1)
     best = {name: 0.0 for name in engines}
     for _ in range(repeats):
       for name, e in engines.items():
@@ -144,6 +150,11 @@ def decode(dry: bool, repeats: int, workdir: str | None) -> dict:
     out[f"decode_tokens_per_s_b{b}"] = best["plain"]
     out[f"mtp_tokens_per_s_b{b}"] = best["mtp"]
     out[f"mtp_speedup_b{b}"] = best["mtp"] / best["plain"]
+    depth = engines["adaptive"].depth
+    out[f"adaptive_tokens_per_s_b{b}"] = best["adaptive"]
+    out[f"adaptive_speedup_b{b}"] = best["adaptive"] / best["plain"]
+    out[f"adaptive_k_b{b}"] = depth.chosen
+    out[f"adaptive_tokens_per_forward_b{b}"] = depth.tokens_per_step(depth.chosen or 0)
   return out
 
 

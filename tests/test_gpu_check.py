@@ -50,6 +50,7 @@ def test_dry_run_of_every_section():
   assert all(res["kernels"][f]["ok"] for f in ("bf16", "mxfp8", "nvfp4"))
   assert res["train_small"]["tokens_per_s"] > 0 and res["decode"]["decode_tokens_per_s_b32"] > 0
   assert res["decode"]["mtp_heads"] == "random" and res["grouped_matmul"]["measured"] is False
+  assert res["decode"]["adaptive_k_b1"] in (0, 1, 2) and res["decode"]["adaptive_tokens_per_forward_b1"] >= 1
 
 
 def test_scale_plan_gpu_compile_env_mocks_the_topology():

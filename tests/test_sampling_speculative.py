@@ -64,20 +64,25 @@ def exact_token_marginal(params, index, temperature, top_k, top_p):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_tokens,index", [(0, 1), (1, 1), (2, 2)], ids=["plain", "k1_second", "k2_third"])
-def test_output_token_distribution(draft_tokens, index):
-  """Token 1 is the first verified draft; with k = 2, token 2 is the first chained draft (or a residual/bonus)."""
+@pytest.mark.parametrize("draft_tokens,index,adaptive", [(0, 1, False), (1, 1, False), (2, 2, False), (2, 2, True)],
+                         ids=["plain", "k1_second", "k2_third", "adaptive_third"])
+def test_output_token_distribution(draft_tokens, index, adaptive):
+  """Token 1 is the first verified draft; with k = 2, token 2 is the first chained draft (or a residual/bonus).
+  Adaptive: 16 calls of 256 rows, each with the k (0, 1 or 2) the engine picks, pooled."""
   params = model.init(jax.random.key(4), dataclasses.replace(CFG, initializer_range=0.3))
   temperature, top_k, top_p, n = 0.9, 12, 0.95, 4096
-  ecfg = EngineConfig(speculative=draft_tokens > 0, draft_tokens=max(draft_tokens, 1), max_batch=1024,
-                      min_prompt_bucket=8, min_len_bucket=8)
+  ecfg = EngineConfig(speculative=draft_tokens > 0, draft_tokens=max(draft_tokens, 1),
+                      max_batch=256 if adaptive else 1024, min_prompt_bucket=8, min_len_bucket=8,
+                      adaptive_draft=adaptive, draft_probe_every=2)
   eng = JaxEngine(params, CFG, ecfg)
   reqs = [GenerateRequest(PROMPT, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                                  max_tokens=index + 1, seed=i)) for i in range(n)]
   tok = np.array([r.output_ids[index] for r in eng.generate(reqs)])
   _close(np.bincount(tok, minlength=CFG.vocab_size) / n, exact_token_marginal(params, index, temperature, top_k,
                                                                               top_p), n)
-  if draft_tokens:  # the draft path was exercised: some drafts accepted, some rejected
+  if adaptive:   # the calls ran several depths (every k is explored before the engine chooses)
+    assert {int(k) for k in eng.version_log.current["k_calls"]} == {0, 1, 2}
+  elif draft_tokens:  # the draft path was exercised: some drafts accepted, some rejected
     stats = eng.last_stats
     assert 0 < stats["accepted"] < stats["drafted"]
 

@@ -66,7 +66,15 @@ class RLConfig:
   loss: losses.LossConfig = losses.LossConfig()
   router_replay: bool = True        # policy (and reference) forwards use the engine's experts
   ref_router_replay: bool = True    # the reference forward replays them too (same routing on both sides of k1)
-  mtp_weight: float = 0.0           # > 0: keep training MTP heads by self-distillation on the rollout tokens
+  # > 0: train the MTP modules by self-distillation on the rollout tokens (`losses.mtp_self_distill`); a model with
+  # MTP modules reports the drafter's agreement with the policy (`mtp_*` metrics) whatever the weight.
+  mtp_weight: float = 0.0
+  # The MTP loss's gradient also reaches the trunk, the embedding and the LM head (False: only the MTP modules
+  # learn, and the policy's update is the one without MTP; experiments/results/mtp_rl.md measured both).
+  mtp_trunk_grad: bool = False
+  # Also measure the drafter frozen at the start (the reference params' MTP modules) against the current policy:
+  # `mtp_start_agreement` / `mtp_start_acceptance`, at the cost of one more forward without gradient.
+  mtp_start_metrics: bool = False
   bias_update_rate: float = 0.0     # aux-loss-free router-bias update from the (replayed) expert load
   # Run the unreplayed forward (pass 2) for its `logprob_gap_no_replay` metric on every N-th step even when the
   # engine recorded all the routing (0: only when some is missing). It costs one forward of the policy.
@@ -145,6 +153,11 @@ class RolloutConfig:
   tree_fanouts: tuple[int, ...] = ()
   # Branch before a branch turn where the policy is uncertain (entropy >= this many nats; None: by turn only).
   tree_branch_entropy: float | None = None
+  # The embedded engine's MTP speculative decoding (in rollouts and the evaluations): at most this many drafts per
+  # step (0: plain decoding); `adaptive_draft`: each engine picks k in 0..draft_tokens from its measured acceptance
+  # and step cost (`sampling/draft_depth.py`), else always draft_tokens. Needs a model with MTP modules.
+  draft_tokens: int = 0
+  adaptive_draft: bool = True
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -164,6 +177,11 @@ class RolloutConfig:
     if self.samples_per_prompt < 2:
       raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: group-mean advantages need >= 2")
     _positive(self, "workers", "publish_every", "stall_timeout_s")
+    if self.draft_tokens < 0:
+      raise ValueError(f"rollout.draft_tokens={self.draft_tokens} must be >= 0 (0: no speculative decoding)")
+    if self.draft_tokens and self.engine != "jax":
+      raise ValueError(f"rollout.draft_tokens is the embedded JAX engine's speculative decoding; rollout.engine="
+                       f"{self.engine!r} (SGLang's MTP runs on GPU fleets: rollout/engines/sglang_launcher.py)")
     if self.tree is not None and self.tree.size != self.samples_per_prompt:
       raise ValueError(f"rollout.tree_fanouts={self.tree.fanouts} give {self.tree.size} leaves per group, but "
                        f"rollout.samples_per_prompt={self.samples_per_prompt}")
@@ -247,6 +265,9 @@ class RunConfig:
       raise ValueError(f"harness.context_budget={self.harness.context_budget} exceeds the model's positions "
                        f"(model.max_position_embeddings={self.model.max_position_embeddings}): lower the one or "
                        "raise the other")
+    if self.rollout.draft_tokens and self.model.num_nextn_predict_layers < 1:
+      raise ValueError(f"rollout.draft_tokens={self.rollout.draft_tokens} drafts with the model's MTP module, but "
+                       "model.num_nextn_predict_layers=0: set it to 1 (or draft_tokens=0)")
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")

@@ -23,6 +23,7 @@ from composer_jax.rl import publishers, setup, sources, warmstart, weight_files
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.rl.trainer import Trainer
+from composer_jax.sampling.spec_log import VersionLogReader
 from composer_jax.train import interrupt
 from composer_jax.train import metrics as metrics_lib
 
@@ -48,6 +49,7 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
     source = sources.make(cfg, publisher.engine, run, trainer.consumer, log_fn)
     stack.callback(source.close)
     progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn))
+    engine_stats = VersionLogReader(publishers.engine_stats_dir(cfg))   # speculative decoding per policy version
     stop = stack.enter_context(interrupt.StopAtStep("RL"))
     for step_no in range(trainer.start + 1, cfg.rl.steps + 1):
       if stop.requested:
@@ -64,7 +66,7 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
       publish_s = publisher.publish(trainer.params, step_no) if step_no % cfg.rollout.publish_every == 0 else 0.0
       step_s = time.perf_counter() - t0
       m.update(trainer.queue_stats(), step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
-               trainer_idle_fraction=idle_s / max(step_s, 1e-9), publish_s=publish_s)
+               trainer_idle_fraction=idle_s / max(step_s, 1e-9), publish_s=publish_s, **engine_stats.metrics())
       last = progress.log(step_no, m)
       if step_no % cfg.rl.ckpt_every == 0 or step_no == cfg.rl.steps:
         trainer.checkpoint(step_no)

@@ -35,6 +35,13 @@ Normalisation (`LossConfig.normalize`):
   'sequence'  mean over tokens of each sequence, then mean over sequences with generated tokens (original GRPO).
   'constant'  Σ_t ℓ_t / `norm_constant` (default B·L, fixed by the batch shape): an unbiased token sum with a
               constant scale (Dr. GRPO).
+
+The MTP drafter (`mtp_self_distill`): MTP module k at position t predicts token t+2+k; its target is the policy's
+own next-token distribution at position t+1+k (stop-gradient), on positions whose predicted token the policy
+generated (the only tokens a speculative engine drafts). Beside the loss it reports how well the drafter would do
+as a speculative-decoding draft at the rollouts' temperature T: top-1 agreement (the greedy acceptance rate) and the
+expected acceptance Σ_v min(p_v, q_v) of one draft (p the policy's, q the drafter's distribution at T: the chance
+that a draft q proposes is accepted by exact rejection sampling against p).
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.model import head
+from composer_jax.train import losses as lm_losses
 from composer_jax.train.losses import masked_mean
 
 NORMALIZATIONS = ("tokens", "sequence", "constant")
@@ -160,3 +168,60 @@ def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.
              "clip_fraction": masked_mean((ratio > cap).astype(jnp.float32), m),
              "logprob_gap": masked_mean(jnp.abs(log_ratio), m), "generated_tokens": n_tok}
   return loss, metrics
+
+
+def draft_acceptance(student_h_BxLxD: jax.Array, student_w_DxV: jax.Array, teacher_h_BxLxD: jax.Array,
+                     teacher_w_DxV: jax.Array, temperature: float = 1.0, *,
+                     chunk_size: int = head.DEFAULT_CHUNK) -> jax.Array:
+  """Σ_v min(p_v, q_v) per token [B, L], p = softmax(teacher_h·teacher_w / T), q = softmax(student_h·student_w / T).
+
+  The probability that one draft from q is accepted by rejection sampling against p (Leviathan et al. 2023). A
+  metric: no gradient. Chunked over tokens like `model.head` (one [chunk, V] block at a time).
+  """
+  B, L, D = student_h_BxLxD.shape
+  T = B * L
+  Tc = min(chunk_size, T)
+  n = -(-T // Tc)
+  chunks = lambda x: jnp.pad(x.reshape(T, D), ((0, n * Tc - T), (0, 0))).reshape(n, Tc, D)
+  sw, tw = (jax.lax.stop_gradient(w).astype(jnp.float32) / temperature for w in (student_w_DxV, teacher_w_DxV))
+
+  def one(args):
+    h_TcxD, th_TcxD = args
+    q = jax.nn.softmax(jnp.dot(h_TcxD.astype(jnp.float32), sw), axis=-1)
+    p = jax.nn.softmax(jnp.dot(th_TcxD.astype(jnp.float32), tw), axis=-1)
+    return jnp.sum(jnp.minimum(p, q), axis=-1)
+  hs = jax.lax.stop_gradient((chunks(student_h_BxLxD), chunks(teacher_h_BxLxD)))
+  return jax.lax.map(one, hs).reshape(-1)[:T].reshape(B, L)
+
+
+def draft_acceptance_reference(student_h_BxLxD, student_w_DxV, teacher_h_BxLxD, teacher_w_DxV, temperature=1.0):
+  """The plain formula on full logits (what `draft_acceptance` computes)."""
+  q = jax.nn.softmax(head.logits(student_h_BxLxD, student_w_DxV) / temperature, axis=-1)
+  p = jax.nn.softmax(head.logits(teacher_h_BxLxD, teacher_w_DxV) / temperature, axis=-1)
+  return jnp.sum(jnp.minimum(p, q), axis=-1)
+
+
+def mtp_self_distill(h_BxLxD: jax.Array, mtp_h_NxBxLxD: jax.Array, w_DxV: jax.Array, mtp_w_DxV: jax.Array,
+                     tokens_BxL: jax.Array, segment_ids_BxL: jax.Array, gen_mask_BxL: jax.Array,
+                     temperature: float = 1.0) -> tuple[jax.Array, dict]:
+  """The MTP modules' self-distillation loss on rollout rows and the drafter's agreement with the policy.
+
+  Args:
+    h_BxLxD: the policy trunk's hidden after the final norm (the teacher; never differentiated here).
+    mtp_h_NxBxLxD: the MTP modules' hiddens (`aux["mtp_hidden"]`).
+    w_DxV: the LM head; mtp_w_DxV: the head the MTP hiddens go through (detached unless the MTP loss trains the
+      trunk and the head too).
+    tokens_BxL, segment_ids_BxL: the batch; gen_mask_BxL: 1 on generated tokens (the targets counted).
+    temperature: the rollouts' sampling temperature (the acceptance metric's; the loss distils at T = 1).
+
+  Returns:
+    (mean over modules of each module's masked mean −Σ p log q, metrics): mtp_loss, and for module 0 (the
+    engine's drafter) mtp_agreement (top-1) and mtp_acceptance (expected Σ min(p, q) at T), masked means.
+  """
+  loss_N, agree_N = lm_losses.mtp_losses(h_BxLxD, mtp_h_NxBxLxD, w_DxV, mtp_w_DxV, tokens_BxL, segment_ids_BxL,
+                                         gen_mask_BxL, "self_distill")
+  _, mask = lm_losses.shifted_targets(tokens_BxL, segment_ids_BxL, gen_mask_BxL, 2)
+  teacher_h = jnp.roll(h_BxLxD, -1, axis=1)   # the policy's input at t+1, aligned to module 0's position t
+  acc_BxL = draft_acceptance(mtp_h_NxBxLxD[0], mtp_w_DxV, teacher_h, w_DxV, temperature)
+  loss = jnp.mean(loss_N)
+  return loss, {"mtp_loss": loss, "mtp_agreement": agree_N[0], "mtp_acceptance": masked_mean(acc_BxL, mask)}

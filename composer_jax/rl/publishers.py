@@ -33,11 +33,24 @@ class Publisher(Protocol):
 
 def engine_config(cfg: RunConfig):
   """The embedded engine's fixed buckets: one group per call, prompts padded to half the context budget, turns to
-  max_turn_tokens (so every call reuses one compiled program)."""
+  max_turn_tokens (so every call reuses one compiled program); MTP speculative decoding per `rollout.draft_tokens`."""
   from composer_jax.sampling.engine import EngineConfig
   return EngineConfig(min_batch_bucket=cfg.rollout.samples_per_prompt,
                       min_prompt_bucket=cfg.harness.context_budget // 2,
-                      min_len_bucket=cfg.harness.max_turn_tokens, seed=cfg.seed)
+                      min_len_bucket=cfg.harness.max_turn_tokens, seed=cfg.seed,
+                      speculative=cfg.rollout.draft_tokens > 0, draft_tokens=max(1, cfg.rollout.draft_tokens),
+                      adaptive_draft=cfg.rollout.adaptive_draft)
+
+
+def engine_stats_dir(cfg: RunConfig) -> str:
+  """Where rollout engines append their speculative counts per policy version (`sampling/spec_log.py`)."""
+  return os.path.join(cfg.workdir, "engines")
+
+
+def _rollout_engine(cfg: RunConfig, params, version: int, name: str, log_fn=None):
+  from composer_jax.sampling.engine import JaxEngine
+  return JaxEngine(params, cfg.model, engine_config(cfg), policy_version=version, name=name, log_fn=log_fn,
+                   stats_path=os.path.join(engine_stats_dir(cfg), f"{name}.jsonl"))
 
 
 def weights_dir(cfg: RunConfig) -> str:
@@ -48,8 +61,7 @@ class InPlace:
   """Sync mode with the embedded engine: the trainer's own JaxEngine gets each version's params directly."""
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
-    from composer_jax.sampling.engine import JaxEngine
-    self.engine = JaxEngine(params, cfg.model, engine_config(cfg), policy_version=version)
+    self.engine = _rollout_engine(cfg, params, version, "trainer", log_fn if cfg.rollout.draft_tokens else None)
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()
@@ -57,7 +69,7 @@ class InPlace:
     return time.perf_counter() - t0
 
   def close(self) -> None:
-    pass
+    self.engine.close()
 
   @staticmethod
   def follow(cfg: RunConfig) -> Follower:
@@ -88,15 +100,14 @@ class WeightFiles:
   @staticmethod
   def follow(cfg: RunConfig) -> Follower:
     """A JaxEngine on the newest published weights (waits for the first), reloading newer ones when asked."""
-    from composer_jax.sampling.engine import JaxEngine
     wdir = weights_dir(cfg)
     while weight_files.latest(wdir) is None:
       time.sleep(0.2)
     like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
     version, path = weight_files.latest(wdir)
     # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
-    engine = JaxEngine(jax.device_put(weight_files.load(path, like), jax.devices()[0]), cfg.model, engine_config(cfg),
-                       policy_version=version)
+    engine = _rollout_engine(cfg, jax.device_put(weight_files.load(path, like), jax.devices()[0]), version,
+                             f"worker-{os.getpid()}", print if cfg.rollout.draft_tokens else None)
     return Follower(engine, lambda: engine.policy_version, follow_pointer(wdir, like, engine))
 
 

@@ -132,7 +132,8 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   `measure_unreplayed` (bool, may be traced): run pass 2 for its metric even when no routing is missing.
   """
   cfg_no_mtp = dataclasses.replace(model_cfg, num_nextn_predict_layers=0)
-  fwd_cfg = model_cfg if rl_cfg.mtp_weight > 0 else cfg_no_mtp
+  trains_mtp = rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers > 0
+  detach_mtp = not (trains_mtp and rl_cfg.mtp_trunk_grad)
   tokens, mask = batch["tokens"], batch["gen_mask"]
   valid_BxL = batch["segment_ids"] > 0
   recorded = batch["routing"]                                  # −1: not reported by the engine
@@ -144,7 +145,7 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
     replay, metrics["logprob_gap_no_replay"] = replay_routing(params, batch, cfg_no_mtp, measure_unreplayed,
                                                               rl_cfg.temperature)
 
-  h, aux = _hidden(params, batch, fwd_cfg, replay, detach_mtp=True)
+  h, aux = _hidden(params, batch, model_cfg, replay, detach_mtp=detach_mtp)
   w = model.lm_head(params, model_cfg)
   logp, entropy = losses.token_logprobs(h, _tempered(w, rl_cfg.temperature), tokens, with_entropy=True)
   ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None,
@@ -163,11 +164,15 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
                                           weight_BxL=weight)
   metrics.update(loss_metrics)
   metrics["pg_loss"] = loss
-  if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:
-    mtp, agree = lm_losses.mtp_losses(h, aux["mtp_hidden"], w, model.lm_head(params, model_cfg, detach=True), tokens,
-                                      batch["segment_ids"], valid_BxL.astype(jnp.float32), "self_distill")
-    loss = loss + rl_cfg.mtp_weight * jnp.mean(mtp)
-    metrics.update(mtp_loss=jnp.mean(mtp), mtp_agreement=jnp.mean(agree))
+  if model_cfg.num_nextn_predict_layers:
+    mtp_h = aux["mtp_hidden"] if trains_mtp else jax.lax.stop_gradient(aux["mtp_hidden"])
+    mtp_loss, mtp_metrics = losses.mtp_self_distill(h, mtp_h, w, model.lm_head(params, model_cfg, detach=detach_mtp),
+                                                    tokens, batch["segment_ids"], mask, rl_cfg.temperature)
+    metrics.update(mtp_metrics)
+    if trains_mtp:
+      loss = loss + rl_cfg.mtp_weight * mtp_loss
+    if rl_cfg.mtp_start_metrics:
+      metrics.update(start_drafter_metrics(params, ref_params, batch, model_cfg, replay, rl_cfg.temperature))
 
   if has_moe:
     own = own_routing(params, jax.lax.stop_gradient(aux["router_scores"]), model_cfg)
@@ -186,6 +191,17 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   return loss, (metrics, aux)
 
 
+def start_drafter_metrics(params, ref_params, batch, cfg: ModelConfig, routing, temperature: float) -> dict:
+  """`mtp_start_*`: the agreement of the start's MTP modules (`ref_params`) with the current policy's trunk, i.e.
+  what a drafter frozen at the start of RL would get now (no gradient)."""
+  mixed = jax.lax.stop_gradient({**params, "mtp": ref_params["mtp"]})
+  h, aux = _hidden(mixed, batch, cfg, routing)
+  w = model.lm_head(mixed, cfg)
+  _, m = losses.mtp_self_distill(h, aux["mtp_hidden"], w, w, batch["tokens"], batch["segment_ids"],
+                                 batch["gen_mask"], temperature)
+  return {"mtp_start_agreement": m["mtp_agreement"], "mtp_start_acceptance": m["mtp_acceptance"]}
+
+
 def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: ModelConfig, rl_cfg: RLConfig,
             optimizer: optax.GradientTransformation) -> tuple[TrainState, dict]:
   """One optimizer step on one batch of whole groups; `ref_params` is frozen (no gradient, not updated)."""
@@ -197,7 +213,7 @@ def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: Mode
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   loads = {"moe_layers": aux["expert_load"]}
-  if rl_cfg.mtp_weight > 0:   # the MTP blocks ran (on their own routing) only when they are trained
+  if rl_cfg.mtp_weight > 0 and model_cfg.num_nextn_predict_layers:   # the MTP blocks' own routing, when trained
     loads["mtp"] = aux["mtp_expert_load"]
   params = train_step_lib.update_router_bias(params, loads, rl_cfg.bias_update_rate)
   metrics.update(train_step_lib.update_metrics(grads, updates, params, aux["expert_load"]))
@@ -229,6 +245,11 @@ def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = Fals
   out |= {k: NamedSharding(mesh, P()) for k in per_seq}
   out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
   return out
+
+
+def rl_optimizer(optimizer: optax.GradientTransformation, params, rl_cfg: RLConfig) -> optax.GradientTransformation:
+  """The RL step's optimizer: `optimizer`, with the MTP modules frozen unless `rl_cfg.mtp_weight` trains them."""
+  return optimizer if rl_cfg.mtp_weight > 0 else freeze_subtrees(optimizer, params)
 
 
 def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...] = ("mtp",)

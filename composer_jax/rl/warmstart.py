@@ -89,7 +89,10 @@ def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequenc
   dcfg = data_lib.DataConfig(seq_len=seq_len, batch_size=batch_size, seed=seed)
   data = data_lib.sft_data(tokenizer, tr, ev, dcfg)
   tcfg = TrainConfig(steps=steps, seed=seed, log_every=max(1, steps // 10), eval_every=steps, eval_batches=2,
-                     ckpt_every=max(1, min(100, steps // 10)), ckpt_keep=1, mtp_loss="none", mtp_weight=0.0,
+                     ckpt_every=max(1, min(100, steps // 10)), ckpt_keep=1,
+                     # A model with MTP modules gets its drafter trained too (self-distilled, the trunk detached:
+                     # the trunk's training is the one without MTP), so speculative rollouts start from one.
+                     mtp_loss="self_distill" if model_cfg.num_nextn_predict_layers else "none", mtp_weight=0.3,
                      bias_update_rate=1e-3, progress_bar=progress_bar)
   ocfg = OptimConfig(learning_rate=learning_rate, warmup_steps=max(1, steps // 10), decay_steps=steps)
   params, last = train_loop.train(model_cfg=model_cfg, train_cfg=tcfg, optim_cfg=ocfg, workdir=workdir,

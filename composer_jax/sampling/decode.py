@@ -48,7 +48,7 @@ class Output(NamedTuple):
   experts_BxLoxLmxK: jax.Array
   length_B: jax.Array
   prompt_experts_LmxUxPxK: jax.Array
-  stats: dict                 # speculative decoding: steps, drafted, accepted (scalars)
+  stats: dict                 # decode steps; speculative: drafted, accepted (scalars), accept_hist [k + 1]
   cache: dict                 # the final cache [.., B, S, ..] (split layers): row b's slots up to its last fed
                               # token hold its prompt's and outputs' rows (what the prefix cache keeps)
   entropies_BxLo: jax.Array | None = None   # the policy's entropy over each output token (None: not reported)

@@ -8,6 +8,10 @@ each set tagged with the policy version that `GenerateResult.policy_version` rep
 Prefix reuse: every finished row's prompt + output is kept in a `PrefixCache` (KV rows and routed experts); a later
 prompt sharing a prefix with a kept sequence (the next turn of a multi-turn episode) gets those rows copied in and
 only its last `window` prompt slots run (a power of two >= its longest uncached tail), instead of the whole prompt.
+
+Speculative decoding (`EngineConfig.speculative`) drafts with the engine's own MTP weights, swapped with the trunk's;
+with `adaptive_draft` every call runs the draft depth k in 0..draft_tokens that the engine's measurements favour
+(`draft_depth.py`), and each policy version's acceptance is logged (`spec_log.py`).
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import dataclasses
 import functools
 import hashlib
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +31,9 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling.decode import Batch, Output, generate
+from composer_jax.sampling.draft_depth import DraftDepth
 from composer_jax.sampling.prefix_cache import Entry, PrefixCache
+from composer_jax.sampling.spec_log import VersionLog
 from composer_jax.sampling.speculative import generate_speculative
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from rollout.evaluation.result_cache import code_fingerprint
@@ -43,7 +50,12 @@ class EngineConfig:
 
   Attributes:
     speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
-    draft_tokens: drafts per speculative step (module 0 chained on its own output after the first).
+    draft_tokens: drafts per speculative step (module 0 chained on its own output after the first); with
+      `adaptive_draft` the most the engine may choose.
+    adaptive_draft: each call runs the k in 0..draft_tokens (0: plain decoding) with the most tokens per second by
+      the engine's measured acceptance and step cost (`draft_depth.py`); the choice is logged when it changes.
+    draft_probe_every: with `adaptive_draft`, run k = draft_tokens every this many calls when a smaller k is chosen,
+      so the acceptance keeps being measured as the policy moves.
     max_batch: most rows per compiled call (larger requests are split).
     min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
       batch so every call reuses one compiled program.
@@ -64,6 +76,8 @@ class EngineConfig:
   """
   speculative: bool = False
   draft_tokens: int = 1
+  adaptive_draft: bool = False
+  draft_probe_every: int = 8
   max_batch: int = 64
   min_batch_bucket: int = 1
   min_prompt_bucket: int = 16
@@ -101,7 +115,11 @@ class JaxEngine:
   """Batched, jitted generation with an MLA latent KV cache; implements `rollout.engines.protocol.Engine`."""
 
   def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig(),
-               policy_version: int = 0):
+               policy_version: int = 0, *, stats_path: str = "", name: str = "",
+               log_fn: Callable[[str], None] | None = None):
+    """`stats_path`: where the speculative counts of each policy version served are appended (`spec_log.py`;
+    '' keeps them in memory, `version_log`); `name` names this engine there; `log_fn` gets a line per finished
+    version and per change of the adaptive draft depth."""
     self.cfg = dataclasses.replace(cfg, moe_impl=generation_moe_impl(cfg, engine_cfg.moe_impl))
     self.engine_cfg = engine_cfg
     if engine_cfg.speculative and cfg.num_nextn_predict_layers < 1:
@@ -114,6 +132,11 @@ class JaxEngine:
     self._result_key: str | None = None
     self._calls = 0
     self.last_stats: dict[str, int] = {}
+    self.log_fn = log_fn
+    self.version_log = VersionLog(stats_path, name, log_fn)
+    self.depth = (DraftDepth(engine_cfg.draft_tokens, engine_cfg.draft_probe_every)
+                  if engine_cfg.speculative and engine_cfg.adaptive_draft else None)
+    self._compiled: set[tuple] = set()
 
   def update_weights(self, params: dict, policy_version: int) -> None:
     """Swaps in new weights (same structure and shapes; placed on the current weights' devices)."""
@@ -125,6 +148,10 @@ class JaxEngine:
         raise ValueError(f"update_weights: a leaf changed shape {a.shape} -> {b.shape}")
     shardings = jax.tree.map(lambda a: a.sharding, self.params)
     self.params = jax.device_put(params, shardings)
+    if policy_version != self.policy_version:
+      self.version_log.flush()
+      if self.depth is not None:
+        self.depth.new_policy()
     self.policy_version = policy_version
     self.prefix_cache.clear()  # the kept rows were computed by the old weights
     self._result_key = None
@@ -150,13 +177,30 @@ class JaxEngine:
       results.extend(self._generate_chunk(list(requests[i:i + n])))
     return results
 
+  def close(self) -> None:
+    """Writes the served version's speculative counts (`version_log`)."""
+    self.version_log.flush()
+
+  def _pick_draft_tokens(self, rows: int) -> int:
+    """This call's k: fixed by the config, or chosen by `depth` (logged when the choice changes)."""
+    if self.depth is None:
+      return self._draft_tokens
+    before = self.depth.chosen
+    k, why = self.depth.pick(rows)
+    if self.log_fn is not None and why == "best" and k != before:
+      self.log_fn(f"engine {self.version_log.engine}: draft depth k={k} for {rows} rows ({self.depth.describe(rows)})")
+    return k
+
   @property
   def _draft_tokens(self) -> int:
+    """The configured drafts per step (0: plain); an adaptive engine picks each call's k up to it."""
     return self.engine_cfg.draft_tokens if self.engine_cfg.speculative else 0
 
-  def _batch(self, requests: list[GenerateRequest]) -> tuple[Batch, int, int]:
-    """(device batch, output bucket, prefill window (0: from scratch))."""
+  def _batch(self, requests: list[GenerateRequest], draft_tokens: int | None = None) -> tuple[Batch, int, int]:
+    """(device batch, output bucket, prefill window (0: from scratch)) for a call drafting `draft_tokens` per step
+    (default: the configured number)."""
     cfg, ecfg = self.cfg, self.engine_cfg
+    draft_tokens = self._draft_tokens if draft_tokens is None else draft_tokens
     for r in requests:
       if not r.prompt_ids:
         raise ValueError(f"request {r.request_id!r} has an empty prompt")
@@ -184,7 +228,7 @@ class JaxEngine:
     self._calls += 1
     own = np.random.default_rng([self.engine_cfg.seed, self._calls]).integers(0, 2**32, size=B, dtype=np.uint64)
     seeds = np.array([own[b] if sp.seed is None else sp.seed % 2**32 for b, sp in enumerate(params)], np.uint32)
-    window, prefix_cache, prefix_experts = self._reuse(list(uniq), prompts, pad)
+    window, prefix_cache, prefix_experts = self._reuse(list(uniq), prompts, pad, draft_tokens)
     batch = Batch(prompts_UxP=jnp.asarray(prompts), pad_U=jnp.asarray(pad),
                   row_prompt_B=jnp.asarray(rows + [0] * (B - len(requests)), jnp.int32),
                   temperature_B=jnp.asarray([sp.temperature for sp in params], jnp.float32),
@@ -195,7 +239,7 @@ class JaxEngine:
                   prefix_cache=prefix_cache, prefix_experts_LmxUxPxK=prefix_experts)
     return batch, Lo, window
 
-  def _reuse(self, uniq: list[tuple[int, ...]], prompts_UxP: np.ndarray, pad_U: np.ndarray):
+  def _reuse(self, uniq: list[tuple[int, ...]], prompts_UxP: np.ndarray, pad_U: np.ndarray, draft_tokens: int):
     """Looks the unique prompts up in the prefix cache → (window, cached rows at their prompt slots, their experts);
     (0, None, None) — a prefill from scratch, as without a cache — when nothing is reused or the window would not
     be narrower than the prompt width."""
@@ -206,9 +250,9 @@ class JaxEngine:
         entries[u], n = self.prefix_cache.lookup(np.asarray(p, np.int32))
         # The last prompt token always runs (its logits are sampled); with MTP only rows module 0 computed from the
         # true next token are reused.
-        reused[u] = min(n, len(p) - 1, entries[u].mtp_len if self._draft_tokens and entries[u] else n)
+        reused[u] = min(n, len(p) - 1, entries[u].mtp_len if draft_tokens and entries[u] else n)
     tail = max(len(p) - r for p, r in zip(uniq, reused))
-    window = bucket(max(tail, self._draft_tokens + 1), self.engine_cfg.min_window_bucket)
+    window = bucket(max(tail, draft_tokens + 1), self.engine_cfg.min_window_bucket)
     self.last_stats = {"prompt_tokens": sum(map(len, uniq)), "prefix_reused_tokens": sum(reused),
                        "prefill_window": window if window < P and any(reused) else P}
     if window >= P or not any(reused):
@@ -226,9 +270,10 @@ class JaxEngine:
         experts[:, u, at] = e.experts_TxLmxK[:r].transpose(1, 0, 2)
     return window, cache, experts
 
-  def _keep(self, requests: list[GenerateRequest], out: Output, rows_B: np.ndarray, P: int) -> None:
+  def _keep(self, requests: list[GenerateRequest], out: Output, rows_B: np.ndarray, P: int, draft_tokens: int
+            ) -> None:
     """Puts each row's prompt + output (rows of its final cache) into the prefix cache."""
-    W = self._draft_tokens + 1
+    W = draft_tokens + 1
     for b, r in enumerate(requests):
       m, n = len(r.prompt_ids), int(out.length_B[b])
       at = slice(P - m, P + n)
@@ -241,13 +286,18 @@ class JaxEngine:
                                      rows, experts.astype(np.int32), max(0, m + n - W) if W > 1 else 0))
 
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    batch, Lo, window = self._batch(requests)
-    out = _run(self.params, batch, self.cfg, Lo, self._draft_tokens, window)
+    k = self._pick_draft_tokens(bucket(len(requests), self.engine_cfg.min_batch_bucket))
+    batch, Lo, window = self._batch(requests, k)
+    program = (k, Lo, window, batch.prompts_UxP.shape, batch.row_prompt_B.shape)
+    t0 = time.perf_counter()
+    out = _run(self.params, batch, self.cfg, Lo, k, window)
     out = jax.device_get(out if self.engine_cfg.prefix_cache_bytes else out._replace(cache=None))
-    self.last_stats.update({k: int(v) for k, v in out.stats.items()})
+    seconds = time.perf_counter() - t0
+    self._record(requests, out, k, seconds if program in self._compiled else None)
+    self._compiled.add(program)
     rows_B = np.asarray(batch.row_prompt_B)
     if self.engine_cfg.prefix_cache_bytes:
-      self._keep(requests, out, rows_B, batch.prompts_UxP.shape[1])
+      self._keep(requests, out, rows_B, batch.prompts_UxP.shape[1], k)
     results = []
     for b, r in enumerate(requests):
       n = int(out.length_B[b])
@@ -263,6 +313,18 @@ class JaxEngine:
                                     entropies=None if out.entropies_BxLo is None
                                     else np.asarray(out.entropies_BxLo[b, :n], np.float32)))
     return results
+
+  def _record(self, requests: list[GenerateRequest], out: Output, k: int, timed_s: float | None) -> None:
+    """`last_stats` and the version log of a finished call; the draft-depth chooser's measurements."""
+    hist = out.stats.get("accept_hist")
+    steps = int(out.stats["steps"])
+    self.last_stats.update({n: int(v) for n, v in out.stats.items() if n != "accept_hist"}, draft_tokens=k)
+    tokens = int(np.asarray(out.length_B)[:len(requests)].sum())
+    self.version_log.add(self.policy_version, all(r.params.temperature <= 0 for r in requests), k,
+                         self.last_stats["drafted"], self.last_stats["accepted"],
+                         int(hist.sum()) if hist is not None else 0, tokens, timed_s)
+    if self.depth is not None:
+      self.depth.record(k, out.tokens_BxLo.shape[0], hist, timed_s, steps)
 
 
 def sample(params: dict, prompts: Sequence[Sequence[int]], cfg: ModelConfig, *, max_tokens: int = 64,

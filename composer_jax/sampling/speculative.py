@@ -154,7 +154,7 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
     return (s_B - P < end_B).any()
 
   def body(greedy: bool, state):
-    s_B, h_BxWxD, tok_BxW, cache, toks, lps, routes, drafted, accepted, steps, end_B = state
+    s_B, h_BxWxD, tok_BxW, cache, toks, lps, routes, hist, steps, end_B = state
     active_B = s_B - P < end_B
     idx_B = s_B - P  # output index of the pending token x_s
 
@@ -184,13 +184,15 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
     keep = lambda new, old: jnp.where(active_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
     return (keep(s_B + 1 + n_B, s_B), keep(_shift_window(h_BxWxD, hv_BxWxD, n_B), h_BxWxD),
             keep(_shift_window(tok_BxW, out_BxW, n_B), tok_BxW), cache, toks, lps, routes,
-            drafted + k * active_B.sum(), accepted + jnp.where(active_B, n_B, 0).sum(), steps + 1, end_B)
+            hist.at[n_B].add(active_B.astype(jnp.int32)), steps + 1, end_B)
 
   z = jnp.zeros((), jnp.int32)
   tok_BxW = jnp.concatenate([batch.prompts_UxP[batch.row_prompt_B][:, P - k:], tok_B[:, None]], 1)
-  state = (jnp.full((B,), P, jnp.int32), h_BxLxD[:, -W:], tok_BxW, cache, toks, lps, routes, z, z, z,
-           batch.max_tokens_B.astype(jnp.int32))
+  state = (jnp.full((B,), P, jnp.int32), h_BxLxD[:, -W:], tok_BxW, cache, toks, lps, routes,
+           jnp.zeros((k + 1,), jnp.int32), z, batch.max_tokens_B.astype(jnp.int32))
   state = greedy_or_sampled(batch, cond, body, state)
-  _, _, _, cache, toks, lps, routes, drafted, accepted, steps, end_B = state
-  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts,
-                {"steps": steps, "drafted": drafted, "accepted": accepted}, cache)
+  _, _, _, cache, toks, lps, routes, hist, steps, end_B = state
+  # hist[n]: row-steps that accepted n drafts in a row (its sum: the rows' trunk forwards).
+  stats = {"steps": steps, "drafted": k * hist.sum(), "accepted": (jnp.arange(k + 1) * hist).sum(),
+           "accept_hist": hist}
+  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats, cache)
