@@ -11,18 +11,14 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from composer_jax import model
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import setup
-from composer_jax.rl import step as rl_step
+from composer_jax.rl import placement, setup
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import loop as train_loop
-from composer_jax.train import optim
-from composer_jax.train import step as step_lib
 from rollout.queue import QueueConsumer
 from rollout.staleness import StalenessConfig
 
@@ -72,34 +68,34 @@ def level_pass_rates(groups: list) -> dict[str, float]:
 
 
 class Trainer:
-  """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference."""
+  """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference.
 
-  def __init__(self, cfg: RunConfig, ref_params, log_fn=print):
-    self.cfg, self.ref_params = cfg, ref_params
-    mesh = train_loop.single_device_mesh()
-    params_sh = model.shardings(cfg.model, mesh)
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
-    optimizer = rl_step.freeze_subtrees(optim.make_optimizer(cfg.train.optim, abstract), abstract)
-    state_sh = step_lib.state_shardings(optimizer, abstract, params_sh)
+  `mesh` and `rules` place the state, the reference and each batch (`rl.placement`); default one device.
+  """
+
+  def __init__(self, cfg: RunConfig, ref_params, log_fn=print, mesh=None, rules: ShardingRules | None = None):
+    self.cfg = cfg
+    mesh = mesh if mesh is not None else train_loop.single_device_mesh()
+    self.batch_cfg = setup.batch_config(cfg)
+    self.rl_step = placement.build_step(cfg.model, cfg.rl, cfg.train.optim, mesh,
+                                        rules if rules is not None else ShardingRules(),
+                                        rows={self.batch_cfg.pack_rows or self.batch_cfg.rows, self.batch_cfg.rows},
+                                        length=self.batch_cfg.length, trees=cfg.rollout.tree is not None)
+    self.ref_params = placement.place_tree(ref_params, self.rl_step.params)
     self.ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
     qstate = None
     if self.ckpts.latest_step() is not None:
-      abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract, optimizer))
-      self.state = self.ckpts.restore(ckpt_lib.abstract_like(abstract_state, state_sh))
+      self.state = self.ckpts.restore(self.rl_step.abstract_state())
       qstate = self.ckpts.restore_meta()
       log_fn(f"Resumed RL at step {int(self.state.step)}")
     else:
-      init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=state_sh)
-      self.state = init(ref_params)
+      self.state = self.rl_step.init_state(self.ref_params)
     self.start = int(self.state.step)
     self.cursor = None   # the queue cursor after the last trained step
     self.applied_path = os.path.join(cfg.workdir, "applied.jsonl")
     _truncate_applied(self.applied_path, self.start)
     self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
                                                                        cfg.rollout.staleness_policy), state=qstate)
-    self.batch_cfg = setup.batch_config(cfg)
-    self.batch_sh = rl_step.batch_shardings(mesh, trees=cfg.rollout.tree is not None)
-    self.step_fn = rl_step.make_rl_step(cfg.model, cfg.rl, optimizer, state_sh, self.batch_sh, params_sh)
 
   @property
   def params(self):
@@ -108,8 +104,7 @@ class Trainer:
   def step(self, step_no: int, groups: list) -> dict[str, float]:
     """One RL step on `groups` (whole groups of this step); returns its metrics as floats."""
     batch = rl_batch.from_consumed(groups, self.batch_cfg)
-    batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, self.batch_sh)
-    self.state, m = self.step_fn(self.state, batch, self.ref_params)
+    self.state, m = self.rl_step(self.state, placement.place_tree(batch, self.rl_step.batch), self.ref_params)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     m.update(reward_terms([t for g in groups for t in g.trajectories()]))
     m.update(level_pass_rates(groups))
