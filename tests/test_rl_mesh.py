@@ -1,10 +1,10 @@
 """The RL step on a mesh of 8 fake devices equals the 1-device step; the step carries its rules; bad meshes are named.
 
-Tolerance: the mesh computes the same float32 math in another reduction order (partial sums per shard, then all-
-reduces), ~1e-7 relative per value. Three AdamW steps at the RL learning rate (3e-4, gradients clipped to norm 1) move
-a weight by at most ~lr per step, whatever the gradient's rounding, so params agree to well under 1e-5 and metrics to
-1e-5 relative, or 1e-6 absolute for those that are differences of logprobs of size ~4 (the KL, the policy loss:
-float32 spacing there is ~5e-7, and the difference can be near 0); a sharding bug (a missing all-reduce, a wrong
+Tolerance: the mesh computes the same float32 math in another reduction order (partial sums per shard, then
+all-reduces), ~1e-7 relative per value. Three AdamW steps at the RL learning rate (3e-4, gradients clipped to norm 1)
+move a weight by at most ~lr per step, whatever the gradient's rounding, so params agree to well under 1e-5 and
+metrics to 1e-5 relative, or 1e-6 absolute for those that are differences of logprobs of size ~4 (the KL, the policy
+loss: float32 spacing there is ~5e-7, and the difference can be near 0); a sharding bug (a missing all-reduce, a wrong
 slice, a replicated per-sequence field read as sharded) moves losses at the 1e-2 level. Routing compares exactly: the
 top-k choices only flip at ties, and these random weights have none within rounding.
 """
