@@ -11,6 +11,7 @@ only its last `window` prompt slots run (a power of two >= its longest uncached 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -20,11 +21,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from composer_jax.model import moe
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling import cached_model as cm
+from composer_jax.sampling import placement as placement_lib
 from composer_jax.sampling.decode import Batch, Output, generate
 from composer_jax.sampling.prefix_cache import Entry, PrefixCache
 from composer_jax.sampling.speculative import generate_speculative
@@ -101,14 +104,17 @@ class JaxEngine:
   """Batched, jitted generation with an MLA latent KV cache; implements `rollout.engines.protocol.Engine`."""
 
   def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig(),
-               policy_version: int = 0):
+               policy_version: int = 0, mesh: Mesh | None = None, placement: str = "trainer"):
+    """`mesh` and `placement` ('trainer' | 'replicas', `sampling.placement`): where weights and rows live."""
     self.cfg = dataclasses.replace(cfg, moe_impl=generation_moe_impl(cfg, engine_cfg.moe_impl))
     self.engine_cfg = engine_cfg
     if engine_cfg.speculative and cfg.num_nextn_predict_layers < 1:
       raise ValueError("EngineConfig(speculative=True) needs a model with MTP modules (num_nextn_predict_layers >= 1)")
     if engine_cfg.draft_tokens < 1:
       raise ValueError(f"EngineConfig.draft_tokens must be >= 1, got {engine_cfg.draft_tokens}")
-    self.params = params
+    placement_lib.check(placement)
+    self.mesh, self.placement = mesh, placement
+    self.params = placement_lib.weights(params, mesh, placement)
     self.policy_version = policy_version
     self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_bytes)
     self._result_key: str | None = None
@@ -242,7 +248,10 @@ class JaxEngine:
 
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
     batch, Lo, window = self._batch(requests)
-    out = _run(self.params, batch, self.cfg, Lo, self._draft_tokens, window)
+    per_row = {k: v for k, v in batch._asdict().items() if not k.startswith("prefix")}
+    batch = batch._replace(**placement_lib.rows(per_row, self.mesh, self.placement))
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      out = _run(self.params, batch, self.cfg, Lo, self._draft_tokens, window)
     out = jax.device_get(out if self.engine_cfg.prefix_cache_bytes else out._replace(cache=None))
     self.last_stats.update({k: int(v) for k, v in out.stats.items()})
     rows_B = np.asarray(batch.row_prompt_B)
