@@ -161,3 +161,25 @@ def test_placing_moves_device_arrays_without_a_host_copy():
   np.testing.assert_array_equal(placed["embed"], params["embed"])
   again = placement.place_tree(placed, shardings)
   assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(again)))
+
+
+def test_the_sglang_export_from_sharded_params_equals_the_host_export(tmp_path):
+  """The fleet's Hugging Face directory is written from the params as the trainer holds them (each tensor from
+  the shards of the devices holding it), and holds exactly what an export of the same params from the host does."""
+  from safetensors.numpy import load_file
+
+  from composer_jax import configs
+  from composer_jax.rl import fleet
+  from composer_jax.rl.config import RunConfig
+  from experiments.configs import rl as rl_configs
+
+  cfg = configs.from_dict(RunConfig, rl_configs.get_config("test"), workdir=str(tmp_path))
+  mesh = mesh_lib.mesh_from_config(MESH)
+  params = model.init(jax.random.key(0), cfg.model)
+  sharded = placement.place_tree(params, model.shardings(cfg.model, mesh, MESH.rules()))
+  assert not sharded["embed"].sharding.is_fully_replicated
+  got, want = fleet.export(cfg, sharded, 2), fleet.export(cfg, jax.device_get(params), 1)
+  got_t, want_t = load_file(f"{got}/model.safetensors"), load_file(f"{want}/model.safetensors")
+  assert sorted(got_t) == sorted(want_t) and len(got_t) > 10
+  for k in want_t:
+    np.testing.assert_array_equal(got_t[k], want_t[k], err_msg=k)
