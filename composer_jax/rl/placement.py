@@ -117,9 +117,14 @@ def build_step(model_cfg: ModelConfig, rl_cfg: rl_step.RLConfig, optim_cfg: Opti
 
 def place(x, sharding: NamedSharding) -> jax.Array:
   """`x` on `sharding`: as is if already there; a device array by `device_put` (device to device, no host copy);
-  a host array (the same values in every process) by each process taking only its devices' slices."""
+  a host array, or a process's own copy going to devices of several processes (the same values in every process),
+  by each process taking only its devices' slices."""
   if isinstance(x, jax.Array):
-    return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
+    if x.sharding.is_equivalent_to(sharding, x.ndim):
+      return x
+    if (x.is_fully_addressable and sharding.is_fully_addressable) or not x.is_fully_replicated:
+      return jax.device_put(x, sharding)
+    x = x.addressable_data(0)   # every process holds all of it: each takes its slices from its own copy
   host = np.asarray(x)
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

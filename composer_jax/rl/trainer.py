@@ -13,9 +13,10 @@ import os
 import jax
 import numpy as np
 
+from composer_jax.parallel import distributed
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import placement, setup
+from composer_jax.rl import placement, processes, setup
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import loop as train_loop
@@ -82,6 +83,9 @@ class Trainer:
                                         rows={self.batch_cfg.pack_rows or self.batch_cfg.rows, self.batch_cfg.rows},
                                         length=self.batch_cfg.length, trees=cfg.rollout.tree is not None)
     self.ref_params = placement.place_tree(ref_params, self.rl_step.params)
+    # Processes get here at different times, and a gloo (CPU) collective, as orbax's first sync, waits for a late
+    # peer only 30 s: meet in the coordination service first.
+    distributed.barrier("rl_trainer_start")
     self.ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
     qstate = None
     if self.ckpts.latest_step() is not None:
@@ -93,26 +97,36 @@ class Trainer:
     self.start = int(self.state.step)
     self.cursor = None   # the queue cursor after the last trained step
     self.applied_path = os.path.join(cfg.workdir, "applied.jsonl")
-    _truncate_applied(self.applied_path, self.start)
+    self.primary = distributed.is_primary()   # the one process that polls, logs and commits (`rl/processes.py`)
+    if self.primary:
+      _truncate_applied(self.applied_path, self.start)
     self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
                                                                        cfg.rollout.staleness_policy), state=qstate)
+    self._compiled: dict[tuple[int, int], object] = {}   # per batch shape (packed, or a group alone unpacked)
 
   @property
   def params(self):
     return self.state.params
 
-  def step(self, step_no: int, groups: list) -> dict[str, float]:
-    """One RL step on `groups` (whole groups of this step); returns its metrics as floats."""
-    batch = rl_batch.from_consumed(groups, self.batch_cfg)
-    self.state, m = self.rl_step(self.state, placement.place_tree(batch, self.rl_step.batch), self.ref_params)
+  def step(self, step_no: int, groups: list | None) -> dict[str, float]:
+    """One RL step on `groups` (whole groups of this step; None in the processes but process 0, which receive
+    process 0's, `processes.share_groups`); returns its metrics as floats."""
+    groups = processes.share_groups(groups, self.consumer.kv)
+    batch = placement.place_tree(rl_batch.from_consumed(groups, self.batch_cfg), self.rl_step.batch)
+    shape = batch["tokens"].shape
+    if shape not in self._compiled:
+      self._compiled[shape] = self.rl_step.lower(self.state, batch, self.ref_params).compile()
+      distributed.barrier(f"rl_step_compiled_{shape[0]}x{shape[1]}")   # compiled at different speeds, as above
+    self.state, m = self._compiled[shape](self.state, batch, self.ref_params)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     m.update(reward_terms([t for g in groups for t in g.trajectories()]))
     m.update(level_pass_rates(groups))
     if not np.isfinite(m["loss"]):
       raise train_loop.NonFiniteLossError(f"non-finite RL loss at step {step_no}; last good checkpoint "
                                           f"{self.ckpts.latest_step()}")
-    with open(self.applied_path, "a") as f:
-      f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
+    if self.primary:
+      with open(self.applied_path, "a") as f:
+        f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
     self.cursor = self.consumer.state()   # after exactly this step's groups, whatever is consumed before the save
     return m
 
@@ -126,9 +140,10 @@ class Trainer:
     cursor is the one right after the last trained step, so groups consumed since (a step cut short by Ctrl-C) are
     delivered again on resume."""
     qsave = self.cursor if self.cursor is not None else self.consumer.state()
-    self.ckpts.save(step_no, self.state, meta=qsave, force=True)
+    self.ckpts.save(step_no, self.state, meta=qsave, force=True)   # every process: orbax saves collectively
     self.ckpts.wait()
-    self.consumer.commit(qsave)
+    if self.primary:
+      self.consumer.commit(qsave)
 
   def close(self) -> None:
     self.ckpts.close()
