@@ -72,21 +72,14 @@ HEADROOM = 0.10
 
 
 def RL_CONFIG():  # noqa: N802  (a constant, built lazily so that importing this file does not import jax)
-  """The RL step the plan compiles: the run's (`experiments/configs/rl.py`'s default `rl` section), router replay
-  on. Its unreplayed forward sits in a `lax.cond` (run when routing is missing or its metric is due), so the
-  compiled program holds both branches; `RL_FORWARDS` counts that forward as if it ran every step."""
+  """The RL step the plan compiles: the run's (`experiments/configs/rl.py`'s default `rl` section: its loss and
+  its optimizer), router replay on. Its unreplayed forward sits in a `lax.cond` (run when routing is missing or its
+  metric is due), so the compiled program holds both branches; `RL_FORWARDS` counts that forward as if it ran every
+  step."""
   from composer_jax import configs
-  from composer_jax.rl import step as rl_step_lib
+  from composer_jax.rl.config import RLConfig
   from experiments.configs import rl
-  return configs.from_dict(rl_step_lib.RLConfig, rl.get_config().rl)
-
-
-def RL_OPTIM():  # noqa: N802
-  """The run's RL optimizer (`rl.py`'s `train.optim`)."""
-  from composer_jax import configs
-  from composer_jax.train.config import OptimConfig
-  from experiments.configs import rl
-  return configs.from_dict(OptimConfig, rl.get_config().train.optim)
+  return configs.from_dict(RLConfig, rl.get_config().rl)
 
 
 # Forward passes' worth of model FLOPs per step: LM = forward + backward; RL = the policy's forward + backward,
@@ -229,7 +222,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
     case["args"], case["module"] = (case["state"], case["batch"]), "jit_train_step"
   else:
     # The run's own builder (`rl.placement.build_step`, as `rl.trainer.Trainer` calls it): one RL step program.
-    step = placement.build_step(cfg, RL_CONFIG(), RL_OPTIM(), mesh, rules, rows=(rows,), length=stage.seq)
+    step = placement.build_step(cfg, RL_CONFIG(), mesh, rules, rows=(rows,), length=stage.seq)
     case["batch"], b_shard = _rl_batch(mesh, rules, rows, stage.seq, cfg)
     case["state"], case["optimizer"] = step.abstract_state(), step.optimizer
     case["fn"] = step

@@ -37,7 +37,7 @@ class DemoConfig:
   model: ModelConfig = ModelConfig()      # shape of `model` (its vocab is sized to the tokenizer)
   policies: tuple[str, ...] = ("oracle", "noop", "model")
   tokenizer: TokenizerSource = TokenizerSource()
-  backend: str = "sandbox"                # workspaces: 'sandbox' (bubblewrap) or 'local'
+  workspaces: str = "sandbox"             # workspaces: 'sandbox' (bubblewrap) or 'local'
   seed: int = 0
   transcripts: int = 1
 
@@ -58,15 +58,15 @@ def _random_model_engine(cfg: DemoConfig, tok):
 
 def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, dict]:
   """Runs every policy of `cfg` on its tasks; returns policy -> the runner's summary (pass@1, reward, ...)."""
-  from composer_jax.rl import warmstart
-  factory = make_factory(cfg.backend)
+  from composer_jax.rl import setup
+  factory = make_factory(cfg.workspaces)
   try:
     envs = EnvironmentCache(factory)
     tasks = registry.load_tasks(cfg.tasks, envs, log)
     if cfg.tokenizer.dir:
       tok = tokenizer_lib.load_tokenizer(cfg.tokenizer.dir)
     else:
-      tok = warmstart.fit_tokenizer_to_source(cfg.tasks, envs, cfg.harness.system_prompt, cfg.tokenizer.fit,
+      tok = setup.fit_tokenizer_to_source(cfg.tasks, envs, cfg.harness.system_prompt, cfg.tokenizer.fit,
                                               cfg.tokenizer.train_tasks, cfg.seed + 1)
     out = {}
     for name in cfg.policies:

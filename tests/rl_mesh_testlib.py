@@ -1,7 +1,7 @@
 """Shared by the RL mesh and multi-process tests: the RL trainer (`rl.trainer.Trainer`) on a queue of fixed groups.
 
 It runs what the RL loop runs for a step — process 0 takes the step's groups from the queue (`sources.take_groups`),
-every process trains on them (`Trainer.step`), checkpoints every `train.ckpt_every` — with the groups written to the
+every process trains on them (`Trainer.step`), checkpoints every `rl.ckpt_every` — with the groups written to the
 queue beforehand instead of by rollout workers, so two runs see exactly the same groups.
 
 As a script it is one process of a run (COORDINATOR '-': a single process on all its devices):
@@ -34,7 +34,7 @@ MESH = mesh_lib.MeshConfig(data=2, expert=2, context=2)
 def run_config(workdir: str, steps: int) -> RunConfig:
   """`rl.py:test` (tiny model, 2 groups of 2 per step, rows of 320 tokens), a checkpoint every 2 steps."""
   cfg = configs.from_dict(RunConfig, rl_configs.get_config("test"), workdir=workdir)
-  return configs.replace(cfg, **{"train.steps": steps, "train.ckpt_every": 2})
+  return configs.replace(cfg, **{"rl.steps": steps, "rl.ckpt_every": 2})
 
 
 def fill_queue(cfg: RunConfig, steps: int) -> None:
@@ -43,7 +43,7 @@ def fill_queue(cfg: RunConfig, steps: int) -> None:
   producer = QueueProducer(setup.queue_url(cfg), "fixed")
   n_layers = cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace
   for step in range(steps):
-    for g in range(cfg.train.groups_per_step):
+    for g in range(cfg.rl.groups_per_step):
       group = tl.flat_group([list(rng.integers(0, tl.ENV, rng.integers(4, 40)))
                              for _ in range(cfg.rollout.samples_per_prompt)],
                             rng.integers(0, 2, cfg.rollout.samples_per_prompt).astype(float), n_layers=n_layers)
@@ -67,7 +67,7 @@ def train(workdir: str, steps: int, mesh, rules, kill_at: int = 0) -> Trainer:
         f.write(json.dumps({"step": step_no, **m}) + "\n")
     if step_no == kill_at:
       os.kill(os.getpid(), signal.SIGKILL)
-    if step_no % cfg.train.ckpt_every == 0 or step_no == steps:
+    if step_no % cfg.rl.ckpt_every == 0 or step_no == steps:
       trainer.checkpoint(step_no)
   trainer.close()
   return trainer

@@ -9,11 +9,12 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import evaluate, publish, warmstart
+from composer_jax.rl import evaluate, setup, warmstart, weight_files
 from composer_jax.rl.config import RunConfig
 from experiments.configs import common
 from experiments.configs import rl as rl_configs
 from rollout.tasks import procedural
+from tests.run_testlib import fake_run
 
 
 def _cfg(**overrides):
@@ -26,7 +27,7 @@ def _cfg(**overrides):
     ({"rollout.engine": "vllm"}, "engine"),
     ({"rollout.mode": "sync", "rollout.max_staleness": 2}, "max_staleness=0"),
     ({"rollout.samples_per_prompt": 1}, ">= 2"),
-    ({"train.steps": 0}, "steps"),
+    ({"rl.steps": 0}, "steps"),
     ({"rollout.staleness_policy": "ignore"}, "staleness_policy"),
     ({"rollout.max_staleness": 0, "rollout.publish_every": 3}, "dropped as stale"),
     ({"harness.context_budget": 100, "harness.max_turn_tokens": 64, "harness.observation_reserve": 64},
@@ -35,10 +36,9 @@ def _cfg(**overrides):
     ({"sft.demo_accuracy": 0.0}, "demo_accuracy"),
     ({"sft.steps": 0}, "init_checkpoint"),
     ({"rollout.mode": "sync", "rollout.max_staleness": 0, "rollout.publish_every": 2}, "publish_every must be 1"),
-    ({"train.rows_per_step": -1}, "rows_per_step"),
+    ({"rl.rows_per_step": -1}, "rows_per_step"),
     # 4 groups x 8 trajectories = 32 rows, but one group of 8 five-segment chains needs 40.
-    ({"harness.max_segments": 5}, "set train.rows_per_step >= 40"),
-    ({"harness.sampling.temperature": 0.7}, r"rl.temperature=1.0 must be the rollouts' sampling temperature"),
+    ({"harness.max_segments": 5}, "set rl.rows_per_step >= 40"),
     ({"harness.context_budget": 8192, "model.max_position_embeddings": 4096},
      r"harness.context_budget=8192 exceeds the model's positions \(model.max_position_embeddings=4096\)"),
 ])
@@ -71,19 +71,19 @@ def test_wilson_interval_matches_hand_computation():
 
 def test_publish_roundtrip_and_pruning(tmp_path):
   params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": {"c": np.ones(4, np.int32)}}
-  assert publish.latest(str(tmp_path)) is None
+  assert weight_files.latest(str(tmp_path)) is None
   for v in range(5):
-    publish.publish(str(tmp_path), {"a": params["a"] + v, "b": params["b"]}, v, keep=2)
-  version, path = publish.latest(str(tmp_path))
+    weight_files.publish(str(tmp_path), {"a": params["a"] + v, "b": params["b"]}, v, keep=2)
+  version, path = weight_files.latest(str(tmp_path))
   assert version == 4
-  got = publish.load(path, params)
+  got = weight_files.load(path, params)
   np.testing.assert_array_equal(got["a"], params["a"] + 4)
   np.testing.assert_array_equal(got["b"]["c"], params["b"]["c"])
   assert sorted(p.name for p in tmp_path.glob("v*.npz")) == ["v3.npz", "v4.npz"]
   with pytest.raises(ValueError, match="shape"):
-    publish.load(path, {"a": np.zeros((3, 2)), "b": params["b"]})
+    weight_files.load(path, {"a": np.zeros((3, 2)), "b": params["b"]})
   with pytest.raises(ValueError, match="no leaf"):
-    publish.load(path, {"x": params["a"]})
+    weight_files.load(path, {"x": params["a"]})
 
 
 def test_rl_main_config_converts_and_typos_fail():
@@ -102,11 +102,12 @@ def test_rl_main_config_converts_and_typos_fail():
 
 
 def test_the_trainer_scores_at_the_rollout_temperature_a_flag_sets():
-  """--config.harness.sampling.temperature=0.7 sets rl.temperature too (one value, two readers)."""
+  """--config.harness.sampling.temperature=0.7 sets rl.temperature too (derived: one value, two readers)."""
   c = rl_configs.get_config("colab")
   c.harness.sampling.temperature = 0.7            # what the flag does
   cfg = configs.from_dict(RunConfig, c, workdir="/tmp/x")
   assert cfg.rl.temperature == cfg.harness.sampling.temperature == 0.7
+  assert _cfg(**{"harness.sampling.temperature": 0.7}).rl.temperature == 0.7   # no config can set them apart
   greedy = _cfg(**{"harness.sampling.temperature": 0.0})   # greedy rollouts: engines record T = 1 logprobs
   assert greedy.rl.temperature == 1.0
 
@@ -154,7 +155,8 @@ def test_publisher_and_source_registries_list_valid_names():
 
 
 def test_worker_throttle_allows_per_version_groups_then_waits_for_a_newer_version():
-  from composer_jax.rl import publishers, worker
+  from composer_jax.rl import follower
+  from composer_jax.rl import worker_process as worker
   state = {"version": 0, "loads": 0}
 
   def load_newer():
@@ -162,14 +164,14 @@ def test_worker_throttle_allows_per_version_groups_then_waits_for_a_newer_versio
     if state["loads"] == 5:          # the trainer publishes v1 while the worker waits
       state["version"] = 1
 
-  follower = publishers.Follower(engine=None, version=lambda: state["version"], load_newer=load_newer)
-  refresh = worker.throttle(follower, per_version=2, stopping=lambda: False)
+  follows = follower.Follower(engine=None, version=lambda: state["version"], load_newer=load_newer)
+  refresh = worker.throttle(follows, per_version=2, stopping=lambda: False)
   refresh()
   refresh()
   assert state["loads"] == 2 and state["version"] == 0      # two groups of v0 without waiting
   refresh()                                                  # a third one waits until v1 arrives
   assert state["version"] == 1 and state["loads"] == 5
-  stopped = worker.throttle(follower, per_version=1, stopping=lambda: True)
+  stopped = worker.throttle(follows, per_version=1, stopping=lambda: True)
   stopped()
   stopped()                                                  # a stopping worker is never held back
 
@@ -194,7 +196,7 @@ def test_success_rate_runs_through_the_evaluation_runner_and_resumes(tmp_path):
   from rollout.tasks.environment import EnvironmentCache
   from rollout.workspace import make_factory
   tasks = procedural.generate(4, seed=5, split="heldout", level=1)
-  tok = warmstart.fit_tokenizer(tasks, harness.SHORT_SYSTEM_PROMPT, 512)
+  tok = setup.fit_tokenizer(tasks, harness.SHORT_SYSTEM_PROMPT, 512)
   hcfg = harness.HarnessConfig(system_prompt="short", context_budget=512, max_turn_tokens=128,
                                observation_reserve=128, max_turns=4, max_segments=1)
   envs = EnvironmentCache(make_factory("local"))
@@ -225,8 +227,8 @@ def test_a_step_takes_whole_groups_until_the_next_does_not_fit(tmp_path):
            "routed_TxNxK": np.zeros((6, 1, 1), np.int32), "prompt_len": 0, "turns": []}
     return {"task_id": "t", "segments": [seg] * n_segments, "reward": 1.0, "breakdown": {}}
 
-  cfg = _cfg(**{"train.groups_per_step": 4, "rollout.samples_per_prompt": 2, "harness.max_segments": 3,
-                "train.rows_per_step": 8})
+  cfg = _cfg(**{"rl.groups_per_step": 4, "rollout.samples_per_prompt": 2, "harness.max_segments": 3,
+                "rl.rows_per_step": 8})
   url = f"file://{tmp_path}/q"
   producer = QueueProducer(url, "w")
   for n_seg in (3, 1, 2, 3, 1, 1, 1, 1, 1):     # groups of 2 trajectories: 1 + n_seg rows each
@@ -265,13 +267,13 @@ def test_the_sft_control_reuses_the_warm_starts_transcripts(tmp_path, monkeypatc
   seen = {}
   monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: seen.setdefault("args", a) and (None, {}))
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: (train, dev))
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda cfg: [])
-  warmstart.sft(cfg, None, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
+  run = setup.Run(None, [], [], None)
+  warmstart.sft(cfg, run, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
   assert seen.pop("args")[2:4] == (train, dev)
   warmstart.write_jsonl(str(tmp_path / "sft" / "sft_train.jsonl"), [[{"role": "user", "content": "saved"}]])
   warmstart.write_jsonl(str(tmp_path / "sft" / "sft_eval.jsonl"), dev)
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: pytest.fail("the control re-ran the oracle"))
-  warmstart.sft(cfg, None, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
+  warmstart.sft(cfg, run, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
   assert seen["args"][2:4] == ([[{"role": "user", "content": "saved"}]], dev)
 
 
@@ -286,10 +288,6 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
   dev = [types.SimpleNamespace(id=f"d{i}", metadata={"level": 1 + i % 2}) for i in range(4)]
   oracle, trained = [], []
 
-  class Envs:
-    class factory:
-      close = staticmethod(lambda: None)
-
   def run_sft(model_cfg, tok, train, heldout, workdir, *, steps, init_params, **kw):
     os.makedirs(workdir, exist_ok=True)
     warmstart.write_jsonl(os.path.join(workdir, "sft_train.jsonl"), train)
@@ -297,14 +295,11 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
     trained.append((os.path.basename(workdir), steps, init_params, [m[0]["content"] for m in train],
                     [m[0]["content"] for m in heldout]))
     return f"params of {os.path.basename(workdir)}", {}
-  monkeypatch.setattr(warmstart, "run_tokenizer", lambda c: None)
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
-  monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, n=None: dev)
-  monkeypatch.setattr(warmstart.setup, "make_envs", lambda c: Envs)
+  monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, envs, n=None: dev)
   monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, *a, **k: oracle.extend(t.id for t in tasks)
                       or [[{"role": "user", "content": t.id}] for t in tasks])
   monkeypatch.setattr(warmstart, "run_sft", run_sft)
-  assert warmstart.warm_start(cfg, log_fn=lambda s: None) == "params of sft"
+  assert warmstart.warm_start(cfg, setup.Run(None, pool, [], None), log_fn=lambda s: None) == "params of sft"
   level1, level2 = ["t0", "t2", "t4"], ["t1", "t3", "t5"]
   assert trained == [("sft_curriculum", 7, None, level1, ["d0", "d2"]),
                      ("sft", 5, "params of sft_curriculum", level1 + level2, ["d0", "d2", "d1", "d3"])]
@@ -321,10 +316,9 @@ def test_the_tokenizer_is_fitted_to_the_curriculums_first_levels(tmp_path, monke
   cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
   pool = [types.SimpleNamespace(id=f"t{i}", metadata={"level": 1 + i % 2}) for i in range(300)]
   fitted = []
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
-  monkeypatch.setattr(warmstart, "fit_tokenizer", lambda tasks, *a: fitted.append([t.id for t in tasks]) or "tok")
-  monkeypatch.setattr(warmstart.tokenizer_lib, "save_tokenizer", lambda tok, path: None)
-  assert warmstart.run_tokenizer(cfg) == "tok"
+  monkeypatch.setattr(setup, "fit_tokenizer", lambda tasks, *a: fitted.append([t.id for t in tasks]) or "tok")
+  monkeypatch.setattr(setup.tokenizer_lib, "save_tokenizer", lambda tok, path: None)
+  assert setup.run_tokenizer(cfg, pool) == "tok"
   assert fitted == [[t.id for t in pool[:256] if not curriculum or t.metadata["level"] == 1]]
 
 
@@ -350,22 +344,18 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   (tmp_path / "sft").mkdir()
   calls = []
 
-  def evaluate_policy(c, params, tok, tasks, envs, name, summarizer_params=None):
+  def evaluate_at_temperatures(c, params, run, tasks, name, summarizer_params=None):
     calls.append((name, params, summarizer_params, c.harness.overflow, c.harness.max_segments,
                   c.harness.context_budget, [t.id for t in tasks]))
     return {"T0": {"success": 0.5}}
 
-  class Envs:
-    class factory:
-      close = staticmethod(lambda: None)
-  monkeypatch.setattr(experiment, "evaluate_policy", evaluate_policy)
-  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 0})
+  monkeypatch.setattr(experiment, "evaluate_at_temperatures", evaluate_at_temperatures)
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, run, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl",
+                      lambda c, start, run, log: {"params": "rl", "last": {}, "resumed_at": 0})
   monkeypatch.setattr(experiment, "sft_control", lambda *a: "control")
-  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
   tasks = [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)]
-  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: tasks)
-  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  fake_run(monkeypatch, heldout=tasks)
   # the RL steps' metrics: a length term that was always on, a todo term that never fired, in quarters of 2 steps
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
       {"step": s, "reward": 0.1 * s, "reward/task": 0.1 * s + 0.03, "reward/length": -0.03, "reward/todo": 0.0,
@@ -375,7 +365,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   assert set(result["reward_terms"]) == set(want)
   assert all(result["reward_terms"][k] == pytest.approx(v) for k, v in want.items())
   budget, every, level3 = cfg.harness.context_budget, ["L1", "L2", "L3"], ["L3"]   # only level 3 summarises
-  at = f"@{cfg.train.steps}"   # what depends on the RL policy is named by its step count
+  at = f"@{cfg.rl.steps}"   # what depends on the RL policy is named by its step count
   assert calls == [("sft", "start", None, "summarize", 4, budget, every),
                    ("rl" + at, "rl", None, "summarize", 4, budget, every),
                    ("sft_control" + at, "control", None, "summarize", 4, budget, every),
@@ -404,16 +394,14 @@ def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_pat
   class Envs:
     class factory:
       close = staticmethod(lambda: calls.append("closed"))
-  monkeypatch.setattr(experiment, "evaluate_policy",
-                      lambda c, params, tok, tasks, envs, name, **k: calls.append((name, params, len(tasks))) or
+  monkeypatch.setattr(experiment, "evaluate_at_temperatures",
+                      lambda c, params, run, tasks, name, **k: calls.append((name, params, len(tasks))) or
                       {"T1": {"success": 0.25}})
-  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: pytest.fail("RL ran in a start-only run"))
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, run, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, start, run, log: pytest.fail("RL ran in a start-only run"))
   monkeypatch.setattr(experiment, "sft_control", lambda *a: pytest.fail("the control ran in a start-only run"))
-  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
-  monkeypatch.setattr(experiment.setup, "heldout_tasks",
-                      lambda c: [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)])
-  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  fake_run(monkeypatch, heldout=[types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)],
+           envs=Envs)
   result = experiment.run_experiment(cfg, log_fn=lambda s: None)
   assert calls == [("sft", "start", 3), "closed"]
   saved = json.load(open(tmp_path / "results.json"))

@@ -20,7 +20,7 @@ from composer_jax.parallel.rules import ShardingRules, use_rules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import placement
 from composer_jax.rl import step as rl_step_lib
-from composer_jax.rl.config import TrainerConfig
+from composer_jax.rl.config import RLConfig
 from composer_jax.train import loop as train_loop
 from tests import tree_testlib as tl
 from tests.test_tree import NODES, REWARDS
@@ -54,7 +54,7 @@ def batches() -> list[dict]:
 
 def run(mesh, rules, cfg=CFG):
   """STEPS RL steps from the same start; (metrics per step, params after step 1, params at the end) on the host."""
-  step = placement.build_step(cfg, rl_step_lib.RLConfig(), TrainerConfig().optim, mesh, rules, rows=(ROWS,),
+  step = placement.build_step(cfg, RLConfig(), mesh, rules, rows=(ROWS,),
                               length=LENGTH, trees=True)
   start = model.init(jax.random.key(0), CFG)
   ref = placement.place_tree(start, step.params)
@@ -117,14 +117,14 @@ def test_the_step_is_traced_under_its_own_rules():
   table, and differs from the default table's: the run's rules reach the per-device head and the constraints."""
   mesh = mesh_lib.mesh_from_config(MESH)
   rules = dataclasses.replace(MESH.rules(), batch=("data", "expert"))
-  step = placement.build_step(CFG, rl_step_lib.RLConfig(), TrainerConfig().optim, mesh, rules, rows=(ROWS,),
+  step = placement.build_step(CFG, RLConfig(), mesh, rules, rows=(ROWS,),
                               length=LENGTH, trees=True)
   state = step.abstract_state()
   batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batches()[0], step.batch)
   ref = state.params
 
   def lowered(rules_arg, ambient):
-    fn = rl_step_lib.make_rl_step(CFG, rl_step_lib.RLConfig(), step.optimizer, step.state, step.batch, step.params,
+    fn = rl_step_lib.make_rl_step(CFG, RLConfig(), step.optimizer, step.state, step.batch, step.params,
                                   rules_arg)
     with use_rules(ambient), jax.set_mesh(mesh):
       return fn.lower(state, batch, ref).as_text()

@@ -9,6 +9,7 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.rl import loop, setup
+from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout.evaluation import policies as budget_lib
@@ -40,12 +41,12 @@ def test_sync_rl_on_a_mined_set_with_gold_patch_demonstrations(tmp_path):
   assert c.tasks.kind == "mined" and c.tasks.n == 0
   cfg = configs.from_dict(RunConfig, c, workdir=str(tmp_path / "run"))
   # A gold-patch turn (write_file of a unified diff) is longer than a procedural edit: room for it.
-  cfg = configs.replace(cfg, **{"tasks.miner": FAST, "tasks.heldout_percent": 1, "train.steps": 2,
-                                "train.ckpt_every": 2, "harness.context_budget": 1000, "harness.max_turn_tokens": 400,
+  cfg = configs.replace(cfg, **{"tasks.miner": FAST, "tasks.heldout_percent": 1, "rl.steps": 2,
+                                "rl.ckpt_every": 2, "harness.context_budget": 1000, "harness.max_turn_tokens": 400,
                                 "harness.summary_max_tokens": 400, "harness.tools.max_output_chars": 200,
                                 "sft.seq_len": 512})
-  out = loop.train_rl(cfg, log_fn=lambda s: None)
-  pool = setup.train_pool(cfg)
+  out = loop.run_rl(cfg, log_fn=lambda s: None)
+  pool = setup.train_pool(cfg, None)
   assert sorted(t.prompt for t in pool) == ["Add six to calc", "Add two to calc"]
   assert (tmp_path / "run" / "tasks_train_0.json").exists()      # frozen once: workers read the same pool
   demos = [json.loads(line)["messages"] for line in open(tmp_path / "run" / "sft" / "sft_train.jsonl")]
@@ -55,7 +56,7 @@ def test_sync_rl_on_a_mined_set_with_gold_patch_demonstrations(tmp_path):
   assert sorted(t.gold_patch for t in pool) == sorted(patches)    # the demonstrations are the gold patches
   applied = [json.loads(line) for line in open(tmp_path / "run" / "applied.jsonl")]
   assert [r["step"] for r in applied] == [1, 2] and int(out["last"]["step"]) == 2
-  assert all(len(r["keys"]) == cfg.train.groups_per_step for r in applied)
+  assert all(len(r["keys"]) == cfg.rl.groups_per_step for r in applied)
 
 
 def test_file_task_source_from_the_command_line_arg():
@@ -79,13 +80,13 @@ def test_a_finite_pool_is_frozen_once_and_checked_against_the_config(tmp_path):
   try:
     cfg = configs.from_dict(RunConfig, rl_configs.get_config("test"), workdir=str(tmp_path))
     cfg = configs.replace(cfg, **{"tasks.kind": "rl_test_source", "tasks.n": 0})
-    pool = setup.train_pool(cfg)
-    assert [t.id for t in setup.train_pool(cfg)] == [t.id for t in pool] and calls == ["train"]   # read back
-    held = setup.heldout_tasks(cfg)
+    pool = setup.train_pool(cfg, None)
+    assert [t.id for t in setup.train_pool(cfg, None)] == [t.id for t in pool] and calls == ["train"]   # read back
+    held = setup.heldout_tasks(cfg, None)
     assert {t.id for t in held}.isdisjoint(t.id for t in pool) and len(held) + len(pool) == 12
     other = configs.replace(cfg, **{"tasks.heldout_percent": 50})
     with pytest.raises(ValueError, match=r"another task source \{'heldout_percent': \(20, 50\)\}"):
-      setup.train_pool(other)
+      setup.train_pool(other, None)
   finally:
     del registry.SOURCES["rl_test_source"]
 
@@ -125,12 +126,12 @@ def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
   path = _set_file(tmp_path / "x_v1.json", procedural.generate(40, seed=1, split="train", level=1))
   run = tmp_path / "run"
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={run}",
-               "--config.sft.steps=20", "--config.train.steps=2", "--config.eval.tasks=4",
+               "--config.sft.steps=20", "--config.rl.steps=2", "--config.eval.tasks=4",
                "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
                timeout=1800)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
-  held = len(setup.heldout_tasks(setup.load_run_config(str(run))))
+  held = len(setup.heldout_tasks(workdir_lib.load_run_config(str(run)), None))
   assert result["eval_tasks"] == held and 0 < held <= 4
   assert all(result[p]["T1"]["n"] == held for p in ("sft", "rl"))
   assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
@@ -139,7 +140,6 @@ def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
 def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_naming_the_flags():
   """The issue's mined and SWE sets: `max_turn_tokens=48` cut the oracle's write_file of the gold patch, reported
   minutes in as "the oracle failed 4 tasks: check the sandbox/grader". Now checked before the demonstrations."""
-  from composer_jax.rl import inputs
   from composer_jax.rl.config import RunInputError
   from composer_jax.train import tokenizer as tokenizer_lib
   from rollout.tasks.task import Environment, HiddenTests, Task
@@ -155,11 +155,11 @@ def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_namin
                                           r"patches need (\d+) and (\d+)\): rerun with --config\.harness\."
                                           r"max_turn_tokens=\1 --config\.harness\.summary_max_tokens=\1 "
                                           r"--config\.harness\.context_budget=\2"):
-    inputs.check_budgets(small, tok, [task])
+    setup.check_budgets(small, tok, [task])
   need = max(budget_lib.oracle_turn_tokens(task, tok))
   assert 48 < need <= colab.harness.max_turn_tokens   # rl.py's budgets for repository sources hold this one
-  inputs.check_budgets(colab, tok, [task])
-  inputs.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])
+  setup.check_budgets(colab, tok, [task])
+  setup.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])
 
 
 @pytest.mark.slow   # ~6 min on the loaded 2-core machine: mining, demonstrations, 20 SFT steps, 2 RL steps, 2 evals
@@ -172,7 +172,7 @@ def test_the_readmes_mined_command_runs_end_to_end(tmp_path):
   percent = next(p for p in range(1, 100) if {registry.split_of(t, p) for t in mined} == {"train", "heldout"})
   run = tmp_path / "run"
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=mined,repos={repo}", f"--workdir={run}",
-               f"--config.tasks.heldout_percent={percent}", "--config.sft.steps=20", "--config.train.steps=2",
+               f"--config.tasks.heldout_percent={percent}", "--config.sft.steps=20", "--config.rl.steps=2",
                "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
                timeout=1800)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

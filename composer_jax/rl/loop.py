@@ -1,14 +1,15 @@
 """The RL loop: each step takes whole groups from a rollout source, runs the jitted RL step, publishes the weights.
 
-`train_rl(cfg)` runs (or resumes) one RL job in `cfg.workdir`:
+`train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
+also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  start = warm_start(cfg)                       # tokenizer + SFT on oracle transcripts (`warmstart.py`); KL reference
   trainer = Trainer(cfg, start)                 # state restored from workdir/checkpoints or initialised (`trainer.py`)
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
-  source = sources.make(cfg, ...)               # in-process (sync) | worker processes (async), via the queue
+  source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(version); trainer.step(groups); publisher.publish(params, step); checkpoint
 
-Run it in a process of its own with `python -m composer_jax.rl.loop <workdir>` (it reads the workdir's RunConfig).
+`run_rl(cfg)` is the RL job alone (the workdir claimed, the warm start, then `train_rl`); run it in a process of
+its own with `python -m composer_jax.rl.loop <workdir>` (it reads the workdir's RunConfig).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import publish, publishers, setup, sources, warmstart
+from composer_jax.rl import publishers, setup, sources, warmstart, weight_files
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.rl.trainer import Trainer
@@ -26,34 +27,34 @@ from composer_jax.train import interrupt
 from composer_jax.train import metrics as metrics_lib
 
 
-def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=()) -> dict:
-  """Runs (or resumes) the RL job of `cfg` to `cfg.train.steps`; returns the final params, the last metrics and the
-  step it resumed at (0 for a fresh run).
-
-  It holds the workdir (`rl.workdir.claim`: one live run, a resume only with the stored config but for the fields
-  named in `allow_changes`). Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`).
-  """
-  with workdir_lib.claim(cfg, allow_changes):
-    return _train_rl(cfg, log_fn)
+def run_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=()) -> dict:
+  """The RL job of `cfg` alone (no held-out evaluation): it claims the workdir (`rl.workdir.claim`: one live run, a
+  resume only with the stored config but for the fields named in `allow_changes`), computes the warm start and runs
+  `train_rl` from it."""
+  with workdir_lib.claim(cfg, allow_changes) as run:
+    return train_rl(cfg, warmstart.warm_start(cfg, run, log_fn), run, log_fn)
 
 
-def _train_rl(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
-  trainer = Trainer(cfg, warmstart.warm_start(cfg, log_fn), log_fn)
+def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None] = print) -> dict:
+  """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps` from `start`; returns the final params, the last
+  metrics and the step it resumed at (0 for a fresh run). The caller holds the workdir (`rl.workdir.claim`).
+  Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`)."""
+  trainer = Trainer(cfg, start, log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
     stack.callback(trainer.close)
     publisher = publishers.make(cfg, trainer.params, trainer.start, log_fn)   # before the workers attach to it
     stack.callback(publisher.close)
-    source = sources.make(cfg, publisher.engine, setup.load_tokenizer(cfg), trainer.consumer, log_fn)
+    source = sources.make(cfg, publisher.engine, run, trainer.consumer, log_fn)
     stack.callback(source.close)
     progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn))
     stop = stack.enter_context(interrupt.StopAtStep("RL"))
-    for step_no in range(trainer.start + 1, cfg.train.steps + 1):
+    for step_no in range(trainer.start + 1, cfg.rl.steps + 1):
       if stop.requested:
         done = step_no - 1
         if done > trainer.start and trainer.ckpts.latest_step() != done:
           trainer.checkpoint(done)
-        raise interrupt.Interrupted(f"RL stopped at step {done} of {cfg.train.steps}, checkpointed in "
+        raise interrupt.Interrupted(f"RL stopped at step {done} of {cfg.rl.steps}, checkpointed in "
                                     f"{trainer.ckpts.directory}: rerun the same command to resume")
       t0 = time.perf_counter()
       groups, rollout_s = source.next(version=step_no - 1)
@@ -65,7 +66,7 @@ def _train_rl(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
       m.update(trainer.queue_stats(), step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
                trainer_idle_fraction=idle_s / max(step_s, 1e-9), publish_s=publish_s)
       last = progress.log(step_no, m)
-      if step_no % cfg.train.ckpt_every == 0 or step_no == cfg.train.steps:
+      if step_no % cfg.rl.ckpt_every == 0 or step_no == cfg.rl.steps:
         trainer.checkpoint(step_no)
   _export_final(cfg, trainer)
   _plot(cfg.workdir)
@@ -79,7 +80,7 @@ class _Progress:
     self.writer, self.log_fn, self.bar = metrics_lib.MetricWriter(cfg.workdir), log_fn, None
     if cfg.progress_bar:
       from tqdm import tqdm
-      self.bar = tqdm(total=cfg.train.steps, initial=start, desc="rl", dynamic_ncols=True)
+      self.bar = tqdm(total=cfg.rl.steps, initial=start, desc="rl", dynamic_ncols=True)
 
   def log(self, step_no: int, m: dict) -> dict:
     self.writer.write(step_no, m)
@@ -102,9 +103,9 @@ class _Progress:
 
 def _export_final(cfg: RunConfig, trainer: Trainer) -> None:
   """The final policy in `workdir/weights` whatever the publisher, so every RL workdir can be evaluated as one."""
-  got = publish.latest(publishers.weights_dir(cfg))
+  got = weight_files.latest(publishers.weights_dir(cfg))
   if got is None or got[0] != int(trainer.state.step):
-    publish.publish(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
+    weight_files.publish(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
 
 
 def penalty_terms(rows: list[dict]) -> list[str]:
@@ -131,4 +132,4 @@ def _plot(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-  train_rl(setup.load_run_config(sys.argv[1]))
+  run_rl(workdir_lib.load_run_config(sys.argv[1]))

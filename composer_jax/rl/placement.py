@@ -26,10 +26,10 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.parallel import layout
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import step as rl_step
+from composer_jax.rl.config import RLConfig
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import optim
 from composer_jax.train import step as step_lib
-from composer_jax.train.config import OptimConfig
 
 
 def _axes_over(logical: str, mesh: Mesh, rules: ShardingRules) -> tuple[str, ...]:
@@ -96,17 +96,17 @@ class RLStep:
     return ckpt_lib.abstract_like(abstract, self.state)
 
 
-def build_step(model_cfg: ModelConfig, rl_cfg: rl_step.RLConfig, optim_cfg: OptimConfig, mesh: Mesh,
+def build_step(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh,
                rules: ShardingRules, *, rows: Sequence[int], length: int, trees: bool = False) -> RLStep:
   """The RL step of `model_cfg` on `mesh` under `rules`, for batches of any of `rows` x `length` (checked first).
 
-  The optimizer is `optim_cfg`'s with the MTP heads frozen unless `rl_cfg.mtp_weight > 0` (AdamW's decay would
+  The optimizer is `rl_cfg.optim`'s with the MTP heads frozen unless `rl_cfg.mtp_weight > 0` (AdamW's decay would
   shrink heads that get no gradient); `trees`: batches carry tree groups' `token_adv` and `loss_weight`.
   """
   check_mesh(model_cfg, mesh, rules, rows, length)
   params_sh = model.shardings(model_cfg, mesh, rules)
   abstract = model.abstract_params(model_cfg)
-  optimizer = optim.make_optimizer(optim_cfg, abstract)
+  optimizer = optim.make_optimizer(rl_cfg.optim, abstract)
   if rl_cfg.mtp_weight == 0:
     optimizer = rl_step.freeze_subtrees(optimizer, abstract)
   state_sh = step_lib.state_shardings(optimizer, abstract, params_sh, rules.mesh_axes("optimizer_state"))

@@ -78,7 +78,7 @@ class Trainer:
     self.cfg = cfg
     mesh = mesh if mesh is not None else train_loop.single_device_mesh()
     self.batch_cfg = setup.batch_config(cfg)
-    self.rl_step = placement.build_step(cfg.model, cfg.rl, cfg.train.optim, mesh,
+    self.rl_step = placement.build_step(cfg.model, cfg.rl, mesh,
                                         rules if rules is not None else ShardingRules(),
                                         rows={self.batch_cfg.pack_rows or self.batch_cfg.rows, self.batch_cfg.rows},
                                         length=self.batch_cfg.length, trees=cfg.rollout.tree is not None)

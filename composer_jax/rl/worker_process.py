@@ -1,4 +1,4 @@
-"""The rollout worker process: `python -m composer_jax.rl.worker <workdir> <worker_index>`.
+"""The rollout worker process: `python -m composer_jax.rl.worker_process <workdir> <worker_index>`.
 
 It reads the run's pickled `RunConfig`, gets its engine from the run's publisher registry (`publishers.follow`: a
 `JaxEngine` on the published weight files, reloading newer ones, or a client of the trainer's SGLang fleet) and runs
@@ -67,30 +67,28 @@ def main(workdir: str, worker_index: int) -> None:
   from composer_jax.compile_cache import enable_compilation_cache
   enable_compilation_cache()   # the trainer's cache directory (exported to this process)
   from composer_jax.rl import publishers, setup
+  from composer_jax.rl import workdir as workdir_lib
   from rollout import workers
   from rollout.queue import QueueProducer
 
-  cfg = setup.load_run_config(workdir)
+  cfg = workdir_lib.load_run_config(workdir)
   sdir = os.path.join(workdir, "workers")
   stopping = lambda: os.getppid() != ppid or os.path.exists(os.path.join(sdir, "STOP"))
   follower = publishers.follow(cfg)
   r = cfg.rollout
-  per_version = max(1, math.ceil(cfg.train.groups_per_step * (r.max_staleness + 1) / r.workers))
+  per_version = max(1, math.ceil(cfg.rl.groups_per_step * (r.max_staleness + 1) / r.workers))
   wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=r.workers, samples_per_prompt=r.samples_per_prompt,
                               tree=r.tree)
   os.makedirs(sdir, exist_ok=True)
   with open(os.path.join(sdir, f"{wcfg.producer_id}.pid"), "w") as f:
     f.write(str(os.getpid()))
-  envs = setup.make_envs(cfg)
-  try:
-    workers.run_worker(follower.engine, setup.load_tokenizer(cfg), setup.train_pool(cfg), envs, cfg.harness,
+  with setup.open_run(cfg) as run:   # the trainer's tokenizer and pool, workspaces of this worker's own
+    workers.run_worker(follower.engine, run.tokenizer, run.pool, run.envs, cfg.harness,
                        QueueProducer(setup.queue_url(cfg), wcfg.producer_id), wcfg,
                        os.path.join(sdir, f"{wcfg.producer_id}.json"),
                        refresh=throttle(follower, per_version, stopping,
                                         lambda: beat(beat_path(workdir, worker_index))), should_stop=stopping,
                        log_fn=lambda s: print(s, flush=True))
-  finally:
-    envs.factory.close()
 
 
 if __name__ == "__main__":
