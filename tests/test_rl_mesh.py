@@ -183,3 +183,18 @@ def test_the_sglang_export_from_sharded_params_equals_the_host_export(tmp_path):
   assert sorted(got_t) == sorted(want_t) and len(got_t) > 10
   for k in want_t:
     np.testing.assert_array_equal(got_t[k], want_t[k], err_msg=k)
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"mesh.data": 3}, r"data=3 \(= 3\) shard a step's rows .* \(4\): change them or the mesh axes"),
+    ({"mesh.expert": 3}, r"expert=3 \(= 3\) shard the model's experts \(model.n_routed_experts\) .* \(4\)"),
+    ({"mesh.tensor": 4}, r"tensor=4 \(= 4\) shard the model's attention heads \(model.num_attention_heads\) .* \(2\)"),
+])
+def test_a_run_config_whose_mesh_does_not_fit_fails_at_once(override, match):
+  """`--config.mesh.*` is checked when the config is read, before the warm start's minutes of work."""
+  from composer_jax import configs
+  from composer_jax.rl.config import RunConfig
+  from experiments.configs import rl as rl_configs
+  cfg = configs.from_dict(RunConfig, rl_configs.get_config("test"), workdir="/tmp/unused")
+  with pytest.raises(ValueError, match=match):
+    configs.replace(cfg, **override)

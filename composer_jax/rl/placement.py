@@ -33,15 +33,29 @@ from composer_jax.train import step as step_lib
 
 
 def _axes_over(logical: str, mesh: Mesh, rules: ShardingRules) -> tuple[str, ...]:
-  return tuple(a for a in rules.mesh_axes(logical) if a in mesh.axis_names and mesh.shape[a] > 1)
+  return tuple(a for a in rules.mesh_axes(logical) if a in mesh.axis_names and dict(mesh.shape)[a] > 1)
 
 
 def _check(size: int, what: str, logical: str, mesh: Mesh, rules: ShardingRules, fix: str, factor: int = 1) -> None:
   axes = _axes_over(logical, mesh, rules)
-  n = math.prod(mesh.shape[a] for a in axes) * factor
+  n = math.prod(dict(mesh.shape)[a] for a in axes) * factor
   if size % n:
-    sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes) + (f" x {factor}" if factor > 1 else "")
+    sizes = " x ".join(f"{a}={dict(mesh.shape)[a]}" for a in axes) + (f" x {factor}" if factor > 1 else "")
     raise ValueError(f"mesh axes {sizes} (= {n}) shard {what} but do not divide it ({size}): {fix}")
+
+
+def step_rows(cfg) -> tuple[int, ...]:
+  """The row counts a step's batch of `cfg` (a `RunConfig`) can have: packed, and unpacked for a group that packs
+  alone (`rl.batch`)."""
+  return tuple(sorted({cfg.rl.pack_rows or cfg.batch_rows, cfg.batch_rows}))
+
+
+def check_run_mesh(cfg) -> None:
+  """`check_mesh` for a `RunConfig` on the axis sizes of its `mesh` (an axis at -1 is known only on the devices)."""
+  sizes = cfg.mesh.axis_sizes()
+  if -1 not in sizes.values():
+    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    check_mesh(cfg.model, mesh, cfg.mesh.rules(), step_rows(cfg), cfg.harness.context_budget)
 
 
 def check_mesh(model_cfg: ModelConfig, mesh: Mesh, rules: ShardingRules, rows: Sequence[int], length: int) -> None:
@@ -53,7 +67,7 @@ def check_mesh(model_cfg: ModelConfig, mesh: Mesh, rules: ShardingRules, rows: S
   _check(model_cfg.num_attention_heads, "the model's attention heads (model.num_attention_heads)", "heads", mesh,
          rules, "change mesh.tensor")
   for r in rows:
-    _check(r, "a step's rows (train.pack_rows, or train.rows_per_step / groups_per_step x samples_per_prompt)",
+    _check(r, "a step's rows (rl.pack_rows, or rl.rows_per_step / rl.groups_per_step x rollout.samples_per_prompt)",
            "batch", mesh, rules, "change them or the mesh axes")
   # Ring and all-gather attention cut a sequence into 2 x context zig-zag chunks.
   zigzag = 2 if model_cfg.attention_impl in ("ring", "allgather") else 1

@@ -49,7 +49,9 @@ class InPlace:
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
     from composer_jax.sampling.engine import JaxEngine
-    self.engine = JaxEngine(params, cfg.model, engine_config(cfg), policy_version=version)
+    mesh = jax.tree.leaves(params)[0].sharding.mesh   # the trainer's
+    self.engine = JaxEngine(params, cfg.model, engine_config(cfg), policy_version=version, mesh=mesh,
+                            placement=cfg.rollout.engine_placement)
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from composer_jax.parallel import distributed
+from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import placement, processes, setup
@@ -71,17 +72,17 @@ def level_pass_rates(groups: list) -> dict[str, float]:
 class Trainer:
   """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference.
 
-  `mesh` and `rules` place the state, the reference and each batch (`rl.placement`); default one device.
+  `mesh` and `rules` (default: `cfg.mesh`'s, as pretraining builds them) place the state, the reference and each
+  batch (`rl.placement`).
   """
 
   def __init__(self, cfg: RunConfig, ref_params, log_fn=print, mesh=None, rules: ShardingRules | None = None):
     self.cfg = cfg
-    mesh = mesh if mesh is not None else train_loop.single_device_mesh()
+    mesh = mesh if mesh is not None else mesh_lib.mesh_from_config(cfg.mesh)
     self.batch_cfg = setup.batch_config(cfg)
-    self.rl_step = placement.build_step(cfg.model, cfg.rl, mesh,
-                                        rules if rules is not None else ShardingRules(),
-                                        rows={self.batch_cfg.pack_rows or self.batch_cfg.rows, self.batch_cfg.rows},
-                                        length=self.batch_cfg.length, trees=cfg.rollout.tree is not None)
+    self.rl_step = placement.build_step(cfg.model, cfg.rl, mesh, rules if rules is not None else cfg.mesh.rules(),
+                                        rows=placement.step_rows(cfg), length=self.batch_cfg.length,
+                                        trees=cfg.rollout.tree is not None)
     self.ref_params = placement.place_tree(ref_params, self.rl_step.params)
     # Processes get here at different times, and a gloo (CPU) collective, as orbax's first sync, waits for a late
     # peer only 30 s: meet in the coordination service first.
