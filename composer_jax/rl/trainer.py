@@ -69,20 +69,25 @@ def level_pass_rates(groups: list) -> dict[str, float]:
   return {f"pass/level_{lv}": float(np.mean(v)) for lv, v in sorted(by_level.items())}
 
 
+def build_rl_step(cfg: RunConfig, mesh=None, rules: ShardingRules | None = None) -> placement.RLStep:
+  """The run's RL step (`placement.build_step` for `cfg`'s model, RL config and step shape) on `mesh` under `rules`
+  (default: `cfg.mesh`'s, as pretraining builds them)."""
+  mesh = mesh if mesh is not None else mesh_lib.mesh_from_config(cfg.mesh)
+  return placement.build_step(cfg.model, cfg.rl, mesh, rules if rules is not None else cfg.mesh.rules(),
+                              rows=placement.step_rows(cfg), length=cfg.harness.context_budget,
+                              trees=cfg.rollout.tree is not None)
+
+
 class Trainer:
   """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference.
 
-  `mesh` and `rules` (default: `cfg.mesh`'s, as pretraining builds them) place the state, the reference and each
-  batch (`rl.placement`).
+  `mesh` and `rules` (`build_rl_step`) place the state, the reference and each batch (`rl.placement`).
   """
 
   def __init__(self, cfg: RunConfig, ref_params, log_fn=print, mesh=None, rules: ShardingRules | None = None):
     self.cfg = cfg
-    mesh = mesh if mesh is not None else mesh_lib.mesh_from_config(cfg.mesh)
     self.batch_cfg = setup.batch_config(cfg)
-    self.rl_step = placement.build_step(cfg.model, cfg.rl, mesh, rules if rules is not None else cfg.mesh.rules(),
-                                        rows=placement.step_rows(cfg), length=self.batch_cfg.length,
-                                        trees=cfg.rollout.tree is not None)
+    self.rl_step = build_rl_step(cfg, mesh, rules)
     self.ref_params = placement.place_tree(ref_params, self.rl_step.params)
     # Processes get here at different times, and a gloo (CPU) collective, as orbax's first sync, waits for a late
     # peer only 30 s: meet in the coordination service first.
