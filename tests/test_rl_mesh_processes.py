@@ -17,6 +17,7 @@ import pytest
 import rl_mesh_testlib as lib
 
 from composer_jax.parallel import mesh as mesh_lib
+from rollout.queue import GroupKey
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -53,15 +54,18 @@ def _params(path: str) -> dict:
     return dict(z)
 
 
-def _applied_once(workdir: str) -> list[str]:
-  """The applied log's group keys in step order, each step once, no group twice."""
+def _applied_once(workdir: str) -> list[int]:
+  """Each step once in the applied log, each group once and in queue order; returns each group's policy version
+  (the step `fill_queue` wrote it for, so each step trained on its own groups)."""
   rows = lib.applied(workdir)
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-  keys = [k for r in rows for k in r["keys"]]
+  keys = [GroupKey.parse(k) for r in rows for k in r["keys"]]
   assert len(keys) == len(set(keys)) == STEPS * 2
-  return keys
+  assert [k.t_ns for k in keys] == sorted(k.t_ns for k in keys)
+  return [k.version for k in keys]
 
 
+@pytest.mark.slow   # ~3 compiles of the RL step; 15 min at load 27 here
 def test_two_processes_train_like_one(tmp_path):
   mp_dir, ref_dir = str(tmp_path / "mp"), str(tmp_path / "ref")
   for d in (mp_dir, ref_dir):
@@ -73,7 +77,7 @@ def test_two_processes_train_like_one(tmp_path):
   ref = lib.train(ref_dir, STEPS, mesh_lib.mesh_from_config(mesh_lib.MeshConfig(data=2)),
                   mesh_lib.MeshConfig(data=2).rules())
   lib.save_params(ref, os.path.join(ref_dir, "params_0.npz"))
-  assert _applied_once(mp_dir) == _applied_once(ref_dir)          # process 0 alone wrote it, and once
+  assert _applied_once(mp_dir) == _applied_once(ref_dir) == [0, 0, 1, 1, 2, 2, 3, 3]   # process 0 alone wrote it
   got, want = lib.steps_logged(mp_dir), lib.steps_logged(ref_dir)
   for step in range(1, STEPS + 1):
     for k in ("loss", "kl", "grad_norm", "logprob_gap_replay", "reward"):
@@ -99,7 +103,7 @@ def test_sigkill_and_resume_on_a_mesh_continue_the_run_exactly(tmp_path):
   (rc, out), (ref_rc, ref_out) = _finish([_start(killed, 0, "-", 1, 0, devices=8),
                                           _start(ref_dir, 0, "-", 1, 0, devices=8)])
   assert rc == 0 and ref_rc == 0, (out[-4000:], ref_out[-4000:])
-  assert _applied_once(killed) == _applied_once(ref_dir)
+  assert _applied_once(killed) == _applied_once(ref_dir) == [0, 0, 1, 1, 2, 2, 3, 3]
   got, want = lib.steps_logged(killed), lib.steps_logged(ref_dir)
   for step in range(1, STEPS + 1):
     assert got[step]["loss"] == want[step]["loss"] and got[step]["grad_norm"] == want[step]["grad_norm"], step
