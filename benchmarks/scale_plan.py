@@ -72,11 +72,14 @@ HEADROOM = 0.10
 
 
 def RL_CONFIG():  # noqa: N802  (a constant, built lazily so that importing this file does not import jax)
-  """The RL step the plan compiles: the default `RLConfig`, router replay on. Its unreplayed forward sits in a
-  `lax.cond` (run when routing is missing or its metric is due), so the compiled program holds both branches;
-  `RL_FORWARDS` counts that forward as if it ran every step."""
-  from composer_jax.rl import step as rl_step_lib
-  return rl_step_lib.RLConfig()
+  """The RL step the plan compiles: the run's (`experiments/configs/rl.py`'s default `rl` section: its loss and
+  its optimizer), router replay on. Its unreplayed forward sits in a `lax.cond` (run when routing is missing or its
+  metric is due), so the compiled program holds both branches; `RL_FORWARDS` counts that forward as if it ran every
+  step."""
+  from composer_jax import configs
+  from composer_jax.rl.config import RLConfig
+  from experiments.configs import rl
+  return configs.from_dict(RLConfig, rl.get_config().rl)
 
 
 # Forward passes' worth of model FLOPs per step: LM = forward + backward; RL = the policy's forward + backward,
@@ -194,7 +197,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
 
   from composer_jax import model
   from composer_jax.parallel import layout, make_mesh
-  from composer_jax.rl import step as rl_step_lib
+  from composer_jax.rl import placement
   from composer_jax.train import optim
   from composer_jax.train import step as step_lib
   from composer_jax.train.config import OptimConfig, TrainConfig
@@ -218,10 +221,12 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
     case["fn"] = step_lib.make_train_step(cfg, TrainConfig(), optimizer, s_shard, b_shard, rules)
     case["args"], case["module"] = (case["state"], case["batch"]), "jit_train_step"
   else:
+    # The run's own builder (`rl.placement.build_step`, as `rl.trainer.Trainer` calls it): one RL step program.
+    step = placement.build_step(cfg, RL_CONFIG(), mesh, rules, rows=(rows,), length=stage.seq)
     case["batch"], b_shard = _rl_batch(mesh, rules, rows, stage.seq, cfg)
-    ref = _sds(abstract_params, p_shard)
-    case["fn"] = rl_step_lib.make_rl_step(cfg, RL_CONFIG(), optimizer, s_shard, b_shard, p_shard)
-    case["args"], case["module"] = (case["state"], case["batch"], ref), "jit_rl_step"
+    case["state"], case["optimizer"] = step.abstract_state(), step.optimizer
+    case["fn"] = step
+    case["args"], case["module"] = (case["state"], case["batch"], _sds(abstract_params, p_shard)), "jit_rl_step"
   case["b_shard"] = b_shard
   return case
 

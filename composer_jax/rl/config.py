@@ -9,6 +9,7 @@
     rl         RLConfig                       the RL trainer: steps, groups per step, checkpoints, optimizer, and what
                                               one step computes: loss (k1 KL, IS), router replay
     rollout    RolloutConfig                  who generates: sync/async, engine, workers, staleness, publishing
+    mesh       parallel.mesh.MeshConfig       the trainer's devices and their axes (pretraining's, same rules)
     eval       EvalConfig                     held-out evaluation and the SFT control
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel.mesh import MeshConfig
 from composer_jax.rl import losses
 from composer_jax.train.config import OptimConfig
 from composer_jax.train.tokenizer import TokenizerConfig
@@ -28,6 +30,7 @@ MODES = ("sync", "async")
 ENGINES = {"jax": {"sync": "in_place", "async": "files"},       # the embedded JAX engine (composer_jax.sampling)
            "sglang": {"sync": "fleet", "async": "fleet"}}       # a trainer-owned SGLang fleet (`rl/fleet.py`)
 STALENESS_POLICIES = ("drop", "keep")
+ENGINE_PLACEMENTS = ("trainer", "replicas")   # `composer_jax.sampling.placement.PLACEMENTS`
 
 
 class RunInputError(ValueError):
@@ -139,6 +142,9 @@ class RolloutConfig:
   """Who generates the groups and how fresh they must be."""
   mode: str = "async"               # 'sync': generate → train in one process, staleness 0; 'async': worker processes
   engine: str = "jax"               # a name in `ENGINES`
+  # The in-process (sync) JAX engine on the trainer's mesh: 'trainer' (the weights as trained, no copy) or
+  # 'replicas' (a copy per device, the rows split); `composer_jax/sampling/placement.py`.
+  engine_placement: str = "trainer"
   workers: int = 1
   samples_per_prompt: int = 8       # G
   max_staleness: int = 2
@@ -164,6 +170,8 @@ class RolloutConfig:
       raise ValueError(f"rollout.mode {self.mode!r} not in {MODES}")
     if self.engine not in ENGINES:
       raise ValueError(f"unknown rollout.engine {self.engine!r}; valid: {sorted(ENGINES)}")
+    if self.engine_placement not in ENGINE_PLACEMENTS:
+      raise ValueError(f"unknown rollout.engine_placement {self.engine_placement!r}; valid: {list(ENGINE_PLACEMENTS)}")
     if self.mode == "sync" and self.publish_every != 1:
       raise ValueError(f"mode='sync' rolls out with the newest policy each step: publish_every must be 1, got "
                        f"{self.publish_every}")
@@ -231,6 +239,7 @@ class RunConfig:
   rl: RLConfig = RLConfig()
   rollout: RolloutConfig = RolloutConfig()
   eval: EvalConfig = EvalConfig()
+  mesh: MeshConfig = MeshConfig()   # default: one device
 
   def __post_init__(self):
     if self.tasks.split != "train":
@@ -271,6 +280,8 @@ class RunConfig:
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")
+    from composer_jax.rl import placement  # (it imports this module)
+    placement.check_run_mesh(self)   # a mesh that cannot hold the model or a step fails here, before any work
 
   @property
   def batch_rows(self) -> int:

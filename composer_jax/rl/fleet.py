@@ -20,9 +20,8 @@ import signal
 import sys
 import time
 
-import jax
-
 from composer_jax.interop import hf
+from composer_jax.parallel import distributed
 from composer_jax.rl.config import RunConfig
 from composer_jax.rl.follower import Follower
 from rollout.engines.sglang_fleet import FleetConfig, RemoteServer, SGLangFleet
@@ -46,13 +45,21 @@ def _hf_dir(cfg: RunConfig) -> str:
 
 
 def export(cfg: RunConfig, params, version: int) -> str:
-  """Writes `params` as a Hugging Face checkpoint `workdir/hf/v<version>` (complete before it appears)."""
+  """Writes `params` as a Hugging Face checkpoint `workdir/hf/v<version>` (complete before it appears).
+
+  From the params as the trainer holds them: each process writes the tensors its own devices hold (`hf.save`), so
+  nothing is gathered to one host; in a multi-process run every process calls this, and process 0 renames.
+  """
   path = os.path.join(_hf_dir(cfg), f"v{version}")
   tmp = path + ".tmp"
-  for p in (tmp, path):
-    shutil.rmtree(p, ignore_errors=True)
-  hf.save(tmp, cfg.model, jax.device_get(params))
-  os.replace(tmp, path)
+  if distributed.is_primary():
+    for p in (tmp, path):
+      shutil.rmtree(p, ignore_errors=True)
+  distributed.barrier(f"hf_export_v{version}_start")
+  hf.save(tmp, cfg.model, params)
+  distributed.barrier(f"hf_export_v{version}_written")
+  if distributed.is_primary():
+    os.replace(tmp, path)
   return path
 
 

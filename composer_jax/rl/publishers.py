@@ -47,10 +47,10 @@ def engine_stats_dir(cfg: RunConfig) -> str:
   return os.path.join(cfg.workdir, "engines")
 
 
-def _rollout_engine(cfg: RunConfig, params, version: int, name: str, log_fn=None):
+def _rollout_engine(cfg: RunConfig, params, version: int, name: str, log_fn=None, **placement):
   from composer_jax.sampling.engine import JaxEngine
   return JaxEngine(params, cfg.model, engine_config(cfg), policy_version=version, name=name, log_fn=log_fn,
-                   stats_path=os.path.join(engine_stats_dir(cfg), f"{name}.jsonl"))
+                   stats_path=os.path.join(engine_stats_dir(cfg), f"{name}.jsonl"), **placement)
 
 
 def weights_dir(cfg: RunConfig) -> str:
@@ -61,7 +61,9 @@ class InPlace:
   """Sync mode with the embedded engine: the trainer's own JaxEngine gets each version's params directly."""
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
-    self.engine = _rollout_engine(cfg, params, version, "trainer", log_fn if cfg.rollout.draft_tokens else None)
+    mesh = jax.tree.leaves(params)[0].sharding.mesh   # the trainer's
+    self.engine = _rollout_engine(cfg, params, version, "trainer", log_fn if cfg.rollout.draft_tokens else None,
+                                  mesh=mesh, placement=cfg.rollout.engine_placement)
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()

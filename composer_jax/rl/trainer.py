@@ -11,18 +11,16 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from composer_jax import model
+from composer_jax.parallel import distributed
+from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import setup
-from composer_jax.rl import step as rl_step
+from composer_jax.rl import placement, processes, setup
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import loop as train_loop
-from composer_jax.train import optim
-from composer_jax.train import step as step_lib
 from rollout.queue import QueueConsumer
 from rollout.staleness import StalenessConfig
 
@@ -71,53 +69,70 @@ def level_pass_rates(groups: list) -> dict[str, float]:
   return {f"pass/level_{lv}": float(np.mean(v)) for lv, v in sorted(by_level.items())}
 
 
-class Trainer:
-  """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference."""
+def build_rl_step(cfg: RunConfig, mesh=None, rules: ShardingRules | None = None) -> placement.RLStep:
+  """The run's RL step (`placement.build_step` for `cfg`'s model, RL config and step shape) on `mesh` under `rules`
+  (default: `cfg.mesh`'s, as pretraining builds them)."""
+  mesh = mesh if mesh is not None else mesh_lib.mesh_from_config(cfg.mesh)
+  return placement.build_step(cfg.model, cfg.rl, mesh, rules if rules is not None else cfg.mesh.rules(),
+                              rows=placement.step_rows(cfg), length=cfg.harness.context_budget,
+                              trees=cfg.rollout.tree is not None)
 
-  def __init__(self, cfg: RunConfig, ref_params, log_fn=print):
-    self.cfg, self.ref_params = cfg, ref_params
-    mesh = train_loop.single_device_mesh()
-    params_sh = model.shardings(cfg.model, mesh)
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
-    optimizer = rl_step.rl_optimizer(optim.make_optimizer(cfg.rl.optim, abstract), abstract, cfg.rl)
-    state_sh = step_lib.state_shardings(optimizer, abstract, params_sh)
+
+class Trainer:
+  """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference.
+
+  `mesh` and `rules` (`build_rl_step`) place the state, the reference and each batch (`rl.placement`).
+  """
+
+  def __init__(self, cfg: RunConfig, ref_params, log_fn=print, mesh=None, rules: ShardingRules | None = None):
+    self.cfg = cfg
+    self.batch_cfg = setup.batch_config(cfg)
+    self.rl_step = build_rl_step(cfg, mesh, rules)
+    self.ref_params = placement.place_tree(ref_params, self.rl_step.params)
+    # Processes get here at different times, and a gloo (CPU) collective, as orbax's first sync, waits for a late
+    # peer only 30 s: meet in the coordination service first.
+    distributed.barrier("rl_trainer_start")
     self.ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
     qstate = None
     if self.ckpts.latest_step() is not None:
-      abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract, optimizer))
-      self.state = self.ckpts.restore(ckpt_lib.abstract_like(abstract_state, state_sh))
+      self.state = self.ckpts.restore(self.rl_step.abstract_state())
       qstate = self.ckpts.restore_meta()
       log_fn(f"Resumed RL at step {int(self.state.step)}")
     else:
-      init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=state_sh)
-      self.state = init(ref_params)
+      self.state = self.rl_step.init_state(self.ref_params)
     self.start = int(self.state.step)
     self.cursor = None   # the queue cursor after the last trained step
     self.applied_path = os.path.join(cfg.workdir, "applied.jsonl")
-    _truncate_applied(self.applied_path, self.start)
+    self.primary = distributed.is_primary()   # the one process that polls, logs and commits (`rl/processes.py`)
+    if self.primary:
+      _truncate_applied(self.applied_path, self.start)
     self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
                                                                        cfg.rollout.staleness_policy), state=qstate)
-    self.batch_cfg = setup.batch_config(cfg)
-    self.batch_sh = rl_step.batch_shardings(mesh, trees=cfg.rollout.tree is not None)
-    self.step_fn = rl_step.make_rl_step(cfg.model, cfg.rl, optimizer, state_sh, self.batch_sh, params_sh)
+    self._compiled: dict[tuple[int, int], object] = {}   # per batch shape (packed, or a group alone unpacked)
 
   @property
   def params(self):
     return self.state.params
 
-  def step(self, step_no: int, groups: list) -> dict[str, float]:
-    """One RL step on `groups` (whole groups of this step); returns its metrics as floats."""
-    batch = rl_batch.from_consumed(groups, self.batch_cfg)
-    batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, self.batch_sh)
-    self.state, m = self.step_fn(self.state, batch, self.ref_params)
+  def step(self, step_no: int, groups: list | None) -> dict[str, float]:
+    """One RL step on `groups` (whole groups of this step; None in the processes but process 0, which receive
+    process 0's, `processes.share_groups`); returns its metrics as floats."""
+    groups = processes.share_groups(groups, self.consumer.kv)
+    batch = placement.place_tree(rl_batch.from_consumed(groups, self.batch_cfg), self.rl_step.batch)
+    shape = batch["tokens"].shape
+    if shape not in self._compiled:
+      self._compiled[shape] = self.rl_step.lower(self.state, batch, self.ref_params).compile()
+      distributed.barrier(f"rl_step_compiled_{shape[0]}x{shape[1]}")   # compiled at different speeds, as above
+    self.state, m = self._compiled[shape](self.state, batch, self.ref_params)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     m.update(reward_terms([t for g in groups for t in g.trajectories()]))
     m.update(level_pass_rates(groups))
     if not np.isfinite(m["loss"]):
       raise train_loop.NonFiniteLossError(f"non-finite RL loss at step {step_no}; last good checkpoint "
                                           f"{self.ckpts.latest_step()}")
-    with open(self.applied_path, "a") as f:
-      f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
+    if self.primary:
+      with open(self.applied_path, "a") as f:
+        f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
     self.cursor = self.consumer.state()   # after exactly this step's groups, whatever is consumed before the save
     return m
 
@@ -131,9 +146,10 @@ class Trainer:
     cursor is the one right after the last trained step, so groups consumed since (a step cut short by Ctrl-C) are
     delivered again on resume."""
     qsave = self.cursor if self.cursor is not None else self.consumer.state()
-    self.ckpts.save(step_no, self.state, meta=qsave, force=True)
+    self.ckpts.save(step_no, self.state, meta=qsave, force=True)   # every process: orbax saves collectively
     self.ckpts.wait()
-    self.consumer.commit(qsave)
+    if self.primary:
+      self.consumer.commit(qsave)
 
   def close(self) -> None:
     self.ckpts.close()

@@ -15,6 +15,7 @@ with `adaptive_draft` every call runs the draft depth k in 0..draft_tokens that 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -25,11 +26,13 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from composer_jax.model import moe
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling import cached_model as cm
+from composer_jax.sampling import placement as placement_lib
 from composer_jax.sampling.decode import Batch, Output, generate
 from composer_jax.sampling.draft_depth import DraftDepth
 from composer_jax.sampling.prefix_cache import Entry, PrefixCache
@@ -116,17 +119,20 @@ class JaxEngine:
 
   def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig(),
                policy_version: int = 0, *, stats_path: str = "", name: str = "",
-               log_fn: Callable[[str], None] | None = None):
+               log_fn: Callable[[str], None] | None = None, mesh: Mesh | None = None, placement: str = "trainer"):
     """`stats_path`: where the speculative counts of each policy version served are appended (`spec_log.py`;
     '' keeps them in memory, `version_log`); `name` names this engine there; `log_fn` gets a line per finished
-    version and per change of the adaptive draft depth."""
+    version and per change of the adaptive draft depth. `mesh` and `placement` ('trainer' | 'replicas',
+    `sampling.placement`): where weights and rows live."""
     self.cfg = dataclasses.replace(cfg, moe_impl=generation_moe_impl(cfg, engine_cfg.moe_impl))
     self.engine_cfg = engine_cfg
     if engine_cfg.speculative and cfg.num_nextn_predict_layers < 1:
       raise ValueError("EngineConfig(speculative=True) needs a model with MTP modules (num_nextn_predict_layers >= 1)")
     if engine_cfg.draft_tokens < 1:
       raise ValueError(f"EngineConfig.draft_tokens must be >= 1, got {engine_cfg.draft_tokens}")
-    self.params = params
+    placement_lib.check(placement)
+    self.mesh, self.placement = mesh, placement
+    self.params = placement_lib.weights(params, mesh, placement)
     self.policy_version = policy_version
     self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_bytes)
     self._result_key: str | None = None
@@ -289,8 +295,11 @@ class JaxEngine:
     k = self._pick_draft_tokens(bucket(len(requests), self.engine_cfg.min_batch_bucket))
     batch, Lo, window = self._batch(requests, k)
     program = (k, Lo, window, batch.prompts_UxP.shape, batch.row_prompt_B.shape)
+    per_row = {f: v for f, v in batch._asdict().items() if not f.startswith("prefix")}
+    batch = batch._replace(**placement_lib.rows(per_row, self.mesh, self.placement))
     t0 = time.perf_counter()
-    out = _run(self.params, batch, self.cfg, Lo, k, window)
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      out = _run(self.params, batch, self.cfg, Lo, k, window)
     out = jax.device_get(out if self.engine_cfg.prefix_cache_bytes else out._replace(cache=None))
     seconds = time.perf_counter() - t0
     self._record(requests, out, k, seconds if program in self._compiled else None)
