@@ -114,6 +114,21 @@ def test_dot_flops_count_every_loop_iteration():
   assert hlo_costs.dot_flops(hlo_module.parse_module(compiled.as_text()))["total"] == 10 * one
 
 
+
+def test_a_conditional_counts_only_its_heaviest_branch():
+  """5 scanned steps, each a `lax.cond` between one and two [128, 256] x [256, 256] matmuls: one branch runs per
+  step, so 5 x 2 matmuls are counted (every branch would give 5 x 3); a cond inside a cond likewise."""
+  def f(x, w, flags):
+    def step(c, xs):
+      wi, flag = xs
+      two = lambda c: jnp.tanh(jnp.tanh(c @ wi) @ wi)  # noqa: E731
+      one = lambda c: jax.lax.cond(flag > 1, lambda c: jnp.tanh(c @ wi), jnp.sin, c)  # noqa: E731
+      return jax.lax.cond(flag > 0, two, one, c), None
+    return jax.lax.scan(step, x, (w, flags))[0]
+  text = jax.jit(f).lower(jnp.ones((128, 256)), jnp.ones((5, 256, 256)), jnp.ones(5, jnp.int32)).compile().as_text()
+  assert " conditional(" in text
+  assert hlo_costs.dot_flops(hlo_module.parse_module(text))["total"] == 5 * 2 * (2 * 128 * 256 * 256)
+
 PEAK_PROGRAM = """
 import json, sys
 import jax, jax.numpy as jnp
