@@ -11,8 +11,8 @@ fake CPU devices (`--xla_force_host_platform_device_count`, set before jax is im
 the project's public functions (`train.step.make_train_step`, `rl.step.make_rl_step`; params from
 `model.shardings`, the AdamW of `train.optim`), lowers it on abstract inputs carrying their shardings and compiles
 it: **the program a GPU would run** — every layer, `lax.scan` over each stack (`scan_layers=True`; unrolled
-layers let XLA:CPU schedule the recomputation early, so remat saved nothing), remat as the config has it. Nothing
-is extrapolated. From the compiled executable it reads:
+layers let XLA:CPU schedule the recomputation early, so remat saved nothing), remat as the stage names it
+(`Stage.remat_policy`). Nothing is extrapolated. From the compiled executable it reads:
 - per-device argument / temp / output bytes (`memory_analysis()`);
 - every collective (`hlo_collectives.py`), in the program's element types (XLA:CPU widens bf16 collectives to
   f32, tuples included; a GPU does not), loops counted per iteration;
@@ -89,11 +89,16 @@ class Stage:
   step: str          # "lm" (train.step) | "rl" (rl.step)
   seq: int           # tokens per row
   rows_per_shard: int = 1   # rows per (data x expert) batch shard
+  remat_policy: str = "save_attention"   # model.remat.REMAT_POLICIES
 
 
+# Remat: every stage keeps the ring's output (`save_attention`: a few GB per device, and the backward does not run
+# the ring again); 32k pretraining also keeps the EP return exchange's result (`save_attention_ep_return`: ~35 GB
+# per device on 256 devices, one exchange of six fewer per layer). The RL step has no room for it at 256 devices
+# (its batch and the reference forward's buffers), and long_256k is compute-bound.
 STAGES = {
     "pretrain_8k": Stage("lm", 8192),
-    "pretrain_32k": Stage("lm", 32768),
+    "pretrain_32k": Stage("lm", 32768, remat_policy="save_attention_ep_return"),
     "long_256k": Stage("lm", 262144),
     "rl": Stage("rl", 32768),
 }
@@ -129,14 +134,16 @@ def rules_for(axes: dict[str, int], n_experts: int = 384):
 
 
 def plan_model_config(variant: str, seq: int, n_moe_layers: int | None = None):
-  """The variant's shape, scanned, with ring attention and capacity expert parallelism; `n_moe_layers` (tests)
-  shortens the MoE stack, None keeps the published depth."""
+  """The variant's shape, scanned, with ring attention and capacity expert parallelism dispatching in FP8
+  (DeepSeek-V3's recipe, the architecture both variants share: e4m3 tokens out, the return in bf16);
+  `n_moe_layers` (tests) shortens the MoE stack, None keeps the published depth."""
   from composer_jax import configs, model
   from experiments.configs import model as model_configs
   cfg = configs.from_dict(model.ModelConfig, model_configs.get_config(variant).to_dict())
   n_layers = cfg.num_hidden_layers if n_moe_layers is None else cfg.first_k_dense_replace + n_moe_layers
   return dataclasses.replace(cfg, num_hidden_layers=n_layers, scan_layers=True, attention_impl="ring",
-                             moe_impl="ep_capacity", max_position_embeddings=max(seq, cfg.max_position_embeddings))
+                             moe_impl="ep_capacity", ep_dispatch="fp8",
+                             max_position_embeddings=max(seq, cfg.max_position_embeddings))
 
 
 # ----- compiled figures (run inside a process with the right device count) -----
@@ -199,7 +206,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   from composer_jax.train import step as step_lib
   from composer_jax.train.config import OptimConfig, TrainConfig
 
-  cfg = plan_model_config(variant, stage.seq, n_moe_layers)
+  cfg = dataclasses.replace(plan_model_config(variant, stage.seq, n_moe_layers), remat_policy=stage.remat_policy)
   mesh = make_mesh(axes, devices=devices)
   rules = rules_for(axes, cfg.n_routed_experts)
   specs = jax.tree_util.tree_flatten_with_path(model.param_specs(cfg),

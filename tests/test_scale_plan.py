@@ -193,7 +193,8 @@ def test_all_to_all_bytes_match_ep_bytes(monkeypatch):
   _, per_token_fwd_bwd = eb.measure(layer_cfg, {"data": 2, "expert": 4}, seq, backward=True)
   n_exchanging = 1 + layer_cfg.num_nextn_predict_layers        # one MoE layer + the MTP module's MoE block
   ep = hc.summarize(hc.parse(compiled.as_text(), 8), op_name_contains="ep_capacity")["all-to-all"]
-  assert ep["count"] == 4 * n_exchanging                       # dispatch + return, forward and backward
+  # Dispatch + return, forward and backward; the plan dispatches in FP8, whose scales take an all-to-all of their own.
+  assert layer_cfg.ep_dispatch == "fp8" and ep["count"] == 5 * n_exchanging
   assert ep["buffer_bytes"] == n_exchanging * per_token_fwd_bwd * seq
   assert got["region_collectives"]["all-to-all"] == ep          # the plan's "ours" column is exactly these
   # ep_bytes' own parser agrees on the region's all-to-alls; the partitioner adds the embedding's reshards.
