@@ -133,17 +133,26 @@ def rules_for(axes: dict[str, int], n_experts: int = 384):
   return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp)
 
 
+# Expert parallelism by the compiling platform: XLA:CPU has no ragged-all-to-all, so the CPU-compiled rows use
+# capacity buffers (1.25x the mean load, dispatched in FP8); a GPU compile (`--platform gpu`) runs dropless
+# `ep_ragged` with a receive buffer of the same 1.25x (`ragged_buffer_factor`; rows past it are cut and counted).
+EP_BY_PLATFORM = {"cpu": {"moe_impl": "ep_capacity", "ep_dispatch": "fp8"},
+                  "gpu": {"moe_impl": "ep_ragged", "ragged_buffer_factor": 1.25}}
+
+
 def plan_model_config(variant: str, seq: int, n_moe_layers: int | None = None):
-  """The variant's shape, scanned, with ring attention and capacity expert parallelism dispatching in FP8
-  (DeepSeek-V3's recipe, the architecture both variants share: e4m3 tokens out, the return in bf16);
+  """The variant's shape, scanned, with ring attention and the platform's expert parallelism (`EP_BY_PLATFORM`;
+  FP8 dispatch is DeepSeek-V3's recipe, the architecture both variants share: e4m3 tokens out, the return in bf16);
   `n_moe_layers` (tests) shortens the MoE stack, None keeps the published depth."""
+  import jax
+
   from composer_jax import configs, model
   from experiments.configs import model as model_configs
   cfg = configs.from_dict(model.ModelConfig, model_configs.get_config(variant).to_dict())
   n_layers = cfg.num_hidden_layers if n_moe_layers is None else cfg.first_k_dense_replace + n_moe_layers
   return dataclasses.replace(cfg, num_hidden_layers=n_layers, scan_layers=True, attention_impl="ring",
-                             moe_impl="ep_capacity", ep_dispatch="fp8",
-                             max_position_embeddings=max(seq, cfg.max_position_embeddings))
+                             max_position_embeddings=max(seq, cfg.max_position_embeddings),
+                             **EP_BY_PLATFORM["gpu" if jax.default_backend() == "gpu" else "cpu"])
 
 
 # ----- compiled figures (run inside a process with the right device count) -----

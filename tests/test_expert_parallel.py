@@ -287,6 +287,14 @@ def test_ep_ragged_lowers_for_cuda_with_ragged_all_to_all():
   assert f_text.count("custom_call @ragged_all_to_all") == 2  # dispatch and return
   assert "all_to_all" not in f_text.replace("ragged_all_to_all", "")  # no padded fallback collective
   assert g_text.count("custom_call @ragged_all_to_all") >= 3  # the backward's transposed exchanges too
+  # A bounded buffer (the scale plan's GPU rows): m = 4 tokens x K = 2 local assignments, ceil(1.25 m) = 10 rows
+  # received instead of the worst case N m = 32.
+  bounded = dataclasses.replace(cfg, ragged_buffer_factor=1.25)
+  with jax.set_mesh(make_mesh({"data": 2, "expert": 4})):
+    b_text = jax.jit(lambda p, x: moe_lib.moe_block(p, x, valid, bounded)[0].sum()).trace(p, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+  recv = [line for line in b_text.splitlines() if "custom_call @ragged_all_to_all" in line]
+  assert len(recv) == 2 and "tensor<10x" in recv[0] and "tensor<32x" in f_text
 
 
 def test_ep_errors_name_the_problem():
