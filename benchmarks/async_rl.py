@@ -54,7 +54,7 @@ def main() -> None:
   for mode in ("sync", "async"):
     c = rl_configs.get_config(f"{a.variant},mode={mode},steps={a.steps},workers={a.workers},staleness={a.staleness}")
     c.progress_bar = False
-    c.train.ckpt_every = a.steps
+    c.rl.ckpt_every = a.steps
     if a.init or mode == "async":
       c.sft.init_checkpoint, c.sft.steps = a.init or os.path.join(sync_dir, "sft"), 0
     cfg = configs.from_dict(RunConfig, c, workdir=os.path.join(root, mode))

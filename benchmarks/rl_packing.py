@@ -1,4 +1,4 @@
-r"""The RL step on a packed batch (`train.pack_rows`) against the same groups unpacked (a row per segment), in one
+r"""The RL step on a packed batch (`rl.pack_rows`) against the same groups unpacked (a row per segment), in one
 process.
 
   python benchmarks/rl_packing.py [--variant rl_colab] [--rows 48] [--pack_rows 24] [--length 496] [--steps 3]
@@ -73,10 +73,10 @@ def step_groups(cfg, rows: int, pack_rows: int, length: int, max_groups: int, se
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--variant", default="rl_colab")
-  ap.add_argument("--rows", type=int, default=48, help="segments a step holds (train.rows_per_step)")
-  ap.add_argument("--pack_rows", type=int, default=24, help="rows the packed batch has (train.pack_rows)")
+  ap.add_argument("--rows", type=int, default=48, help="segments a step holds (rl.rows_per_step)")
+  ap.add_argument("--pack_rows", type=int, default=24, help="rows the packed batch has (rl.pack_rows)")
   ap.add_argument("--length", type=int, default=496, help="row length (harness.context_budget)")
-  ap.add_argument("--groups", type=int, default=4, help="most groups a step takes (train.groups_per_step)")
+  ap.add_argument("--groups", type=int, default=4, help="most groups a step takes (rl.groups_per_step)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--rounds", type=int, default=5)

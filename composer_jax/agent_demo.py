@@ -37,7 +37,7 @@ class DemoConfig:
   model: ModelConfig = ModelConfig()      # shape of `model` (its vocab is sized to the tokenizer)
   policies: tuple[str, ...] = ("oracle", "noop", "model")
   tokenizer: TokenizerSource = TokenizerSource()
-  backend: str = "sandbox"                # workspaces: 'sandbox' (bubblewrap) or 'local'
+  workspaces: str = "sandbox"             # workspaces: 'sandbox' (bubblewrap) or 'local'
   seed: int = 0
   transcripts: int = 1
 
@@ -59,7 +59,7 @@ def _random_model_engine(cfg: DemoConfig, tok):
 def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, dict]:
   """Runs every policy of `cfg` on its tasks; returns policy -> the runner's summary (pass@1, reward, ...)."""
   from composer_jax.rl import warmstart
-  factory = make_factory(cfg.backend)
+  factory = make_factory(cfg.workspaces)
   try:
     envs = EnvironmentCache(factory)
     tasks = registry.load_tasks(cfg.tasks, envs, log)

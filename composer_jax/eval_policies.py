@@ -2,7 +2,7 @@
 
 Two checkpoint layouts are read, both with the tokenizer in `workdir/tokenizer`:
   * an LM-stage workdir (`composer_jax.train.stages`): `params/` (orbax), policy version 0;
-  * an RL-run workdir (`composer_jax/rl/publish.py`; a finished run ends with its final policy there):
+  * an RL-run workdir (`composer_jax/rl/weight_files.py`; a finished run ends with its final policy there):
     `weights/latest.json` naming `weights/v<version>.npz`, params flattened by `jax.tree_util.keystr` path; the
     version is reported.
 The inference-cost estimate uses the active parameter count of the model config (`count_params`).
@@ -20,17 +20,17 @@ from composer_jax.model.config import ModelConfig
 def load_checkpoint_params(workdir: str, model_cfg: ModelConfig):
   """(params, policy version) from either layout in the module docstring."""
   from composer_jax.model import params as params_lib
-  from composer_jax.rl import publish
+  from composer_jax.rl import weight_files
   from composer_jax.train import stages
   if os.path.isdir(os.path.join(workdir, "params")):
     return stages.load_params(workdir, model_cfg), 0
-  found = publish.latest(os.path.join(workdir, "weights"))
+  found = weight_files.latest(os.path.join(workdir, "weights"))
   if found is None:
     raise FileNotFoundError(f"{workdir!r} holds neither an LM-stage export (params/) nor RL weights "
                             "(weights/latest.json)")
   version, path = found
   abstract = params_lib.abstract_params(model_cfg)
-  flat = publish.load(path, abstract)
+  flat = weight_files.load(path, abstract)
   return jax.tree.map(lambda x, like: jax.numpy.asarray(x, like.dtype), flat, abstract), version
 
 

@@ -48,7 +48,7 @@ class SetBuild:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig:
+class EvalRunConfig:
   """Which policies run on which task set in which harness (nested as `experiments/configs/eval.py`)."""
   set: registry.SetSpec
   policies: tuple[str, ...] = ("oracle", "noop", "random")
@@ -58,7 +58,7 @@ class EvalConfig:
   keep_contaminated: bool = False
   checkpoint: CheckpointSource = CheckpointSource()
   sglang_url: str = ""
-  backend: str = "sandbox"        # workspaces: 'sandbox' (bubblewrap) or 'local'
+  workspaces: str = "sandbox"     # workspaces: 'sandbox' (bubblewrap) or 'local'
   out: str = "runs/eval"
   seed: int = 0
   gold_runs: int = 2              # gold validation runs each side this often (>= 2: a flaky task is invalid)
@@ -80,7 +80,7 @@ class EvalConfig:
       raise ValueError("policy 'sglang' needs sglang_url=http://host:port")
 
 
-def _baseline_tokenizer(cfg: EvalConfig):
+def _baseline_tokenizer(cfg: EvalRunConfig):
   """A saved tokenizer, or a small BPE fitted to training-split procedural tasks of the set's levels (never
   evaluated tasks)."""
   from composer_jax.rl import warmstart
@@ -92,7 +92,7 @@ def _baseline_tokenizer(cfg: EvalConfig):
                                            cfg.seed + 1)
 
 
-def _policies(cfg: EvalConfig) -> dict[str, suite.Policy]:
+def _policies(cfg: EvalRunConfig) -> dict[str, suite.Policy]:
   """Label -> Policy: one per checkpoint workdir, then the baselines and the endpoint."""
   out, tok = {}, None
   if "checkpoint" in cfg.policies:
@@ -110,7 +110,7 @@ def _policies(cfg: EvalConfig) -> dict[str, suite.Policy]:
   return out
 
 
-def build_set(cfg: EvalConfig, envs: EnvironmentCache, log: Log = print) -> dict:
+def build_set(cfg: EvalRunConfig, envs: EnvironmentCache, log: Log = print) -> dict:
   """Mines `cfg.set.repos` into the frozen set file `cfg.builder.path`; returns the written set."""
   b = cfg.builder
   built, excluded = builder.build_set(
@@ -126,10 +126,10 @@ def build_set(cfg: EvalConfig, envs: EnvironmentCache, log: Log = print) -> dict
   return built
 
 
-def run(cfg: EvalConfig, log: Log = print) -> dict[str, dict]:
+def run(cfg: EvalRunConfig, log: Log = print) -> dict[str, dict]:
   """Evaluates every policy of `cfg` on its set (or builds the set file); returns set name -> the suite's result
   (empty when a set file was built). Raises `EvalInputError` when the set cannot load."""
-  factory = make_factory(cfg.backend)
+  factory = make_factory(cfg.workspaces)
   try:
     envs = EnvironmentCache(factory)
     if cfg.builder.path:

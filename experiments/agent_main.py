@@ -2,12 +2,8 @@ r"""Runs policies through the agent harness on a task source and prints transcri
 
   python experiments/agent_main.py --config=experiments/configs/agent.py:colab
 """
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments import cli  # noqa: E402
+from experiments import cli
 
 _CONFIG = cli.define_config()
 

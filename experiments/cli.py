@@ -17,6 +17,8 @@ from typing import NoReturn
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
+from experiments.configs import common
+
 CONFIG_FLAG = "config"
 _default: list[str | None] = [None]   # the --config default `define_config` was given
 
@@ -52,18 +54,19 @@ def _config_spec(argv) -> str | None:
 
 
 def _load_config(argv):
-  """The ConfigDict the `--config` of `argv` names (`file.py:arg`), or None when it cannot load."""
+  """The ConfigDict the `--config` of `argv` names (`file.py:arg`) and the file's `RENAMED_KEYS` (old dotted key
+  prefix → new), or (None, {}) when it cannot load."""
   spec = _config_spec(argv)
   if not spec:
-    return None
+    return None, {}
   path, _, arg = spec.partition(":")
   try:
     module_spec = importlib.util.spec_from_file_location("_cli_config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
+    return (module.get_config(arg) if arg else module.get_config()), getattr(module, "RENAMED_KEYS", {})
   except Exception:  # noqa: BLE001 - then the caller reports ml_collections' own message
-    return None
+    return None, {}
 
 
 def _overrides(argv) -> list[str]:
@@ -73,12 +76,14 @@ def _overrides(argv) -> list[str]:
 
 
 def _unknown_override(argv) -> str | None:
-  """A line naming the first `--config.<path>` whose path the loaded config does not have, with the valid keys
-  where it goes wrong; None when the config itself is not loaded."""
-  config = _load_config(argv)
+  """A line naming the first `--config.<path>` whose path the loaded config does not have, with its new name when
+  it was renamed, else the valid keys where it goes wrong; None when the config itself is not loaded."""
+  config, renames = _load_config(argv)
   if not isinstance(config, config_dict.ConfigDict):
     return None
   for path in _overrides(argv):
+    if (moved := common.renamed(path, renames)) is not None:
+      return f"--{CONFIG_FLAG}.{moved}"
     node, seen = config, []
     for part in path.split("."):
       if not isinstance(node, config_dict.ConfigDict) or part not in node:

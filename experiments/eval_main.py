@@ -4,11 +4,8 @@ experiments/configs/eval.py for commands, variants and expected results, compose
   python experiments/eval_main.py --config=experiments/configs/eval.py:procedural --config.out=runs/eval_proc
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments import cli  # noqa: E402
+from experiments import cli
 
 _CONFIG = cli.define_config()
 
@@ -20,7 +17,7 @@ def main(argv):
              "(variants: procedural, mined, swe, file; see experiments/configs/eval.py)")
   from composer_jax import eval_run
   from composer_jax.compile_cache import enable_compilation_cache
-  cfg = cli.convert(eval_run.EvalConfig, _CONFIG.value)   # a typo'd key or policy fails here, before anything slow
+  cfg = cli.convert(eval_run.EvalRunConfig, _CONFIG.value)   # a typo'd key or policy fails here, before anything slow
   if cfg.builder.path:   # the set file's directory (the docs' sets/) is made now, not found missing after mining
     parent = os.path.dirname(os.path.abspath(cfg.builder.path))
     if os.path.exists(parent) and not os.path.isdir(parent):

@@ -6,13 +6,10 @@ Multi-process: add --coordinator_address=HOST:PORT --num_processes=N --process_i
 set JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or pass --distributed_auto on SLURM/Open MPI).
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags, logging
 
-from absl import flags, logging  # noqa: E402
-
-from experiments import cli  # noqa: E402
+from experiments import cli
 
 _CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the tokenizer.")

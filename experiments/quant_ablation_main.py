@@ -3,14 +3,10 @@ r"""Per-token vs per-tensor scaling ablation for low-precision MoE matmuls; writ
   python experiments/quant_ablation_main.py --config=experiments/configs/quant_ablation.py:colab \
       --workdir=runs/quant_ablation
 """
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import flags  # noqa: E402
-
-from experiments import cli  # noqa: E402
+from experiments import cli
 
 _CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for quant_ablation.{png,md,json}.")

@@ -6,13 +6,10 @@ r"""Tables and plots of rl_main runs from their results.json (composer_jax/rl/re
       --length_runs=seed0 --out=experiments/results --readme=README.md
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
-from absl import flags  # noqa: E402
-
-from experiments import cli  # noqa: E402
+from experiments import cli
 
 _NAME = flags.DEFINE_string("name", "recipe", "Name of the report (file stem and README block).")
 _RUNS = flags.DEFINE_list("runs", [], "label=path pairs: a run's workdir or results.json, in table order.")

@@ -10,24 +10,21 @@ workdir/metrics.jsonl (pass/level_<n> per step), workdir/tb (TensorBoard), workd
 
 A workdir holds one run: a second run into it while it is live stops at once; rerunning the same command resumes
 (Ctrl-C stops after the step in flight, checkpointed); a rerun with another config is refused with the fields that
-differ, unless they are named in --resume_with_changes (e.g. `--config.train.steps=200
---resume_with_changes=train.steps` grows a finished run to 200 RL steps).
+differ, unless they are named in --resume_with_changes (e.g. `--config.rl.steps=200
+--resume_with_changes=rl.steps` grows a finished run to 200 RL steps).
 """
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags, logging
 
-from absl import flags, logging  # noqa: E402
-
-from experiments import cli  # noqa: E402
+from experiments import cli
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "rl.py")
 _CONFIG = cli.define_config(_DEFAULT)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/rl", "Directory for checkpoints, queue, weights and metrics.")
 _RESUME_WITH_CHANGES = flags.DEFINE_list(
-    "resume_with_changes", [], "Config fields (dotted, e.g. train.steps) a resumed run may change from the config "
+    "resume_with_changes", [], "Config fields (dotted, e.g. rl.steps) a resumed run may change from the config "
     "its workdir was started with; any other difference is refused.")
 
 

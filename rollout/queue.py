@@ -304,7 +304,7 @@ class QueueConsumer:
         capacity = max_rows if batch_rows is None else batch_rows
         if g.n_rows > capacity:
           raise ValueError(f"group {g.key} has {g.n_rows} rows, more than the batch's {capacity}: it can never "
-                           "be batched; raise the batch size (train.rows_per_step) or shorten groups")
+                           "be batched; raise the batch size (rl.rows_per_step) or shorten groups")
         if rows + g.n_rows > max_rows:
           break
       r = self.kv.read(g.key).result()

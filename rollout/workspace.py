@@ -199,9 +199,9 @@ class LocalFactory(SandboxFactory):
                      backend_options={"state_root": root, "warn": False})
 
 
-def make_factory(backend: str = "sandbox", **kwargs) -> WorkspaceFactory:
+def make_factory(kind: str = "sandbox", **kwargs) -> WorkspaceFactory:
   """A factory by name: 'sandbox' (the `sandboxes` package, isolated) or 'local' (no isolation)."""
   factories = {"local": LocalFactory, "sandbox": SandboxFactory}
-  if backend not in factories:
-    raise ValueError(f"unknown workspace backend {backend!r}; valid: {sorted(factories)}")
-  return factories[backend](**kwargs)
+  if kind not in factories:
+    raise ValueError(f"unknown workspaces {kind!r}; valid: {sorted(factories)}")
+  return factories[kind](**kwargs)

@@ -6,8 +6,8 @@
       r = sb.run("python -m pytest -q", timeout=60)
 """
 
+from sandboxes.bwrap_backend import BwrapBackend
 from sandboxes.local import UnsafeLocalBackend
-from sandboxes.namespaced import BwrapBackend
 from sandboxes.pool import SandboxPool
 from sandboxes.sandbox import Backend, Sandbox
 from sandboxes.store import cleanup

@@ -1,4 +1,4 @@
-"""Finding the bubblewrap binary and building its command line (pure functions; the backend is in namespaced.py)."""
+"""Finding the bubblewrap binary and building its command line (pure functions; the backend is in bwrap_backend.py)."""
 
 from __future__ import annotations
 

@@ -44,6 +44,12 @@ RL_CASES = {
     "unknown variant": (["--config=experiments/configs/rl.py:colab_typo"], "unknown rl variant 'colab_typo'; valid:"),
     "misspelled mode": (["--config=experiments/configs/rl.py:test,mode=asynch"],
                         "rollout.mode 'asynch' not in ('sync', 'async')"),
+    "renamed key": (["--config=experiments/configs/rl.py:test", "--config.train.steps=3"],
+                    "--config.train.steps was renamed: it is now rl.steps"),
+    "renamed key, derived": (["--config=experiments/configs/rl.py:test", "--config.rl.temperature=0.7"],
+                             "--config.rl.temperature was renamed: it is now harness.sampling.temperature"),
+    "renamed arg": (["--config=experiments/configs/rl.py:test,backend=local"],
+                    "config arg backend was renamed: it is now workspaces"),
     "mined repos that do not exist": (["--config=experiments/configs/rl.py:test,tasks=mined,repos=/nonexistent"],
                                       "cannot load the 'mined' task source: '/nonexistent' is not a directory"),
 }
@@ -80,7 +86,7 @@ def test_rl_main_refuses_a_resume_with_another_config_and_names_the_override(tmp
   r = _run("rl_main.py", "--config=experiments/configs/rl.py:test", "--config.rl.loss.kl_coef=0.5",
            f"--workdir={tmp_path}")
   _one_error_line(r, "another config (rl.loss.kl_coef 0.001 -> 0.5): pass another --workdir, or, if the change is "
-                     "meant (e.g. train.steps to grow the run), resume with --resume_with_changes=rl.loss.kl_coef")
+                     "meant (e.g. rl.steps to grow the run), resume with --resume_with_changes=rl.loss.kl_coef")
 
 
 def test_rl_main_stops_at_once_when_the_workdir_is_in_use(tmp_path):

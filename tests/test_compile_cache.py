@@ -51,7 +51,7 @@ NO_JAX_MAINS = {"report_main.py": "composer_jax.rl.report"}
 def test_every_entry_point_turns_the_cache_on():
   mains = sorted(glob.glob(os.path.join(ROOT, "experiments", "*_main.py")))
   assert mains
-  missing = [p for p in mains + [os.path.join(ROOT, "composer_jax", "rl", "worker.py")]
+  missing = [p for p in mains + [os.path.join(ROOT, "composer_jax", "rl", "worker_process.py")]
              if os.path.basename(p) not in NO_JAX_MAINS and not _calls_enable(p)]
   assert not missing, f"entry points without enable_compilation_cache(): {missing}"
   for module in NO_JAX_MAINS.values():   # the exemption holds only while they stay JAX-free

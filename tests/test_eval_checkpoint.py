@@ -39,7 +39,7 @@ def test_stage_export_round_trip(tmp_path, params):
 
 
 def test_rl_published_npz_round_trip(tmp_path, params):
-  # The layout composer_jax/rl/publish.py writes: leaves by keystr path, latest.json pointing at v<version>.npz.
+  # The layout composer_jax/rl/weight_files.py writes: leaves by keystr path, latest.json pointing at v<version>.npz.
   wdir = tmp_path / "weights"
   wdir.mkdir()
   flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}

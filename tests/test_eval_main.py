@@ -70,7 +70,7 @@ T.save_tokenizer(T.train_tokenizer(texts, tc), "{workdir}/tokenizer", tc)
 rng = np.random.default_rng(0)  # host-side random weights: no initialiser compile
 stages.export_params("{workdir}", jax.tree.map(lambda a: (0.02 * rng.standard_normal(a.shape)).astype(a.dtype),
                                                P.abstract_params(cfg)))
-# The same model as an RL run publishes it (composer_jax/rl/publish.py layout), other weights, version 5.
+# The same model as an RL run publishes it (composer_jax/rl/weight_files.py layout), other weights, version 5.
 import json, os, shutil
 rl = "{workdir}_rl"
 os.makedirs(rl + "/weights")
@@ -87,7 +87,7 @@ print(P.count_params(cfg)[1])
   active = int(made.stdout.split()[-1])
   out = tmp_path / "out"
   run = subprocess.run(MAIN + ["--config=experiments/configs/eval.py:procedural,n_tasks=2,samples=1,"
-                               "policies=oracle+noop+checkpoint,model=tiny,backend=local",
+                               "policies=oracle+noop+checkpoint,model=tiny,workspaces=local",
                                f"--config.checkpoint.workdir={workdir}:{workdir}_rl", f"--config.out={out}",
                                "--config.harness.max_turn_tokens=96", "--config.harness.max_turns=3",
                                "--config.harness.observation_reserve=128", "--config.harness.context_budget=1024"],
@@ -145,7 +145,7 @@ def test_build_set_makes_its_directory_and_refuses_to_write_an_empty_set(tmp_pat
          "Add two to calc")
   out = tmp_path / "sets" / "a_v1.json"
   env = dict(_env(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-  cmd = MAIN + [f"--config=experiments/configs/eval.py:mined,repos={repo},build_set={out},backend=local"]
+  cmd = MAIN + [f"--config=experiments/configs/eval.py:mined,repos={repo},build_set={out},workspaces=local"]
   empty = subprocess.run(cmd + ["--config.builder.min_files=99"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
   assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr[-2000:]

@@ -22,7 +22,7 @@ STALL_S = 15.0
 # workdir/version.txt (what the trainer published), beating between groups; a hanging one beats once and hangs.
 _WORKER = """
 import sys, time
-from composer_jax.rl import worker
+from composer_jax.rl import worker_process as worker
 workdir, i, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 worker.beat(worker.beat_path(workdir, i))
 if mode == "hang":

@@ -10,7 +10,7 @@ import types
 
 import numpy as np
 
-from composer_jax.rl import publish, publishers
+from composer_jax.rl import publishers, weight_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIKE = {"w": np.zeros(1000, np.float32)}
@@ -19,17 +19,17 @@ LIKE = {"w": np.zeros(1000, np.float32)}
 _TRAINER = """
 import sys, time
 import numpy as np
-from composer_jax.rl import publish
+from composer_jax.rl import weight_files
 d = sys.argv[1]
 for v in (0, 1):
-  publish.publish(d, {"w": np.full(1000, v, np.float32)}, v)
+  weight_files.publish(d, {"w": np.full(1000, v, np.float32)}, v)
 def half_then_hang(path, **arrays):
   with open(path, "wb") as f:
     f.write(b"PK\\x03\\x04 half of a zip")
   print("writing", flush=True)
   time.sleep(600)
-publish.np.savez = half_then_hang
-publish.publish(d, {"w": np.full(1000, 2, np.float32)}, 2)
+weight_files.np.savez = half_then_hang
+weight_files.publish(d, {"w": np.full(1000, 2, np.float32)}, 2)
 """
 
 
@@ -45,8 +45,8 @@ class _Engine:
 
 
 def _worker(wdir):
-  version, path = publish.latest(wdir)
-  engine = _Engine(publish.load(path, LIKE), version)
+  version, path = weight_files.latest(wdir)
+  engine = _Engine(weight_files.load(path, LIKE), version)
   return engine, publishers.follow_pointer(wdir, LIKE, engine)
 
 
@@ -65,7 +65,7 @@ def test_trainer_killed_mid_publish_workers_keep_the_last_version_and_it_is_publ
     proc.kill()
     proc.wait()
   assert any(".tmp" in n for n in os.listdir(wdir))                  # the half-written file is there ...
-  assert publish.latest(wdir)[0] == 1                                # ... but the pointer names v1, whole
+  assert weight_files.latest(wdir)[0] == 1                                # ... but the pointer names v1, whole
   engine, load_newer = _worker(wdir)
   load_newer()
   assert engine.policy_version == 1 and engine.loaded == [] and float(engine.params["w"][0]) == 1.0
@@ -83,11 +83,12 @@ def test_trainer_killed_mid_publish_workers_keep_the_last_version_and_it_is_publ
 def test_versions_published_after_the_last_checkpoint_are_withdrawn_and_redone_once(tmp_path):
   wdir, logs = str(tmp_path / "weights"), []
   for v in (0, 1, 2, 3):
-    publish.publish(wdir, _params(v), v)
+    weight_files.publish(wdir, _params(v), v)
   engine, load_newer = _worker(wdir)                                  # a worker serving v3
   # The trainer died after publishing v3 but its last checkpoint is step 1: v2 and v3 will be redone.
   publishers.WeightFiles(types.SimpleNamespace(workdir=str(tmp_path)), _params(1), 1, log_fn=logs.append)
-  assert publish.latest(wdir)[0] == 1 and sorted(os.listdir(wdir)) == ["latest.json", "v1.npz"]   # (v0 pruned: keep=3)
+  # (v0 pruned: keep=3)
+  assert weight_files.latest(wdir)[0] == 1 and sorted(os.listdir(wdir)) == ["latest.json", "v1.npz"]
   assert logs == ["withdrew weights v[2, 3] published after the checkpoint at step 1: those steps are redone"]
   load_newer()
   assert engine.loaded == [1] and float(engine.params["w"][0]) == 1.0     # back to the checkpoint's weights
@@ -96,4 +97,4 @@ def test_versions_published_after_the_last_checkpoint_are_withdrawn_and_redone_o
     pub.publish(_params(x), v)
     load_newer()
   assert engine.loaded == [1, 2, 3] and float(engine.params["w"][0]) == 3.5
-  assert float(publish.load(os.path.join(wdir, "v2.npz"), LIKE)["w"][0]) == 2.5
+  assert float(weight_files.load(os.path.join(wdir, "v2.npz"), LIKE)["w"][0]) == 2.5

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow   # a warm start and three RL steps: ~60 s on a lo
 
 def test_a_sync_run_through_faults_applies_every_group_once(tmp_path, monkeypatch):
   cfg = configs.replace(configs.from_dict(RunConfig, rl_configs.get_config("test,mode=sync"), workdir=str(tmp_path)),
-                        **{"train.steps": 3, "train.ckpt_every": 1})
+                        **{"rl.steps": 3, "rl.ckpt_every": 1})
   real_grade, calls, lock = harness.grade, itertools.count(), threading.Lock()
   armed = threading.Event()   # set when RL starts: the warm start's oracle episodes are graded too
 
@@ -57,7 +57,7 @@ def test_a_sync_run_through_faults_applies_every_group_once(tmp_path, monkeypatc
   applied = [json.loads(line) for line in open(os.path.join(tmp_path, "applied.jsonl"))]
   keys = [k for r in applied for k in r["keys"]]
   assert [r["step"] for r in applied] == [1, 2, 3]
-  assert len(keys) == len(set(keys)) == 3 * cfg.train.groups_per_step and not set(keys) & set(bad_keys)
+  assert len(keys) == len(set(keys)) == 3 * cfg.rl.groups_per_step and not set(keys) & set(bad_keys)
   m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert (m[-1]["corrupt"], m[-1]["newer_format"]) == (1.0, 1.0)
   assert m[-1]["grade_timeouts"] == 1.0 and m[-1]["groups_retried"] == 1.0 and "groups_dropped" not in m[-1]

@@ -35,7 +35,7 @@ SFT = ["--config.model.vocab_size=640", "--config.data.seq_len=256", "--config.d
        "--config.train.steps=2", "--config.train.eval_every=100", "--config.train.eval_batches=1",
        "--config.train.ckpt_every=2", "--config.train.progress_bar=False"]
 RL = ["--config.model.vocab_size=640", "--config.model.num_nextn_predict_layers=1",
-      "--config.model.max_position_embeddings=4096", "--config.sft.steps=0", "--config.train.steps=1",
+      "--config.model.max_position_embeddings=4096", "--config.sft.steps=0", "--config.rl.steps=1",
       "--config.eval.tasks=2"]
 TRANSCRIPT = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix add in a.py"},
               {"role": "assistant", "content": "Reading it.", "tool_calls": [{"name": "read_file",

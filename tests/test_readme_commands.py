@@ -24,7 +24,7 @@ def _converters():
   from composer_jax.train.stages import StageConfig
   return {"rl_main.py": lambda c: configs.from_dict(RunConfig, c, workdir="runs/x"),
           "pretrain_main.py": lambda c: configs.from_dict(StageConfig, c),
-          "eval_main.py": lambda c: configs.from_dict(eval_run.EvalConfig, c),
+          "eval_main.py": lambda c: configs.from_dict(eval_run.EvalRunConfig, c),
           "agent_main.py": lambda c: configs.from_dict(agent_demo.DemoConfig, c),
           "quant_ablation_main.py": lambda c: configs.from_dict(AblationConfig, c.ablation, "ablation.")}
 

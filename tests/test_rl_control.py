@@ -31,7 +31,7 @@ def test_a_resumed_runs_control_gets_all_of_rls_wall_clock(tmp_path, monkeypatch
   class Envs:
     class factory:
       close = staticmethod(lambda: None)
-  monkeypatch.setattr(experiment, "evaluate_policy", lambda *a, **k: {"T1": {"success": 0.5}})
+  monkeypatch.setattr(experiment, "evaluate_at_temperatures", lambda *a, **k: {"T1": {"success": 0.5}})
   monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
   monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 3})
   monkeypatch.setattr(experiment, "sft_control", lambda c, tok, start, s, log: seconds.append(s) or "control")
@@ -52,11 +52,11 @@ def test_the_controls_size_is_chosen_once(tmp_path, monkeypatch):
   (tmp_path / "sft" / "train_seconds.json").write_text(json.dumps({"steps": 400, "seconds": 200.0}))
   steps = []
   monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: steps.append(k["steps"]) or ("control", None))
-  assert experiment.control_size(str(tmp_path), cfg.train.steps) is None
+  assert experiment.control_size(str(tmp_path), cfg.rl.steps) is None
   assert experiment.sft_control(cfg, None, "start", 100.0, lambda s: None) == "control"
   assert experiment.sft_control(cfg, None, "start", 160.0, lambda s: None) == "control"
   assert steps == [200, 200]
-  assert experiment.control_size(str(tmp_path), cfg.train.steps) == {"steps": 200, "seconds": 100.0,
+  assert experiment.control_size(str(tmp_path), cfg.rl.steps) == {"steps": 200, "seconds": 100.0,
                                                                      "seconds_per_step": 0.5}
 
 
@@ -83,7 +83,7 @@ def test_the_control_is_sized_by_the_starts_training_steps_not_its_demonstration
   assert warmstart.seconds_per_step(str(tmp_path)) == pytest.approx(1080.0 / 2700)
   monkeypatch.setattr(experiment.warmstart, "sft", lambda *a, **k: ("control", None))
   experiment.sft_control(cfg, None, "start", 1594.0, lambda s: None)
-  assert experiment.control_size(str(tmp_path), cfg.train.steps)["steps"] == int(1594.0 / (1080.0 / 2700))
+  assert experiment.control_size(str(tmp_path), cfg.rl.steps)["steps"] == int(1594.0 / (1080.0 / 2700))
 
 
 def test_a_run_grown_to_more_rl_steps_evaluates_its_new_policy_against_a_control_of_its_own(tmp_path, monkeypatch):
@@ -100,23 +100,23 @@ def test_a_run_grown_to_more_rl_steps_evaluates_its_new_policy_against_a_control
   class Envs:
     class factory:
       close = staticmethod(lambda: None)
-  monkeypatch.setattr(experiment, "evaluate_policy",
+  monkeypatch.setattr(experiment, "evaluate_at_temperatures",
                       lambda c, params, tok, tasks, envs, name, **k: evaluated.append((name, params)) or
                       {"T1": {"success": 0.5}})
   monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": f"rl{c.train.steps}", "last": {},
-                                                                   "resumed_at": 3 if c.train.steps == 5 else 0})
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": f"rl{c.rl.steps}", "last": {},
+                                                                   "resumed_at": 3 if c.rl.steps == 5 else 0})
   monkeypatch.setattr(experiment.warmstart, "sft", lambda c, tok, init, workdir, **k: controls.append(
       (os.path.relpath(workdir, tmp_path), init, k["steps"])) or (f"control{k['steps']}", None))
   monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
   monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: [types.SimpleNamespace(id="t", metadata={})])
   monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
   d = rl_configs.get_config("colab")
-  d.train.steps = 3
+  d.rl.steps = 3
   first = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None)
-  d.train.steps = 5
+  d.rl.steps = 5
   grown = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None,
-                                    allow_changes=("train.steps",))   # growing a run is a change the user names
+                                    allow_changes=("rl.steps",))   # growing a run is a change the user names
   # the first run's RL took ~0 s here (a 1-step control); the grown one's is steps 1-3's logged 30 s and its own
   assert controls == [("sft_control@3", "start", 1), ("sft_control@5", "start", 60)]
   assert evaluated == [("sft", "start"), ("rl@3", "rl3"), ("sft_control@3", "control1"),

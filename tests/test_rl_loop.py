@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cfg(workdir, arg, **kw):
-  """rl.py:`arg` with dotted-path overrides (`**{"train.steps": 2}`)."""
+  """rl.py:`arg` with dotted-path overrides (`**{"rl.steps": 2}`)."""
   return configs.replace(configs.from_dict(RunConfig, rl_configs.get_config(arg), workdir=str(workdir)), **kw)
 
 
@@ -29,11 +29,11 @@ def _applied(workdir):
 
 
 def test_sync_loop_trains_on_fresh_groups_only(tmp_path):
-  cfg = _cfg(tmp_path, "test,mode=sync", **{"train.steps": 2, "train.ckpt_every": 1})
+  cfg = _cfg(tmp_path, "test,mode=sync", **{"rl.steps": 2, "rl.ckpt_every": 1})
   out = loop.train_rl(cfg, log_fn=lambda s: None)
   rows = _applied(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
-  assert all(len(r["keys"]) == cfg.train.groups_per_step for r in rows)
+  assert all(len(r["keys"]) == cfg.rl.groups_per_step for r in rows)
   m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in m] == [1, 2]
   assert all(r["staleness_mean"] == 0.0 and r["dropped_stale"] == 0.0 for r in m)
@@ -60,7 +60,7 @@ def _wait(pred, timeout, what):
 
 @pytest.mark.slow
 def test_async_loop_survives_sigkill_of_worker_and_trainer(tmp_path):
-  cfg = _cfg(tmp_path, "test,mode=async", **{"train.steps": 6, "train.ckpt_every": 2})
+  cfg = _cfg(tmp_path, "test,mode=async", **{"rl.steps": 6, "rl.ckpt_every": 2})
   workdir_lib.save_config(cfg)
   env = dict(os.environ, PYTHONPATH=ROOT)
   log = open(tmp_path / "trainer.log", "a")
@@ -88,7 +88,7 @@ def test_async_loop_survives_sigkill_of_worker_and_trainer(tmp_path):
   after = {r["step"]: r["keys"] for r in _applied(tmp_path)}
   assert sorted(after) == [1, 2, 3, 4, 5, 6]
   keys = [k for s in sorted(after) for k in after[s]]
-  assert len(keys) == len(set(keys)) == 6 * cfg.train.groups_per_step            # nothing trained on twice
+  assert len(keys) == len(set(keys)) == 6 * cfg.rl.groups_per_step            # nothing trained on twice
   for s, ks in before.items():
     assert after[s] == ks, f"step {s}: groups changed across the restart"   # checkpointed steps kept; redone steps
     # re-delivered exactly the groups the killed trainer had consumed (none lost)

@@ -9,7 +9,7 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import evaluate, publish, warmstart
+from composer_jax.rl import evaluate, warmstart, weight_files
 from composer_jax.rl.config import RunConfig
 from experiments.configs import common
 from experiments.configs import rl as rl_configs
@@ -26,7 +26,7 @@ def _cfg(**overrides):
     ({"rollout.engine": "vllm"}, "engine"),
     ({"rollout.mode": "sync", "rollout.max_staleness": 2}, "max_staleness=0"),
     ({"rollout.samples_per_prompt": 1}, ">= 2"),
-    ({"train.steps": 0}, "steps"),
+    ({"rl.steps": 0}, "steps"),
     ({"rollout.staleness_policy": "ignore"}, "staleness_policy"),
     ({"rollout.max_staleness": 0, "rollout.publish_every": 3}, "dropped as stale"),
     ({"harness.context_budget": 100, "harness.max_turn_tokens": 64, "harness.observation_reserve": 64},
@@ -35,10 +35,9 @@ def _cfg(**overrides):
     ({"sft.demo_accuracy": 0.0}, "demo_accuracy"),
     ({"sft.steps": 0}, "init_checkpoint"),
     ({"rollout.mode": "sync", "rollout.max_staleness": 0, "rollout.publish_every": 2}, "publish_every must be 1"),
-    ({"train.rows_per_step": -1}, "rows_per_step"),
+    ({"rl.rows_per_step": -1}, "rows_per_step"),
     # 4 groups x 8 trajectories = 32 rows, but one group of 8 five-segment chains needs 40.
-    ({"harness.max_segments": 5}, "set train.rows_per_step >= 40"),
-    ({"harness.sampling.temperature": 0.7}, r"rl.temperature=1.0 must be the rollouts' sampling temperature"),
+    ({"harness.max_segments": 5}, "set rl.rows_per_step >= 40"),
     ({"harness.context_budget": 8192, "model.max_position_embeddings": 4096},
      r"harness.context_budget=8192 exceeds the model's positions \(model.max_position_embeddings=4096\)"),
 ])
@@ -71,19 +70,19 @@ def test_wilson_interval_matches_hand_computation():
 
 def test_publish_roundtrip_and_pruning(tmp_path):
   params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": {"c": np.ones(4, np.int32)}}
-  assert publish.latest(str(tmp_path)) is None
+  assert weight_files.latest(str(tmp_path)) is None
   for v in range(5):
-    publish.publish(str(tmp_path), {"a": params["a"] + v, "b": params["b"]}, v, keep=2)
-  version, path = publish.latest(str(tmp_path))
+    weight_files.publish(str(tmp_path), {"a": params["a"] + v, "b": params["b"]}, v, keep=2)
+  version, path = weight_files.latest(str(tmp_path))
   assert version == 4
-  got = publish.load(path, params)
+  got = weight_files.load(path, params)
   np.testing.assert_array_equal(got["a"], params["a"] + 4)
   np.testing.assert_array_equal(got["b"]["c"], params["b"]["c"])
   assert sorted(p.name for p in tmp_path.glob("v*.npz")) == ["v3.npz", "v4.npz"]
   with pytest.raises(ValueError, match="shape"):
-    publish.load(path, {"a": np.zeros((3, 2)), "b": params["b"]})
+    weight_files.load(path, {"a": np.zeros((3, 2)), "b": params["b"]})
   with pytest.raises(ValueError, match="no leaf"):
-    publish.load(path, {"x": params["a"]})
+    weight_files.load(path, {"x": params["a"]})
 
 
 def test_rl_main_config_converts_and_typos_fail():
@@ -102,11 +101,12 @@ def test_rl_main_config_converts_and_typos_fail():
 
 
 def test_the_trainer_scores_at_the_rollout_temperature_a_flag_sets():
-  """--config.harness.sampling.temperature=0.7 sets rl.temperature too (one value, two readers)."""
+  """--config.harness.sampling.temperature=0.7 sets rl.temperature too (derived: one value, two readers)."""
   c = rl_configs.get_config("colab")
   c.harness.sampling.temperature = 0.7            # what the flag does
   cfg = configs.from_dict(RunConfig, c, workdir="/tmp/x")
   assert cfg.rl.temperature == cfg.harness.sampling.temperature == 0.7
+  assert _cfg(**{"harness.sampling.temperature": 0.7}).rl.temperature == 0.7   # no config can set them apart
   greedy = _cfg(**{"harness.sampling.temperature": 0.0})   # greedy rollouts: engines record T = 1 logprobs
   assert greedy.rl.temperature == 1.0
 
@@ -154,7 +154,8 @@ def test_publisher_and_source_registries_list_valid_names():
 
 
 def test_worker_throttle_allows_per_version_groups_then_waits_for_a_newer_version():
-  from composer_jax.rl import publishers, worker
+  from composer_jax.rl import follower
+  from composer_jax.rl import worker_process as worker
   state = {"version": 0, "loads": 0}
 
   def load_newer():
@@ -162,14 +163,14 @@ def test_worker_throttle_allows_per_version_groups_then_waits_for_a_newer_versio
     if state["loads"] == 5:          # the trainer publishes v1 while the worker waits
       state["version"] = 1
 
-  follower = publishers.Follower(engine=None, version=lambda: state["version"], load_newer=load_newer)
-  refresh = worker.throttle(follower, per_version=2, stopping=lambda: False)
+  follows = follower.Follower(engine=None, version=lambda: state["version"], load_newer=load_newer)
+  refresh = worker.throttle(follows, per_version=2, stopping=lambda: False)
   refresh()
   refresh()
   assert state["loads"] == 2 and state["version"] == 0      # two groups of v0 without waiting
   refresh()                                                  # a third one waits until v1 arrives
   assert state["version"] == 1 and state["loads"] == 5
-  stopped = worker.throttle(follower, per_version=1, stopping=lambda: True)
+  stopped = worker.throttle(follows, per_version=1, stopping=lambda: True)
   stopped()
   stopped()                                                  # a stopping worker is never held back
 
@@ -225,8 +226,8 @@ def test_a_step_takes_whole_groups_until_the_next_does_not_fit(tmp_path):
            "routed_TxNxK": np.zeros((6, 1, 1), np.int32), "prompt_len": 0, "turns": []}
     return {"task_id": "t", "segments": [seg] * n_segments, "reward": 1.0, "breakdown": {}}
 
-  cfg = _cfg(**{"train.groups_per_step": 4, "rollout.samples_per_prompt": 2, "harness.max_segments": 3,
-                "train.rows_per_step": 8})
+  cfg = _cfg(**{"rl.groups_per_step": 4, "rollout.samples_per_prompt": 2, "harness.max_segments": 3,
+                "rl.rows_per_step": 8})
   url = f"file://{tmp_path}/q"
   producer = QueueProducer(url, "w")
   for n_seg in (3, 1, 2, 3, 1, 1, 1, 1, 1):     # groups of 2 trajectories: 1 + n_seg rows each
@@ -350,7 +351,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   (tmp_path / "sft").mkdir()
   calls = []
 
-  def evaluate_policy(c, params, tok, tasks, envs, name, summarizer_params=None):
+  def evaluate_at_temperatures(c, params, tok, tasks, envs, name, summarizer_params=None):
     calls.append((name, params, summarizer_params, c.harness.overflow, c.harness.max_segments,
                   c.harness.context_budget, [t.id for t in tasks]))
     return {"T0": {"success": 0.5}}
@@ -358,7 +359,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   class Envs:
     class factory:
       close = staticmethod(lambda: None)
-  monkeypatch.setattr(experiment, "evaluate_policy", evaluate_policy)
+  monkeypatch.setattr(experiment, "evaluate_at_temperatures", evaluate_at_temperatures)
   monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
   monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 0})
   monkeypatch.setattr(experiment, "sft_control", lambda *a: "control")
@@ -375,7 +376,7 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   assert set(result["reward_terms"]) == set(want)
   assert all(result["reward_terms"][k] == pytest.approx(v) for k, v in want.items())
   budget, every, level3 = cfg.harness.context_budget, ["L1", "L2", "L3"], ["L3"]   # only level 3 summarises
-  at = f"@{cfg.train.steps}"   # what depends on the RL policy is named by its step count
+  at = f"@{cfg.rl.steps}"   # what depends on the RL policy is named by its step count
   assert calls == [("sft", "start", None, "summarize", 4, budget, every),
                    ("rl" + at, "rl", None, "summarize", 4, budget, every),
                    ("sft_control" + at, "control", None, "summarize", 4, budget, every),
@@ -404,7 +405,7 @@ def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_pat
   class Envs:
     class factory:
       close = staticmethod(lambda: calls.append("closed"))
-  monkeypatch.setattr(experiment, "evaluate_policy",
+  monkeypatch.setattr(experiment, "evaluate_at_temperatures",
                       lambda c, params, tok, tasks, envs, name, **k: calls.append((name, params, len(tasks))) or
                       {"T1": {"success": 0.25}})
   monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")

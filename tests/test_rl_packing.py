@@ -1,4 +1,4 @@
-"""Packed RL batches (`train.pack_rows`): the layout, the packer, step assembly, and the step's loss and gradients
+"""Packed RL batches (`rl.pack_rows`): the layout, the packer, step assembly, and the step's loss and gradients
 against the unpacked batch of the same groups (the reference)."""
 import jax
 import jax.numpy as jnp
@@ -128,8 +128,8 @@ def test_take_groups_packs_until_the_next_group_does_not(tmp_path):
   """Packed steps: whole groups while they pack into pack_rows rows; the one that does not opens the next step,
   and a group too large to pack alone gets a step of its own (unpacked shape), never an error or a stall."""
   cfg = configs.replace(RunConfig(model=ModelConfig(vocab_size=512), workdir=str(tmp_path)),
-                        **{"train.groups_per_step": 4, "rollout.samples_per_prompt": 2, "harness.context_budget": 320,
-                           "harness.max_segments": 2, "train.rows_per_step": 8, "train.pack_rows": 2,
+                        **{"rl.groups_per_step": 4, "rollout.samples_per_prompt": 2, "harness.context_budget": 320,
+                           "harness.max_segments": 2, "rl.rows_per_step": 8, "rl.pack_rows": 2,
                            "harness.max_turn_tokens": 48, "harness.observation_reserve": 64})
   url = f"file://{tmp_path}/q"
   producer = QueueProducer(url, "w")
@@ -153,6 +153,6 @@ def test_take_groups_packs_until_the_next_group_does_not(tmp_path):
 def test_pack_rows_config_errors():
   base = RunConfig(model=ModelConfig(vocab_size=512), workdir="/tmp/unused")
   with pytest.raises(ValueError, match="pack_rows=-1"):
-    configs.replace(base, **{"train.pack_rows": -1})
+    configs.replace(base, **{"rl.pack_rows": -1})
   with pytest.raises(ValueError, match="set it <= 32"):
-    configs.replace(base, **{"train.pack_rows": 33})
+    configs.replace(base, **{"rl.pack_rows": 33})

@@ -100,10 +100,10 @@ def test_the_default_run_is_recipe_best_the_best_measured_row():
     row = common.override(rl_configs.get_config(f"recipe,seed={seed}"), rl_configs.LONG_START)
     assert best.to_dict() == row.to_dict()
     run = configs.from_dict(RunConfig, best, workdir="/tmp/x")
-    assert (run.seed, run.tasks.seed, run.rl.loss.kl_coef, run.train.steps) == (seed, seed + 1, 5e-2, 300)
+    assert (run.seed, run.tasks.seed, run.rl.loss.kl_coef, run.rl.steps) == (seed, seed + 1, 5e-2, 300)
     assert run.sft.curriculum_levels == (1,) and run.sft.demo_accuracy == 0.5 and run.eval.tasks == 1500
     assert (run.sft.curriculum_steps, run.sft.steps) == (900, 3600)
-  assert rl_configs.get_config("recipe_best,steps=7").train.steps == 7
+  assert rl_configs.get_config("recipe_best,steps=7").rl.steps == 7
   with pytest.raises(ValueError, match="recipe_best is a row of get_sweep"):
     rl_configs.get_sweep("recipe_best")   # recipe's rows override rl.py:recipe, not this row
   with open(os.path.join(os.path.dirname(__file__), "..", "Makefile")) as f:

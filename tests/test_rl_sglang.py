@@ -29,14 +29,14 @@ def _group_alive(pgid):
 def test_async_rl_on_an_sglang_fleet(tmp_path):
   sglang_testlib.require_sglang()
   c = rl_configs.get_config("test,mode=async,engine=sglang,steps=3")
-  c.train.ckpt_every = 3
+  c.rl.ckpt_every = 3
   cfg = configs.from_dict(RunConfig, c, workdir=str(tmp_path))
   out = loop.train_rl(cfg, log_fn=print)
   m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in m] == [1, 2, 3]
   applied = [json.loads(line) for line in open(tmp_path / "applied.jsonl")]
   keys = [k for r in applied for k in r["keys"]]
-  assert len(keys) == len(set(keys)) == 3 * cfg.train.groups_per_step          # each group trained on once
+  assert len(keys) == len(set(keys)) == 3 * cfg.rl.groups_per_step          # each group trained on once
   fresh = [r for r in m if r["staleness_mean"] == 0]
   assert fresh and all(r["staleness_mean"] <= cfg.rollout.max_staleness for r in m)
   for r in fresh:

@@ -40,8 +40,8 @@ def test_sync_rl_on_a_mined_set_with_gold_patch_demonstrations(tmp_path):
   assert c.tasks.kind == "mined" and c.tasks.n == 0
   cfg = configs.from_dict(RunConfig, c, workdir=str(tmp_path / "run"))
   # A gold-patch turn (write_file of a unified diff) is longer than a procedural edit: room for it.
-  cfg = configs.replace(cfg, **{"tasks.miner": FAST, "tasks.heldout_percent": 1, "train.steps": 2,
-                                "train.ckpt_every": 2, "harness.context_budget": 1000, "harness.max_turn_tokens": 400,
+  cfg = configs.replace(cfg, **{"tasks.miner": FAST, "tasks.heldout_percent": 1, "rl.steps": 2,
+                                "rl.ckpt_every": 2, "harness.context_budget": 1000, "harness.max_turn_tokens": 400,
                                 "harness.summary_max_tokens": 400, "harness.tools.max_output_chars": 200,
                                 "sft.seq_len": 512})
   out = loop.train_rl(cfg, log_fn=lambda s: None)
@@ -55,7 +55,7 @@ def test_sync_rl_on_a_mined_set_with_gold_patch_demonstrations(tmp_path):
   assert sorted(t.gold_patch for t in pool) == sorted(patches)    # the demonstrations are the gold patches
   applied = [json.loads(line) for line in open(tmp_path / "run" / "applied.jsonl")]
   assert [r["step"] for r in applied] == [1, 2] and int(out["last"]["step"]) == 2
-  assert all(len(r["keys"]) == cfg.train.groups_per_step for r in applied)
+  assert all(len(r["keys"]) == cfg.rl.groups_per_step for r in applied)
 
 
 def test_file_task_source_from_the_command_line_arg():
@@ -125,7 +125,7 @@ def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
   path = _set_file(tmp_path / "x_v1.json", procedural.generate(40, seed=1, split="train", level=1))
   run = tmp_path / "run"
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=file,set_file={path}", f"--workdir={run}",
-               "--config.sft.steps=20", "--config.train.steps=2", "--config.eval.tasks=4",
+               "--config.sft.steps=20", "--config.rl.steps=2", "--config.eval.tasks=4",
                "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
                timeout=1800)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -172,7 +172,7 @@ def test_the_readmes_mined_command_runs_end_to_end(tmp_path):
   percent = next(p for p in range(1, 100) if {registry.split_of(t, p) for t in mined} == {"train", "heldout"})
   run = tmp_path / "run"
   r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=mined,repos={repo}", f"--workdir={run}",
-               f"--config.tasks.heldout_percent={percent}", "--config.sft.steps=20", "--config.train.steps=2",
+               f"--config.tasks.heldout_percent={percent}", "--config.sft.steps=20", "--config.rl.steps=2",
                "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
                timeout=1800)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -43,11 +43,11 @@ def test_a_resume_with_another_config_is_refused_naming_the_fields(tmp_path):
   # The held-out evaluation and the progress bar may change without asking; a whole section can be allowed.
   with workdir_lib.claim(configs.replace(kl, **{"eval.tasks": 3, "progress_bar": True})):
     pass
-  grown = configs.replace(kl, **{"train.steps": 9, "train.ckpt_every": 3})
-  with pytest.raises(workdir_lib.WorkdirError, match="train.ckpt_every 2 -> 3, train.steps 4 -> 9"):
+  grown = configs.replace(kl, **{"rl.steps": 9, "rl.ckpt_every": 3})
+  with pytest.raises(workdir_lib.WorkdirError, match="rl.ckpt_every 2 -> 3, rl.steps 4 -> 9"):
     with workdir_lib.claim(grown):
       pass
-  with workdir_lib.claim(grown, allow=("train",)):
+  with workdir_lib.claim(grown, allow=("rl",)):
     pass
 
 
@@ -122,7 +122,7 @@ def test_ctrl_c_in_sft_checkpoints_and_the_rerun_reaches_the_same_params(tmp_pat
 
 
 def test_ctrl_c_in_rl_checkpoints_the_finished_steps_and_the_rerun_trains_each_step_once(tmp_path):
-  cfg = _cfg(tmp_path, **{"train.steps": 6, "train.ckpt_every": 100})
+  cfg = _cfg(tmp_path, **{"rl.steps": 6, "rl.ckpt_every": 100})
   metrics = tmp_path / "metrics.jsonl"
   watcher = _interrupt_when(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1)
   with pytest.raises(interrupt.Interrupted, match=r"RL stopped at step (\d) of 6, checkpointed") as e:

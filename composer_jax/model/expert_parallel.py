@@ -43,7 +43,7 @@ EP_IMPLS = ("ep_capacity", "ep_ragged")
 AXIS = "expert"
 
 
-def context_mesh():
+def ambient_mesh():
   """The mesh set with `jax.set_mesh`, or a clear error naming what is missing."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -106,7 +106,7 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, experts_BxLxK: jax.Array, w_BxL
   Returns:
     (routed output [B, L, D] without the shared expert, fraction of assignments dropped).
   """
-  mesh = context_mesh() if mesh is None else mesh
+  mesh = ambient_mesh() if mesh is None else mesh
   rules = current_rules() if rules is None else rules
   batch, seq, ffw = region_axes(mesh, rules)
   tok = P(batch, seq or None)

@@ -6,8 +6,8 @@
     tokenizer  TokenizerConfig                the BPE fitted to training tasks (unless `sft.init_checkpoint` has one)
     harness    rollout.harness.HarnessConfig  the agent loop the policy runs in (prompt, budgets, rewards)
     sft        SFTConfig                      the warm start
-    train      TrainerConfig                  trainer: steps, groups per step, checkpoints, optimizer
-    rl         rl.step.RLConfig               what one RL step computes: loss (k1 KL, IS), router replay
+    rl         RLConfig                       the RL trainer: steps, groups per step, checkpoints, optimizer, and what
+                                              one step computes: loss (k1 KL, IS), router replay
     rollout    RolloutConfig                  who generates: sync/async, engine, workers, staleness, publishing
     eval       EvalConfig                     held-out evaluation and the SFT control
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl.step import RLConfig
+from composer_jax.rl import losses
 from composer_jax.train.config import OptimConfig
 from composer_jax.train.tokenizer import TokenizerConfig
 from rollout.harness import HarnessConfig
@@ -39,6 +39,56 @@ def _positive(obj, *names: str) -> None:
   for name in names:
     if getattr(obj, name) < 1:
       raise ValueError(f"{type(obj).__name__}.{name} must be >= 1, got {getattr(obj, name)}")
+
+
+def _rl_optimizer() -> OptimConfig:
+  # Constant learning rate after one warm-up step, no weight decay (RL updates are small moves from the start).
+  return OptimConfig(learning_rate=3e-4, warmup_steps=1, decay_steps=1000, final_lr_fraction=1.0,
+                     weight_decay=0.0, grad_clip=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """The RL trainer: `steps` steps of up to `groups_per_step` whole groups each (fewer when the next group's rows
+  do not fit in `rows_per_step`), checkpointed every `ckpt_every`; and what one step computes (loss, replay)."""
+  steps: int = 60
+  groups_per_step: int = 4          # prompts per RL step
+  # Segments a step holds (a row of context_budget tokens each, unless packed). 0: groups_per_step x
+  # samples_per_prompt, one per trajectory; a self-summarising chain has a segment per context, so multi-segment
+  # runs set it higher.
+  rows_per_step: int = 0
+  # > 0: pack the step's segments end to end into this many rows of context_budget tokens (`rl.batch.Packer`), so
+  # short segments do not pay a whole row of padding; a step takes fewer groups when the next does not pack. 0: a
+  # row per segment.
+  pack_rows: int = 0
+  ckpt_every: int = 10
+  optim: OptimConfig = dataclasses.field(default_factory=_rl_optimizer)
+  loss: losses.LossConfig = losses.LossConfig()
+  router_replay: bool = True        # policy (and reference) forwards use the engine's experts
+  ref_router_replay: bool = True    # the reference forward replays them too (same routing on both sides of k1)
+  mtp_weight: float = 0.0           # > 0: keep training MTP heads by self-distillation on the rollout tokens
+  bias_update_rate: float = 0.0     # aux-loss-free router-bias update from the (replayed) expert load
+  # Run the unreplayed forward (pass 2) for its `logprob_gap_no_replay` metric on every N-th step even when the
+  # engine recorded all the routing (0: only when some is missing). It costs one forward of the policy.
+  unreplayed_every: int = 10
+  # The temperature the rollouts were sampled at. The engines record each token's logprob under the tempered
+  # distribution (softmax(logits / T), as SGLang's `logprobs`), so the policy and the reference are scored at the
+  # same T: the importance ratio and the KL then compare one policy with itself, not π_T with π_1. In a run,
+  # `RunConfig` sets it from `harness.sampling.temperature`.
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    _positive(self, "steps", "groups_per_step", "ckpt_every")
+    if self.rows_per_step < 0:
+      raise ValueError(f"rl.rows_per_step={self.rows_per_step} must be >= 0 (0: one row per trajectory)")
+    if self.pack_rows < 0:
+      raise ValueError(f"rl.pack_rows={self.pack_rows} must be >= 0 (0: a row per segment)")
+    if self.mtp_weight < 0 or self.bias_update_rate < 0 or self.unreplayed_every < 0:
+      raise ValueError(f"need mtp_weight, bias_update_rate, unreplayed_every >= 0, got {self.mtp_weight=} "
+                       f"{self.bias_update_rate=} {self.unreplayed_every=}")
+    if not self.temperature > 0:
+      raise ValueError(f"rl.temperature={self.temperature} must be > 0 (the rollouts' sampling temperature; greedy "
+                       "rollouts give a group nothing to compare)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,37 +115,6 @@ class SFTConfig:
                        f"got {self.curriculum_levels} and {self.curriculum_steps}")
 
 
-def _rl_optimizer() -> OptimConfig:
-  # Constant learning rate after one warm-up step, no weight decay (RL updates are small moves from the start).
-  return OptimConfig(learning_rate=3e-4, warmup_steps=1, decay_steps=1000, final_lr_fraction=1.0,
-                     weight_decay=0.0, grad_clip=1.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-  """The RL trainer: `steps` steps of up to `groups_per_step` whole groups each (fewer when the next group's rows
-  do not fit in `rows_per_step`), checkpointed every `ckpt_every`."""
-  steps: int = 60
-  groups_per_step: int = 4          # prompts per RL step
-  # Segments a step holds (a row of context_budget tokens each, unless packed). 0: groups_per_step x
-  # samples_per_prompt, one per trajectory; a self-summarising chain has a segment per context, so multi-segment
-  # runs set it higher.
-  rows_per_step: int = 0
-  # > 0: pack the step's segments end to end into this many rows of context_budget tokens (`rl.batch.Packer`), so
-  # short segments do not pay a whole row of padding; a step takes fewer groups when the next does not pack. 0: a
-  # row per segment.
-  pack_rows: int = 0
-  ckpt_every: int = 10
-  optim: OptimConfig = dataclasses.field(default_factory=_rl_optimizer)
-
-  def __post_init__(self):
-    _positive(self, "steps", "groups_per_step", "ckpt_every")
-    if self.rows_per_step < 0:
-      raise ValueError(f"train.rows_per_step={self.rows_per_step} must be >= 0 (0: one row per trajectory)")
-    if self.pack_rows < 0:
-      raise ValueError(f"train.pack_rows={self.pack_rows} must be >= 0 (0: a row per segment)")
-
-
 @dataclasses.dataclass(frozen=True)
 class SGLangConfig:
   """engine='sglang': the fleet the trainer starts and updates (`rl/fleet.py`)."""
@@ -117,7 +136,7 @@ class RolloutConfig:
   max_staleness: int = 2
   staleness_policy: str = "drop"
   publish_every: int = 1            # publish weights every N trainer steps
-  backend: str = "sandbox"          # workspaces: 'sandbox' (bubblewrap) or 'local'
+  workspaces: str = "sandbox"       # workspaces: 'sandbox' (bubblewrap) or 'local'
   sglang: SGLangConfig = SGLangConfig()
   stall_timeout_s: float = 1800.0   # async: a worker that starts no group for this long is hung, killed, restarted
   # Groups as trees (`rollout.tree_harness`): fork after these action turns (0 = the prompt) into this many branches
@@ -189,7 +208,6 @@ class RunConfig:
   tokenizer: TokenizerConfig = TokenizerConfig(vocab_size=512)
   harness: HarnessConfig = HarnessConfig()
   sft: SFTConfig = SFTConfig()
-  train: TrainerConfig = TrainerConfig()
   rl: RLConfig = RLConfig()
   rollout: RolloutConfig = RolloutConfig()
   eval: EvalConfig = EvalConfig()
@@ -205,9 +223,9 @@ class RunConfig:
     if self.batch_rows < group_rows:
       raise ValueError(f"a step's {self.batch_rows} rows cannot hold a group of {self.rollout.samples_per_prompt} "
                        f"trajectories of up to harness.max_segments={self.harness.max_segments} segments (a row "
-                       f"each): set train.rows_per_step >= {group_rows}")
-    if self.train.pack_rows > self.batch_rows:
-      raise ValueError(f"train.pack_rows={self.train.pack_rows} packs a step's {self.batch_rows} segments into "
+                       f"each): set rl.rows_per_step >= {group_rows}")
+    if self.rl.pack_rows > self.batch_rows:
+      raise ValueError(f"rl.pack_rows={self.rl.pack_rows} packs a step's {self.batch_rows} segments into "
                        f"more rows than unpacked; set it <= {self.batch_rows} (or 0)")
     if self.eval.summary_levels and (self.tasks.kind != "procedural"
                                      or not set(self.eval.summary_levels) <= set(self.tasks.levels)):
@@ -219,11 +237,10 @@ class RunConfig:
       raise ValueError(f"sft.curriculum_levels={self.sft.curriculum_levels} must be some, not all, of the procedural "
                        f"levels the SFT then continues on (tasks: {self.tasks.kind!r}, levels {self.tasks.levels}; "
                        f"sft.steps={self.sft.steps})")
-    rollout_t = self.harness.sampling.temperature or 1.0   # greedy rollouts: the engines record T = 1 logprobs
-    if self.rl.temperature != rollout_t:
-      raise ValueError(f"rl.temperature={self.rl.temperature} must be the rollouts' sampling temperature "
-                       f"(harness.sampling.temperature={self.harness.sampling.temperature}): the trainer scores the "
-                       "policy at it, as the engines recorded its logprobs")
+    # The trainer scores the policy at the rollouts' temperature, as the engines recorded its logprobs (greedy
+    # rollouts: the engines record T = 1 logprobs); derived here, so no config can set the two apart.
+    rollout_t = self.harness.sampling.temperature or 1.0
+    object.__setattr__(self, "rl", dataclasses.replace(self.rl, temperature=rollout_t))
     if self.harness.context_budget > self.model.max_position_embeddings:
       raise ValueError(f"harness.context_budget={self.harness.context_budget} exceeds the model's positions "
                        f"(model.max_position_embeddings={self.model.max_position_embeddings}): lower the one or "
@@ -234,5 +251,5 @@ class RunConfig:
 
   @property
   def batch_rows(self) -> int:
-    """Rows in a step's batch: `train.rows_per_step`, or one per trajectory of `groups_per_step` groups."""
-    return self.train.rows_per_step or self.train.groups_per_step * self.rollout.samples_per_prompt
+    """Rows in a step's batch: `rl.rows_per_step`, or one per trajectory of `groups_per_step` groups."""
+    return self.rl.rows_per_step or self.rl.groups_per_step * self.rollout.samples_per_prompt

@@ -32,7 +32,7 @@ def _engine(cfg: RunConfig, params) -> JaxEngine:
                                                           max_batch=64))
 
 
-def evaluate_policy(cfg: RunConfig, params, tok, tasks, envs, name: str, summarizer_params=None) -> dict:
+def evaluate_at_temperatures(cfg: RunConfig, params, tok, tasks, envs, name: str, summarizer_params=None) -> dict:
   """Success of policy `name` on `tasks` at each of `eval.temperatures` (0 = greedy); results in workdir/eval.
   With `summarizer_params`, those params write the self-summaries (`rollout.engines.split.SummariesFrom`)."""
   eng = _engine(cfg, params)
@@ -67,8 +67,8 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
   evaluation resumed, or grown to more held-out tasks) trains no further and evaluates the same control, whatever
   its own RL wall-clock; a run grown to more RL steps gets a control of its own, from the start again (SFT's
   learning-rate schedule spans its steps, so a longer control is not the shorter one continued)."""
-  out_dir = control_dir(cfg.workdir, cfg.train.steps)
-  size = control_size(cfg.workdir, cfg.train.steps)
+  out_dir = control_dir(cfg.workdir, cfg.rl.steps)
+  size = control_size(cfg.workdir, cfg.rl.steps)
   if size is None:
     s_per_step = warmstart.seconds_per_step(cfg.workdir)
     size = {"steps": max(1, int(seconds / s_per_step)), "seconds": seconds, "seconds_per_step": s_per_step}
@@ -98,7 +98,7 @@ def without_summaries(cfg: RunConfig) -> RunConfig:
   config checks; evaluation trains nothing)."""
   harness = cfg.harness.without_summaries()
   rows = max(cfg.batch_rows, cfg.rollout.samples_per_prompt * harness.max_segments)
-  return dataclasses.replace(cfg, harness=harness, train=dataclasses.replace(cfg.train, rows_per_step=rows))
+  return dataclasses.replace(cfg, harness=harness, rl=dataclasses.replace(cfg.rl, rows_per_step=rows))
 
 
 def summary_tasks(cfg: RunConfig, tasks: list) -> list:
@@ -113,7 +113,7 @@ def summary_tasks(cfg: RunConfig, tasks: list) -> list:
   return chosen
 
 
-def reward_terms(workdir: str) -> dict[str, list[float]]:
+def reward_terms_by_quarter(workdir: str) -> dict[str, list[float]]:
   """The reward, its task term and each penalty term that was ever nonzero, as means over each quarter of the RL
   steps (workdir/metrics.jsonl): is any term rising while the task term does not?"""
   path = os.path.join(workdir, "metrics.jsonl")
@@ -175,7 +175,7 @@ def _run_experiment(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
     phases[name] = time.perf_counter() - t
     return value
   try:
-    result = {"sft": timed("eval_sft", evaluate_policy, cfg, start, tok, tasks, envs, "sft")}
+    result = {"sft": timed("eval_sft", evaluate_at_temperatures, cfg, start, tok, tasks, envs, "sft")}
     if out is not None:
       result.update(_trained_rows(cfg, start, out["params"], rl_seconds, tok, tasks, envs, timed, log_fn))
   finally:
@@ -186,7 +186,7 @@ def _run_experiment(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
     result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks,
                   sft_curriculum_steps=cfg.sft.curriculum_steps)
   else:
-    result.update(rl_seconds=rl_seconds, rl_steps=cfg.train.steps, reward_terms=reward_terms(cfg.workdir),
+    result.update(rl_seconds=rl_seconds, rl_steps=cfg.rl.steps, reward_terms=reward_terms_by_quarter(cfg.workdir),
                   last={k: v for k, v in out["last"].items() if isinstance(v, float)})
   earlier = earlier_phase_seconds(cfg.workdir)
   if earlier:
@@ -210,20 +210,21 @@ def earlier_phase_seconds(workdir: str) -> list[dict]:
 def _trained_rows(cfg: RunConfig, start, params, rl_seconds: float, tok, tasks, envs, timed, log_fn) -> dict:
   """The RL policy's rows, the equal-time SFT control and the summary rows (`timed(name, fn, ...)` records each
   phase's wall-clock), each evaluated under its name `at_step` the run's RL steps."""
-  steps = cfg.train.steps
-  rows = {"rl": timed("eval_rl", evaluate_policy, cfg, params, tok, tasks, envs, at_step("rl", steps))}
+  steps = cfg.rl.steps
+  rows = {"rl": timed("eval_rl", evaluate_at_temperatures, cfg, params, tok, tasks, envs, at_step("rl", steps))}
   if cfg.eval.control and cfg.sft.steps:
     ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
-    rows["sft_control"] = timed("eval_sft_control", evaluate_policy, cfg, ctrl, tok, tasks, envs,
+    rows["sft_control"] = timed("eval_sft_control", evaluate_at_temperatures, cfg, ctrl, tok, tasks, envs,
                                 at_step("sft_control", steps))
     if (size := control_size(cfg.workdir, steps)) is not None:
       rows.update(control_steps=size["steps"], control_seconds=size["seconds"])
   if cfg.eval.summaries_from_start or cfg.eval.drop_oldest:
     needs_summary = summary_tasks(cfg, tasks)
   if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
-    rows["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_policy, cfg, params, tok, needs_summary,
-                                       envs, at_step("rl_start_summaries", steps), summarizer_params=start)
+    rows["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_at_temperatures, cfg, params, tok,
+                                       needs_summary, envs, at_step("rl_start_summaries", steps),
+                                       summarizer_params=start)
   if cfg.eval.drop_oldest:   # ... and against no summaries at all
-    rows["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_policy, without_summaries(cfg), params, tok,
+    rows["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_at_temperatures, without_summaries(cfg), params, tok,
                                    needs_summary, envs, at_step("rl_drop_oldest", steps))
   return rows

@@ -24,6 +24,7 @@ import jax
 
 from composer_jax.interop import hf
 from composer_jax.rl.config import RunConfig
+from composer_jax.rl.follower import Follower
 from rollout.engines.sglang_fleet import FleetConfig, RemoteServer, SGLangFleet
 from rollout.engines.sglang_launcher import ServerConfig
 
@@ -56,7 +57,7 @@ def export(cfg: RunConfig, params, version: int) -> str:
 
 
 def _prune(cfg: RunConfig, keep: int, current: int) -> None:
-  """Deletes all exports but the newest `keep` and the served `current` one (as `publish.publish` prunes)."""
+  """Deletes all exports but the newest `keep` and the served `current` one (as `weight_files.publish` prunes)."""
   versions = sorted(int(n[1:]) for n in os.listdir(_hf_dir(cfg)) if n.startswith("v") and n[1:].isdigit())
   for v in versions[:-keep]:
     if v == current:
@@ -134,7 +135,6 @@ class FleetPublisher:
   def follow(cfg: RunConfig):
     """A worker's client of the fleet; it follows the version the trainer last pushed (for its throttle) and the
     trainer's list of servers (which shrinks and regrows)."""
-    from composer_jax.rl.publishers import Follower
     engine = attach(cfg)
 
     def version() -> int:

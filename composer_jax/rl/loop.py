@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import publish, publishers, setup, sources, warmstart
+from composer_jax.rl import publishers, setup, sources, warmstart, weight_files
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.rl.trainer import Trainer
@@ -27,7 +27,7 @@ from composer_jax.train import metrics as metrics_lib
 
 
 def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=()) -> dict:
-  """Runs (or resumes) the RL job of `cfg` to `cfg.train.steps`; returns the final params, the last metrics and the
+  """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps`; returns the final params, the last metrics and the
   step it resumed at (0 for a fresh run).
 
   It holds the workdir (`rl.workdir.claim`: one live run, a resume only with the stored config but for the fields
@@ -48,12 +48,12 @@ def _train_rl(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
     stack.callback(source.close)
     progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn))
     stop = stack.enter_context(interrupt.StopAtStep("RL"))
-    for step_no in range(trainer.start + 1, cfg.train.steps + 1):
+    for step_no in range(trainer.start + 1, cfg.rl.steps + 1):
       if stop.requested:
         done = step_no - 1
         if done > trainer.start and trainer.ckpts.latest_step() != done:
           trainer.checkpoint(done)
-        raise interrupt.Interrupted(f"RL stopped at step {done} of {cfg.train.steps}, checkpointed in "
+        raise interrupt.Interrupted(f"RL stopped at step {done} of {cfg.rl.steps}, checkpointed in "
                                     f"{trainer.ckpts.directory}: rerun the same command to resume")
       t0 = time.perf_counter()
       groups, rollout_s = source.next(version=step_no - 1)
@@ -65,7 +65,7 @@ def _train_rl(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
       m.update(trainer.queue_stats(), step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
                trainer_idle_fraction=idle_s / max(step_s, 1e-9), publish_s=publish_s)
       last = progress.log(step_no, m)
-      if step_no % cfg.train.ckpt_every == 0 or step_no == cfg.train.steps:
+      if step_no % cfg.rl.ckpt_every == 0 or step_no == cfg.rl.steps:
         trainer.checkpoint(step_no)
   _export_final(cfg, trainer)
   _plot(cfg.workdir)
@@ -79,7 +79,7 @@ class _Progress:
     self.writer, self.log_fn, self.bar = metrics_lib.MetricWriter(cfg.workdir), log_fn, None
     if cfg.progress_bar:
       from tqdm import tqdm
-      self.bar = tqdm(total=cfg.train.steps, initial=start, desc="rl", dynamic_ncols=True)
+      self.bar = tqdm(total=cfg.rl.steps, initial=start, desc="rl", dynamic_ncols=True)
 
   def log(self, step_no: int, m: dict) -> dict:
     self.writer.write(step_no, m)
@@ -102,9 +102,9 @@ class _Progress:
 
 def _export_final(cfg: RunConfig, trainer: Trainer) -> None:
   """The final policy in `workdir/weights` whatever the publisher, so every RL workdir can be evaluated as one."""
-  got = publish.latest(publishers.weights_dir(cfg))
+  got = weight_files.latest(publishers.weights_dir(cfg))
   if got is None or got[0] != int(trainer.state.step):
-    publish.publish(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
+    weight_files.publish(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
 
 
 def penalty_terms(rows: list[dict]) -> list[str]:

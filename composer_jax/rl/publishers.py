@@ -10,7 +10,6 @@ the valid names on a bad one. `publisher.engine` is the engine an in-process (sy
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -19,8 +18,9 @@ from typing import Protocol
 import jax
 
 from composer_jax import model
-from composer_jax.rl import publish
+from composer_jax.rl import fleet, weight_files
 from composer_jax.rl.config import ENGINES, RunConfig
+from composer_jax.rl.follower import Follower
 
 
 class Publisher(Protocol):
@@ -29,14 +29,6 @@ class Publisher(Protocol):
   def publish(self, params, version: int) -> float: ...
 
   def close(self) -> None: ...
-
-
-@dataclasses.dataclass
-class Follower:
-  """A worker's engine and how it keeps up: `version()` it now serves, `load_newer()` before each group."""
-  engine: object
-  version: Callable[[], int]
-  load_newer: Callable[[], None] = lambda: None
 
 
 def engine_config(cfg: RunConfig):
@@ -78,16 +70,16 @@ class WeightFiles:
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
     self.dir = weights_dir(cfg)
-    withdrawn = publish.recover(self.dir, version)
+    withdrawn = weight_files.recover(self.dir, version)
     if withdrawn:
       log_fn(f"withdrew weights v{withdrawn} published after the checkpoint at step {version}: those steps are redone")
-    got = publish.latest(self.dir)
+    got = weight_files.latest(self.dir)
     if got is None or got[0] != version:
-      publish.publish(self.dir, params, version)
+      weight_files.publish(self.dir, params, version)
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()
-    publish.publish(self.dir, params, version)
+    weight_files.publish(self.dir, params, version)
     return time.perf_counter() - t0
 
   def close(self) -> None:
@@ -98,37 +90,31 @@ class WeightFiles:
     """A JaxEngine on the newest published weights (waits for the first), reloading newer ones when asked."""
     from composer_jax.sampling.engine import JaxEngine
     wdir = weights_dir(cfg)
-    while publish.latest(wdir) is None:
+    while weight_files.latest(wdir) is None:
       time.sleep(0.2)
     like = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
-    version, path = publish.latest(wdir)
+    version, path = weight_files.latest(wdir)
     # Committed to one device from the start, as `update_weights` places later versions: no recompile on update.
-    engine = JaxEngine(jax.device_put(publish.load(path, like), jax.devices()[0]), cfg.model, engine_config(cfg),
+    engine = JaxEngine(jax.device_put(weight_files.load(path, like), jax.devices()[0]), cfg.model, engine_config(cfg),
                        policy_version=version)
     return Follower(engine, lambda: engine.policy_version, follow_pointer(wdir, like, engine))
 
 
 def follow_pointer(wdir: str, like, engine) -> Callable[[], None]:
   """A worker's `load_newer` for weight files: loads the version `latest.json` names whenever it differs from the
-  engine's — newer, or older after a restarted trainer withdrew versions it had published (`publish.recover`)."""
+  engine's — newer, or older after a restarted trainer withdrew versions it had published (`weight_files.recover`)."""
 
   def load() -> None:
-    while (got := publish.latest(wdir)) is not None and got[0] != engine.policy_version:
+    while (got := weight_files.latest(wdir)) is not None and got[0] != engine.policy_version:
       try:
-        engine.update_weights(jax.device_put(publish.load(got[1], like)), policy_version=got[0])
+        engine.update_weights(jax.device_put(weight_files.load(got[1], like)), policy_version=got[0])
       except FileNotFoundError:
         continue   # pruned or withdrawn between the pointer read and the load: the pointer has moved on
 
   return load
 
 
-def _fleet():
-  from composer_jax.rl import fleet
-  return fleet.FleetPublisher
-
-
-PUBLISHERS: dict[str, Callable[[], type]] = {"in_place": lambda: InPlace, "files": lambda: WeightFiles,
-                                             "fleet": _fleet}
+PUBLISHERS: dict[str, type] = {"in_place": InPlace, "files": WeightFiles, "fleet": fleet.FleetPublisher}
 
 
 def publisher_name(cfg: RunConfig) -> str:
@@ -138,7 +124,7 @@ def publisher_name(cfg: RunConfig) -> str:
 def publisher_class(name: str) -> type:
   if name not in PUBLISHERS:
     raise ValueError(f"unknown publisher {name!r}; valid: {sorted(PUBLISHERS)}")
-  return PUBLISHERS[name]()
+  return PUBLISHERS[name]
 
 
 def make(cfg: RunConfig, params, version: int, log_fn=print) -> Publisher:

@@ -68,12 +68,12 @@ def of_levels(tasks: list[Task], levels) -> list[Task]:
 
 
 def make_envs(cfg: RunConfig) -> EnvironmentCache:
-  return EnvironmentCache(make_factory(cfg.rollout.backend))
+  return EnvironmentCache(make_factory(cfg.rollout.workspaces))
 
 
 def batch_config(cfg: RunConfig) -> rl_batch.BatchConfig:
-  """A step's batch shape: `batch_rows` segments of up to context_budget tokens, packed into `train.pack_rows`."""
-  return rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget, pack_rows=cfg.train.pack_rows,
+  """A step's batch shape: `batch_rows` segments of up to context_budget tokens, packed into `rl.pack_rows`."""
+  return rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget, pack_rows=cfg.rl.pack_rows,
                               n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
                               top_k=cfg.model.num_experts_per_tok)
 

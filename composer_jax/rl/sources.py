@@ -2,9 +2,10 @@
 
   sync    InProcess   roll the step's groups out here with the current policy (the publisher's engine), then take
                       them from the queue: staleness 0, the trainer waits for every rollout
-  async   WorkerPool  worker processes (`python -m composer_jax.rl.worker`) fill the queue while the trainer trains;
-                      the trainer only waits when the queue has too few fresh groups (a dead worker is restarted,
-                      a hung one — no heartbeat for `rollout.stall_timeout_s` — killed and restarted)
+  async   WorkerPool  worker processes (`python -m composer_jax.rl.worker_process`) fill the queue while the
+                      trainer trains; the trainer only waits when the queue has too few fresh groups (a dead
+                      worker is restarted, a hung one — no heartbeat for `rollout.stall_timeout_s` — killed and
+                      restarted)
 
 Either way groups pass through the same tensorstore queue, so the consumer's cursor, the staleness filter and the
 exactly-once bookkeeping are the same code in both modes.
@@ -21,7 +22,7 @@ from typing import Protocol
 
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import setup
-from composer_jax.rl import worker as worker_lib
+from composer_jax.rl import worker_process as worker_lib
 from composer_jax.rl.config import RunConfig
 from rollout import workers
 from rollout.queue import QueueConsumer, QueueProducer
@@ -35,9 +36,9 @@ class Source(Protocol):
 
 
 def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lambda: None) -> list:
-  """Polls `consumer` for one step's whole groups (`wait()` between empty polls): `train.groups_per_step` of them,
+  """Polls `consumer` for one step's whole groups (`wait()` between empty polls): `rl.groups_per_step` of them,
   or fewer when the next one does not fit in what is left of the step's `cfg.batch_rows` segments (a
-  self-summarising chain has one per context) or, packed, does not pack into the `train.pack_rows` rows with the
+  self-summarising chain has one per context) or, packed, does not pack into the `rl.pack_rows` rows with the
   ones before it; that group opens the next step. A group too large to pack alone gets a step of its own."""
   groups, rows = [], 0
   bcfg = setup.batch_config(cfg)
@@ -53,14 +54,14 @@ def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lamb
     packed["alone"] = packed["groups"] == 0   # make_batch gives it batch_rows rows, a row per segment
     return packed["alone"]
 
-  while len(groups) < cfg.train.groups_per_step:
-    got = consumer.poll(version, max_groups=cfg.train.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows,
+  while len(groups) < cfg.rl.groups_per_step:
+    got = consumer.poll(version, max_groups=cfg.rl.groups_per_step - len(groups), max_rows=cfg.batch_rows - rows,
                         batch_rows=cfg.batch_rows, fits=packs if bcfg.pack_rows else None)
     groups += got
     rows += sum(g.key.n_rows for g in got)
     if groups and not got and consumer.depth()[0]:   # the oldest pending group waits for the next step
       break
-    if len(groups) < cfg.train.groups_per_step:
+    if len(groups) < cfg.rl.groups_per_step:
       wait()
       time.sleep(0.05)
   return groups
@@ -77,7 +78,7 @@ class InProcess:
     self.producer = QueueProducer(setup.queue_url(cfg), "sync0")
     self.pool = setup.train_pool(cfg)
     self.wcfg = workers.WorkerConfig(samples_per_prompt=cfg.rollout.samples_per_prompt,
-                                     max_groups=cfg.train.groups_per_step, tree=cfg.rollout.tree)
+                                     max_groups=cfg.rl.groups_per_step, tree=cfg.rollout.tree)
 
   def next(self, version: int) -> tuple[list, float]:
     t0 = time.perf_counter()
@@ -117,7 +118,7 @@ class WorkerPool:
     self.stalls, self._last_done = 0, self._newest_group_done()   # stalls since a worker last finished a group
 
   def command(self, i: int) -> list[str]:
-    return [sys.executable, "-m", "composer_jax.rl.worker", self.cfg.workdir, str(i)]
+    return [sys.executable, "-m", "composer_jax.rl.worker_process", self.cfg.workdir, str(i)]
 
   def _start(self, i: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))

@@ -37,34 +37,10 @@ from composer_jax.model.moe import select_experts
 from composer_jax.parallel import layout
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import losses
+from composer_jax.rl.config import RLConfig
 from composer_jax.train import losses as lm_losses
 from composer_jax.train import step as train_step_lib
 from composer_jax.train.step import TrainState
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-  """What one RL step computes."""
-  loss: losses.LossConfig = losses.LossConfig()
-  router_replay: bool = True        # policy (and reference) forwards use the engine's experts
-  ref_router_replay: bool = True    # the reference forward replays them too (same routing on both sides of k1)
-  mtp_weight: float = 0.0           # > 0: keep training MTP heads by self-distillation on the rollout tokens
-  bias_update_rate: float = 0.0     # aux-loss-free router-bias update from the (replayed) expert load
-  # Run the unreplayed forward (pass 2) for its `logprob_gap_no_replay` metric on every N-th step even when the
-  # engine recorded all the routing (0: only when some is missing). It costs one forward of the policy.
-  unreplayed_every: int = 10
-  # The temperature the rollouts were sampled at. The engines record each token's logprob under the tempered
-  # distribution (softmax(logits / T), as SGLang's `logprobs`), so the policy and the reference are scored at the
-  # same T: the importance ratio and the KL then compare one policy with itself, not π_T with π_1.
-  temperature: float = 1.0
-
-  def __post_init__(self):
-    if self.mtp_weight < 0 or self.bias_update_rate < 0 or self.unreplayed_every < 0:
-      raise ValueError(f"need mtp_weight, bias_update_rate, unreplayed_every >= 0, got {self.mtp_weight=} "
-                       f"{self.bias_update_rate=} {self.unreplayed_every=}")
-    if not self.temperature > 0:
-      raise ValueError(f"rl.temperature={self.temperature} must be > 0 (the rollouts' sampling temperature; greedy "
-                       "rollouts give a group nothing to compare)")
 
 
 def own_routing(params: dict, router_scores_LmxBxLxE: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -79,7 +79,7 @@ class Trainer:
     mesh = train_loop.single_device_mesh()
     params_sh = model.shardings(cfg.model, mesh)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model))
-    optimizer = rl_step.freeze_subtrees(optim.make_optimizer(cfg.train.optim, abstract), abstract)
+    optimizer = rl_step.freeze_subtrees(optim.make_optimizer(cfg.rl.optim, abstract), abstract)
     state_sh = step_lib.state_shardings(optimizer, abstract, params_sh)
     self.ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
     qstate = None

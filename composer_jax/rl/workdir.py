@@ -5,7 +5,7 @@ each other mid-save, and a resume with another config either fails deep inside a
 shape) or silently continues with other settings (another KL). So a run first takes `workdir/lock` (an exclusive
 `flock`: the kernel drops it when its process dies, so a crashed run's lock is taken over without a stale file to
 clean), then compares its config with the stored `run_config.pkl` and refuses a difference the user did not allow
-by name (`allow`: e.g. `train.steps` to grow a run to more RL steps).
+by name (`allow`: e.g. `rl.steps` to grow a run to more RL steps).
 """
 from __future__ import annotations
 
@@ -97,7 +97,11 @@ def stored_config(workdir: str):
   if not os.path.exists(path):
     return None
   with open(path, "rb") as f:
-    return pickle.load(f)
+    try:
+      return pickle.load(f)
+    except (AttributeError, ModuleNotFoundError) as e:   # a class an older composer_jax had
+      raise WorkdirError(f"{path} was written by an older composer_jax whose run config no longer loads ({e}): "
+                         "pass another --workdir") from None
 
 
 def check_resume(cfg, allow=()) -> None:
@@ -114,7 +118,7 @@ def check_resume(cfg, allow=()) -> None:
     return
   shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:8])
   more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
-  hint = "" if more else (f", or, if the change is meant (e.g. train.steps to grow the run), resume with "
+  hint = "" if more else (f", or, if the change is meant (e.g. rl.steps to grow the run), resume with "
                           f"--resume_with_changes={','.join(diff)}")
   raise WorkdirError(f"workdir {cfg.workdir} holds a run started with another config ({shown}{more}): pass another "
                      f"--workdir{hint}")

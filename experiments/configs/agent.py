@@ -8,22 +8,25 @@ malformed-call penalties; transcripts and reward breakdowns are printed. A valid
 grader. Options: `level=1..4`, `n_tasks=`, `split=train|heldout`, `budget=` (tokens per segment; small values
 exercise self-summarization: `level=4,budget=768` asks for a summary twice in an episode and the oracle still solves
 16/16; at 640 its three segments run out before the last fix), `policies=oracle+noop+model+random` (`random`:
-uniform random tokens, no model), `backend=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
+uniform random tokens, no model), `workspaces=sandbox|local` (isolated `sandboxes` workspaces, or plain directories).
 """
 import ml_collections
 
 from experiments.configs import common
 from experiments.configs import model as model_configs
 
+# Config keys and args users typed before a rename: the CLI names the new one (`experiments/cli.py`).
+RENAMED_KEYS = {"backend": "workspaces"}
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, colab=False, level=1, n_tasks=0, split="train", budget=0, policies="oracle+noop+model",
-                         seed=0, backend="sandbox")
+  arg = common.parse_arg(arg, renames=RENAMED_KEYS, colab=False, level=1, n_tasks=0, split="train", budget=0,
+                         policies="oracle+noop+model", seed=0, workspaces="sandbox")
   c = ml_collections.ConfigDict()
   c.seed = arg.seed
   c.policies = tuple(arg.policies.split("+"))
   c.model = model_configs.get_config("tiny")   # shape of the randomly initialised `model` policy
-  c.backend = arg.backend  # 'sandbox' (bubblewrap namespaces via `sandboxes`) or 'local' (no isolation)
+  c.workspaces = arg.workspaces  # 'sandbox' (bubblewrap namespaces via `sandboxes`) or 'local' (no isolation)
   c.tasks = ml_collections.ConfigDict(dict(kind="procedural", levels=(arg.level,),
                                            n=arg.n_tasks or (16 if arg.colab else 64), split=arg.split, seed=arg.seed))
   c.tokenizer = ml_collections.ConfigDict(dict(dir="", train_tasks=200, fit=dict(vocab_size=1024)))

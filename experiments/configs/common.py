@@ -4,15 +4,29 @@ from __future__ import annotations
 import ml_collections
 
 
-def parse_arg(arg: str | None, *, lazy: bool = False, **spec) -> ml_collections.ConfigDict:
+def renamed(path: str, renames: dict[str, str]) -> str | None:
+  """The line saying what the dotted `path` (a config key or an arg name) is now called, when a prefix of it is a
+  key of `renames` (old prefix → new prefix); None when it was not renamed."""
+  parts = path.split(".")
+  for i in range(len(parts), 0, -1):
+    old = ".".join(parts[:i])
+    if old in renames:
+      new = ".".join([renames[old], *parts[i:]])
+      return f"{path} was renamed: it is now {new}"
+  return None
+
+
+def parse_arg(arg: str | None, *, lazy: bool = False, renames: dict[str, str] | None = None,
+              **spec) -> ml_collections.ConfigDict:
   """Parses `"colab,steps=100"`-style config args into a ConfigDict typed by `spec`.
 
   A bare word sets the boolean of that name (`colab` → colab=True) or, when `variant` is in spec, the variant.
-  Unknown names are an error that lists the valid ones.
+  Unknown names are an error that lists the valid ones, or names the new name of a renamed one.
 
   Args:
     arg: the string after ':' in `--config=file.py:arg` (None or "" for defaults).
     lazy: accept names not in `spec` (as strings).
+    renames: old arg name → its new name.
     **spec: name → default value; its type casts the parsed value.
   """
   res = ml_collections.ConfigDict(spec)
@@ -27,7 +41,9 @@ def parse_arg(arg: str | None, *, lazy: bool = False, **spec) -> ml_collections.
     else:
       name, value = part, "True"
     if name not in spec and not lazy:
-      raise ValueError(f"Unknown config arg {name!r} in {arg!r}; valid: {sorted(spec)}")
+      moved = renamed(name, renames or {})
+      raise ValueError(f"config arg {moved}" if moved else f"Unknown config arg {name!r} in {arg!r}; valid: "
+                       f"{sorted(spec)}")
     default = spec.get(name, "")
     if isinstance(default, bool):
       if value not in ("True", "False", "true", "false", "1", "0"):

@@ -65,13 +65,17 @@ def _stored_model(checkpoints: str) -> dict | None:
   return next(iter(found.values()), None)
 
 
+# Config keys and args users typed before a rename: the CLI names the new one (`experiments/cli.py`).
+RENAMED_KEYS = {"backend": "workspaces"}
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, variant="procedural", n_tasks=8, levels="1", seed=0, samples=2, chunk_tasks=8,
-                         policies="oracle+noop+random", repos="", jsonl="", repos_dir="", set_file="", corpus="",
-                         keep_contaminated=False, checkpoint="", model="", sglang_url="", backend="sandbox",
-                         out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
+  arg = common.parse_arg(arg, renames=RENAMED_KEYS, variant="procedural", n_tasks=8, levels="1", seed=0, samples=2,
+                         chunk_tasks=8, policies="oracle+noop+random", repos="", jsonl="", repos_dir="", set_file="",
+                         corpus="", keep_contaminated=False, checkpoint="", model="", sglang_url="",
+                         workspaces="sandbox", out="runs/eval", build_set="", set_version="1", min_files=1, min_lines=1,
                          max_prompt_chars=1000, temperature=1.0, harness="default")
-  c = ml_collections.ConfigDict()   # mirrors composer_jax.eval_run.EvalConfig
+  c = ml_collections.ConfigDict()   # mirrors composer_jax.eval_run.EvalRunConfig
   # c.set mirrors rollout.tasks.registry.SetSpec (the one task-source registry RL and SFT use too).
   c.set = ml_collections.ConfigDict(dict(
     kind=arg.variant, n=arg.n_tasks if arg.variant == "procedural" else 0, seed=arg.seed,
@@ -88,7 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict(dict(workdir=arg.checkpoint,
                                                 model=model or model_configs.get_config("colab").to_dict()))
   c.sglang_url = arg.sglang_url
-  c.backend = arg.backend  # 'sandbox' (bubblewrap) or 'local'
+  c.workspaces = arg.workspaces  # 'sandbox' (bubblewrap) or 'local'
   c.out = arg.out
   c.seed = arg.seed
   c.gold_runs = 2  # gold validation runs each side this often (>= 2: a flaky task is invalid)

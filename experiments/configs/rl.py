@@ -5,7 +5,7 @@ r"""RL on a task source (procedural repair tasks by default): SFT warm start on 
   python experiments/rl_main.py --config=experiments/configs/rl.py:colab --workdir=runs/rl_colab   # make colab
   python experiments/rl_main.py --config=experiments/configs/rl.py:test --workdir=/tmp/rl_test   # seconds-scale
 
-Does: SFT warm start on oracle transcripts, RL for `train.steps`, then held-out evaluation of the SFT start, the RL
+Does: SFT warm start on oracle transcripts, RL for `rl.steps`, then held-out evaluation of the SFT start, the RL
 policy and an equal-wall-clock SFT control on `eval.tasks` held-out tasks (per level for a procedural mix), greedy
 and at T=1 (Wilson 95% CIs); the last line is JSON, also in workdir/results.json with each phase's time
 (experiments/results/README.md has the measured runs; `experiments/report_main.py` renders them).
@@ -13,7 +13,7 @@ and at T=1 (Wilson 95% CIs); the last line is JSON, also in workdir/results.json
 The sections mirror `composer_jax.rl.config.RunConfig` (one converter, `composer_jax.configs.from_dict`; a typo
 is an error naming the key): model, tasks, tokenizer, harness (`rollout.harness.HarnessConfig`: prompt, budgets,
 sampling, tools, rewards), sft, train (steps, groups and rows per step, checkpoints, optim), rl
-(`rl.step.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
+(`rl.config.RLConfig`: loss, router replay), rollout (mode, engine, workers, staleness, publishing, sglang), eval.
 
 Variants: `recipe_best` (default, `make run`: the report's RL recipe at Colab scale in its best measured row,
 LONG_START: procedural levels 1-3, self-summary chains, the length penalty C(x) and the behavioural terms on, a
@@ -25,7 +25,7 @@ C(x) and the behavioural terms on; 17-20 min on 2 idle cores), `colab_level1` (t
 its end-to-end time stays measurable), `curriculum` (levels 1-2 from a curriculum start: level 1 first, then both;
 `_curriculum` says what it measured), `colab_pretrained` (colab with SFT from the colab pretraining run, `make
 pretrain`, and its tokenizer), `test` (tiny model, few tasks, local workspaces).
-Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `backend=local|sandbox`,
+Arg overrides: `mode=sync|async`, `steps=`, `workers=`, `staleness=`, `samples=`, `workspaces=local|sandbox`,
 `engine=jax|sglang` (rollouts on a fleet of real SGLang servers, `servers=` of them; the CPU install is `make
 test`'s), `seed=`; the task source (`rollout/tasks/registry.py`): `tasks=procedural` with `levels=1` or a mix
 `levels=1+2+3`, `tasks=mined,repos=/src/a:/src/b`, `tasks=swe,jsonl=x.jsonl,repos_dir=/src`,
@@ -44,13 +44,18 @@ from experiments.configs import common
 from experiments.configs import model as model_configs
 from rollout import harness, rewards
 
+# Config keys and args users typed before a rename: the CLI names the new one (`experiments/cli.py`).
+RENAMED_KEYS = {"train": "rl", "rl.temperature": "harness.sampling.temperature",
+                "rollout.backend": "rollout.workspaces"}
+RENAMED_ARGS = {"backend": "workspaces"}
+
 VARIANTS = ("colab", "colab_level1", "colab_pretrained", "curriculum", "recipe", "recipe_best", "test")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = common.parse_arg(arg, variant="recipe_best", mode="async", steps=0, workers=1, staleness=-1, samples=0,
-                         backend="", seed=0, engine="jax", servers=1, tasks="procedural", levels="", repos="",
-                         jsonl="", repos_dir="", set_file="")
+  arg = common.parse_arg(arg, renames=RENAMED_ARGS, variant="recipe_best", mode="async", steps=0, workers=1,
+                         staleness=-1, samples=0, workspaces="", seed=0, engine="jax", servers=1, tasks="procedural",
+                         levels="", repos="", jsonl="", repos_dir="", set_file="")
   recipe = arg.variant in ("recipe", "recipe_best")
   arg.levels = arg.levels or ("1+2+3" if recipe else "1+2" if arg.variant == "curriculum" else "1")
   if arg.variant not in VARIANTS:
@@ -115,15 +120,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       init_checkpoint="runs/pretrain_colab" if pretrained else "",
       # A curriculum (rl/warmstart.curriculum): first curriculum_steps on these levels' demonstrations only.
       curriculum_levels=(), curriculum_steps=0))
-  c.train = ml_collections.ConfigDict(dict(
+  c.rl = ml_collections.ConfigDict(dict(
       steps=arg.steps or (4 if test else 80 if recipe else 100), groups_per_step=2 if test else 4,
       ckpt_every=2 if test else 20,
       # 1e-3 collapsed (pass rate 0.06, KL 0.4 by step 12). Constant after one warm-up step, no weight decay.
       optim=dict(learning_rate=3e-4, warmup_steps=1, decay_steps=1000, final_lr_fraction=1.0, weight_decay=0.0,
-                 grad_clip=1.0)))
-  c.rl = ml_collections.ConfigDict(dict(
+                 grad_clip=1.0),
       router_replay=True, ref_router_replay=True, mtp_weight=0.0, bias_update_rate=0.0,
-      temperature=c.harness.sampling.get_ref("temperature"),   # the trainer scores π at the rollouts' temperature
       unreplayed_every=10,   # the unreplayed forward (only a metric when routing is fully recorded) every N steps
       loss=dict(kl_coef=1e-3, is_cap=2.0, importance="truncate", normalize="tokens",
                 norm_constant=ml_collections.config_dict.placeholder(float), adv_std=False, adv_eps=1e-6)))
@@ -131,7 +134,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       mode=arg.mode, engine=arg.engine,   # 'sglang': the trainer starts `sglang.servers` SGLang servers, workers attach
       workers=arg.workers, samples_per_prompt=arg.samples or (2 if test else 8),
       max_staleness=0 if arg.mode == "sync" else (arg.staleness if arg.staleness >= 0 else 2),
-      staleness_policy="drop", publish_every=1, backend=arg.backend or ("local" if test else "sandbox"),
+      staleness_policy="drop", publish_every=1, workspaces=arg.workspaces or ("local" if test else "sandbox"),
       stall_timeout_s=1800.0, tree_branch_turns=(), tree_fanouts=(),   # flat groups; a tree: e.g. (0, 1), (4, 2)
       sglang=dict(servers=arg.servers, device="cpu", python="")))
   # rl_main: the held-out evaluation, and the equal-wall-clock SFT control
@@ -142,7 +145,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     _recipe(c)
   if arg.variant == "recipe_best":   # the recipe's best measured row (the default, `make run`)
     common.override(c, LONG_START)
-    c.train.steps = arg.steps or c.train.steps
+    c.rl.steps = arg.steps or c.rl.steps
   if arg.variant == "curriculum":
     _curriculum(c)
   return c
@@ -167,18 +170,18 @@ def _curriculum(c: ml_collections.ConfigDict) -> None:
   """
   c.harness.update(context_budget=384, max_turn_tokens=96)
   c.sft.update(tasks=2048, steps=900, curriculum_levels=(1,), curriculum_steps=900)
-  c.train.update(steps=300)
+  c.rl.update(steps=300)
   c.eval.update(tasks=1000)   # 500 held-out tasks per level
 
 
 def _curriculum_sweep():
   """The rows of `rl.py:curriculum`: its start calibrated beside the same 1800 steps on the mix from the start (no
   curriculum), then the run itself (start, RL, equal-time control) for two seeds, and rollouts at T = 0.7 (for
-  greedy; the trainer scores at that temperature, `rl.temperature`)."""
+  greedy; the trainer scores at the rollouts' temperature)."""
   return [{"eval.start_only": True},
           {"eval.start_only": True, "sft.curriculum_levels": (), "sft.curriculum_steps": 0, "sft.steps": 1800},
           {"seed": 0}, {"seed": 1},
-          {"harness.sampling.temperature": 0.7, "rl.temperature": 0.7, "eval.control": False}]
+          {"harness.sampling.temperature": 0.7, "eval.control": False}]
 
 
 # The recipe's length penalty: k of C(x), and what an oracle-length level-3 episode (x = 321 generated tokens, the
@@ -189,7 +192,7 @@ RECIPE_LENGTH_K, RECIPE_LEVEL3_TOKENS, RECIPE_LEVEL3_COST = 0.01, 321, 0.1
 # The recipe from a curriculum start (a `_recipe_sweep` row): 900 SFT steps on the level-1 demonstrations first;
 # NEARMISS_CURRICULUM, the rows where RL learns levels 2-3: that start taught half near misses, 300 RL steps.
 RECIPE_CURRICULUM = {"sft.curriculum_levels": (1,), "sft.curriculum_steps": 900}
-NEARMISS_CURRICULUM = {**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "train.steps": 300}
+NEARMISS_CURRICULUM = {**RECIPE_CURRICULUM, "sft.demo_accuracy": 0.5, "rl.steps": 300}
 # The best of them: 50x the KL beta (greedy no longer falls), evaluated on 500 held-out tasks per level.
 NEARMISS_CURRICULUM_KL = {**NEARMISS_CURRICULUM, "rl.loss.kl_coef": 5e-2, "eval.tasks": 1500}
 # The same from a start trained twice as long on all levels (sft.steps 1800 -> 3600, ~9 more minutes; the default,
@@ -273,7 +276,7 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
     repeat_weight=0.02, no_message_weight=0.05 (the defaults); lint off (it doubles a sandboxed episode's cost and
       a one-line fix rarely changes ruff's findings).
   Batch rows: a level-3 trajectory takes a row per segment (2-3), so a group of 8 takes 8 rows at levels 1-2 and
-  ~20 at level 3, 12 on average over the even mix: train.rows_per_step=48 holds the level-1 run's 4 groups on
+  ~20 at level 3, 12 on average over the even mix: rl.rows_per_step=48 holds the level-1 run's 4 groups on
   average, and a step takes fewer when the next group does not fit (it opens the next step).
   """
   c.harness.update(context_budget=496, max_turn_tokens=112, observation_reserve=128, max_turns=10, max_segments=4,
@@ -284,11 +287,11 @@ def _recipe(c: ml_collections.ConfigDict) -> None:
   # one that tried (~340 tokens, 2 items open: up to -0.2), and from the near-miss curriculum start (13% of level 3
   # at T=1) RL learned to do just that by step ~100: level 3 fell to 0% greedy and at T=1 (rollout/rewards.py).
   c.harness.rewards.effort_scope = "solved"
-  # Unpacked (train.pack_rows=0). Packed into 24 rows (half the step's rows), a step held 1.7 groups instead of 2.7:
+  # Unpacked (rl.pack_rows=0). Packed into 24 rows (half the step's rows), a step held 1.7 groups instead of 2.7:
   # a level-3 group's 2-3 segments of 256-496 tokens rarely share a row. From the near-miss start RL's training pass
   # rate then fell from 0.27 to 0.15 by step 50; unpacked it fell too, later (by steps 70-80). Packing that keeps
   # the batch (pack_rows >= ~36) was not measured in a run.
-  c.train.update(rows_per_step=48)
+  c.rl.update(rows_per_step=48)
   # 2048 all-correct demonstrations (3,177 segment transcripts), 1800 steps of 8 x 512 tokens, a whole segment per
   # row: the calibrated start (see above).
   c.sft.update(tasks=2048, steps=1800, demo_accuracy=1.0, seq_len=512, batch=8)
@@ -307,12 +310,12 @@ def _recipe_sweep():
   first rows answer "does RL learn beyond copying" and "does greedy improve"); the others are one seed each.
   """
   return ([{"seed": s} for s in (0, 1)]                                              # the default comparison
-          + [{"train.steps": 240}]                                                   # 3x the RL steps
+          + [{"rl.steps": 240}]                                                   # 3x the RL steps
           + [{"sft.demo_accuracy": 0.5}]               # a start that imitates near misses (as rl.py:colab's)
           + [{"rl.loss.kl_coef": b} for b in (0.0, 1e-2)]                            # greedy: the KL β
-          + [{"harness.sampling.temperature": 0.7, "rl.temperature": 0.7}]          # greedy: rollout temperature
+          + [{"harness.sampling.temperature": 0.7}]          # greedy: rollout temperature
           + [{**{f"harness.{k}": v for k, v in DROP_OLDEST.items()},   # summaries vs dropped oldest turns (the SFT
-              "train.rows_per_step": 8 * DROP_OLDEST["max_segments"]}]      # a group of 8 chains of up to 8 rows
+              "rl.rows_per_step": 8 * DROP_OLDEST["max_segments"]}]      # a group of 8 chains of up to 8 rows
           # start's summaries are in every run: eval.summaries_from_start)
           + [{"harness.rewards.length_weight": 0.0}]                                 # λ = 0
           + [{"harness.rewards.length_weight": _length_weight(q), "harness.rewards.length_q": q}
@@ -321,7 +324,7 @@ def _recipe_sweep():
           # the run from it for 300 steps; the same from a curriculum start taught half near misses, with the
           # effort terms charged to solved episodes (the recipe's; seeds 0 and 1) and to every episode (where RL
           # learned to quit)
-          + [{**RECIPE_CURRICULUM, "eval.start_only": True}, {**RECIPE_CURRICULUM, "train.steps": 300}]
+          + [{**RECIPE_CURRICULUM, "eval.start_only": True}, {**RECIPE_CURRICULUM, "rl.steps": 300}]
           # (the seed rows and the KL rows below evaluate 500 held-out tasks per level: each measured run first
           # evaluated 200 and grew to 500 by a rerun with eval.tasks=1500)
           + [{**NEARMISS_CURRICULUM, "seed": s, "eval.tasks": 1500} for s in (0, 1)]

@@ -1,4 +1,4 @@
-"""The rollout worker process: `python -m composer_jax.rl.worker <workdir> <worker_index>`.
+"""The rollout worker process: `python -m composer_jax.rl.worker_process <workdir> <worker_index>`.
 
 It reads the run's pickled `RunConfig`, gets its engine from the run's publisher registry (`publishers.follow`: a
 `JaxEngine` on the published weight files, reloading newer ones, or a client of the trainer's SGLang fleet) and runs
@@ -75,7 +75,7 @@ def main(workdir: str, worker_index: int) -> None:
   stopping = lambda: os.getppid() != ppid or os.path.exists(os.path.join(sdir, "STOP"))
   follower = publishers.follow(cfg)
   r = cfg.rollout
-  per_version = max(1, math.ceil(cfg.train.groups_per_step * (r.max_staleness + 1) / r.workers))
+  per_version = max(1, math.ceil(cfg.rl.groups_per_step * (r.max_staleness + 1) / r.workers))
   wcfg = workers.WorkerConfig(worker_index=worker_index, n_workers=r.workers, samples_per_prompt=r.samples_per_prompt,
                               tree=r.tree)
   os.makedirs(sdir, exist_ok=True)
