@@ -73,10 +73,10 @@ HEADROOM = 0.10
 
 def RL_CONFIG():  # noqa: N802  (a constant, built lazily so that importing this file does not import jax)
   """The RL step the plan compiles: the default `RLConfig`, router replay on. Its unreplayed forward sits in a
-  `lax.cond` (run when routing is missing or its metric is due), so the compiled program holds both branches;
-  `RL_FORWARDS` counts that forward as if it ran every step."""
-  from composer_jax.rl import step as rl_step_lib
-  return rl_step_lib.RLConfig()
+  `lax.cond` (run when routing is missing or its metric is due): the collectives and FLOPs count that branch, the
+  heavier one (`hlo_module`), and `RL_FORWARDS` counts that forward, as if it ran every step."""
+  from composer_jax.rl.config import RLConfig
+  return RLConfig()
 
 
 # Forward passes' worth of model FLOPs per step: LM = forward + backward; RL = the policy's forward + backward,
