@@ -58,7 +58,7 @@ def main() -> None:
     if a.init or mode == "async":
       c.sft.init_checkpoint, c.sft.steps = a.init or os.path.join(sync_dir, "sft"), 0
     cfg = configs.from_dict(RunConfig, c, workdir=os.path.join(root, mode))
-    loop.train_rl(cfg, log_fn=lambda s: None)
+    loop.run_rl(cfg, log_fn=lambda s: None)
     out[mode] = _step_stats(cfg.workdir, a.warmup)
     print(f"{mode}: {out[mode]['step_s']:.2f} s/step, trainer idle {out[mode]['idle_fraction']:.0%}", flush=True)
   load = os.getloadavg()

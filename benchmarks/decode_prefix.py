@@ -36,7 +36,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 import jax  # noqa: E402
 
 from composer_jax import configs, model  # noqa: E402
-from composer_jax.rl import warmstart  # noqa: E402
+from composer_jax.rl import setup  # noqa: E402
 from composer_jax.rl.config import RunConfig  # noqa: E402
 from composer_jax.rl.publishers import engine_config  # noqa: E402
 from composer_jax.sampling.engine import JaxEngine  # noqa: E402
@@ -135,7 +135,7 @@ def main() -> None:
     envs = EnvironmentCache(factory)
     spec = registry.SetSpec(kind="procedural", n=args.episodes, seed=args.seed + 7, split="heldout", levels=(3,))
     tasks = registry.load_tasks(spec, envs, log=lambda s: None)
-    tok = warmstart.fit_tokenizer_to_source(spec, envs, hcfg.system_prompt,
+    tok = setup.fit_tokenizer_to_source(spec, envs, hcfg.system_prompt,
                                             tokenizer_lib.TokenizerConfig(vocab_size=512), 200, args.seed + 1)
     mcfg = dataclasses.replace(run_cfg.model, vocab_size=tokenizer_lib.padded_vocab_size(tok))
     params = model.init(jax.random.key(args.seed), mcfg)

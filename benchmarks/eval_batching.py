@@ -32,7 +32,7 @@ import jax  # noqa: E402
 
 from benchmarks import decode_prefix  # noqa: E402
 from composer_jax import configs, model  # noqa: E402
-from composer_jax.rl import warmstart  # noqa: E402
+from composer_jax.rl import setup  # noqa: E402
 from composer_jax.rl.config import RunConfig  # noqa: E402
 from composer_jax.rl.publishers import engine_config  # noqa: E402
 from composer_jax.sampling.engine import JaxEngine  # noqa: E402
@@ -59,7 +59,7 @@ def main() -> None:
     envs = EnvironmentCache(factory)
     spec = registry.SetSpec(kind="procedural", n=args.tasks, seed=args.seed + 7, split="heldout", levels=(1, 2, 3))
     tasks = registry.load_tasks(spec, envs, log=lambda s: None)
-    tok = warmstart.fit_tokenizer_to_source(spec, envs, run_cfg.harness.system_prompt,
+    tok = setup.fit_tokenizer_to_source(spec, envs, run_cfg.harness.system_prompt,
                                             tokenizer_lib.TokenizerConfig(vocab_size=512), 200, args.seed + 1)
     structures = decode_prefix.record_structures(tasks, tok, envs, run_cfg.harness)
   finally:

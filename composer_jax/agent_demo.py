@@ -58,7 +58,7 @@ def _random_model_engine(cfg: DemoConfig, tok):
 
 def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, dict]:
   """Runs every policy of `cfg` on its tasks; returns policy -> the runner's summary (pass@1, reward, ...)."""
-  from composer_jax.rl import warmstart
+  from composer_jax.rl import setup
   factory = make_factory(cfg.workspaces)
   try:
     envs = EnvironmentCache(factory)
@@ -66,7 +66,7 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, dict]:
     if cfg.tokenizer.dir:
       tok = tokenizer_lib.load_tokenizer(cfg.tokenizer.dir)
     else:
-      tok = warmstart.fit_tokenizer_to_source(cfg.tasks, envs, cfg.harness.system_prompt, cfg.tokenizer.fit,
+      tok = setup.fit_tokenizer_to_source(cfg.tasks, envs, cfg.harness.system_prompt, cfg.tokenizer.fit,
                                               cfg.tokenizer.train_tasks, cfg.seed + 1)
     out = {}
     for name in cfg.policies:

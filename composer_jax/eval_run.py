@@ -83,11 +83,11 @@ class EvalRunConfig:
 def _baseline_tokenizer(cfg: EvalRunConfig):
   """A saved tokenizer, or a small BPE fitted to training-split procedural tasks of the set's levels (never
   evaluated tasks)."""
-  from composer_jax.rl import warmstart
+  from composer_jax.rl import setup
   from composer_jax.train import tokenizer as tokenizer_lib
   if cfg.tokenizer.dir:
     return tokenizer_lib.load_tokenizer(cfg.tokenizer.dir)
-  return warmstart.fit_tokenizer_to_source(registry.SetSpec("procedural", levels=cfg.set.levels), None,
+  return setup.fit_tokenizer_to_source(registry.SetSpec("procedural", levels=cfg.set.levels), None,
                                            cfg.harness.system_prompt, cfg.tokenizer.fit, cfg.tokenizer.train_tasks,
                                            cfg.seed + 1)
 

@@ -23,8 +23,6 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from rollout import chat_format as cf
 from rollout import lint
 from rollout.engines.protocol import Engine, GenerateRequest, GenerateResult, SamplingParams
@@ -421,11 +419,3 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
     for ep in episodes:
       ep.ws.close()
 
-
-def summarize_batch(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-  """Mean reward, solve rate and mean breakdown terms over trajectories."""
-  out = {"reward": float(np.mean([t.reward for t in trajectories])),
-         "solved": float(np.mean([t.metrics["solved"] for t in trajectories]))}
-  for key in trajectories[0].breakdown:
-    out[f"breakdown/{key}"] = float(np.mean([t.breakdown[key] for t in trajectories]))
-  return out

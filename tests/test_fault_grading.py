@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from composer_jax.rl import warmstart
+from composer_jax.rl import setup
 from rollout import harness, workers
 from rollout.engines import scripted
 from rollout.queue import QueueConsumer, QueueProducer
@@ -23,7 +23,7 @@ real_grade = harness.grade
 @pytest.fixture(scope="module")
 def setting():
   pool = procedural.generate(4, seed=5, level=1)
-  tok = warmstart.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
+  tok = setup.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
   hcfg = harness.HarnessConfig(system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=512, max_turn_tokens=128,
                                observation_reserve=128, max_turns=4, max_segments=1)
   factory = make_factory("local")

@@ -52,7 +52,7 @@ def test_a_sync_run_through_faults_applies_every_group_once(tmp_path, monkeypatc
   monkeypatch.setattr(harness, "grade", second_rl_grade_times_out)
   monkeypatch.setattr(sources.InProcess, "next", next_after_bad_records)
   with pytest.warns(UserWarning, match="skipping unreadable queue record"):
-    out = loop.train_rl(cfg, log_fn=lambda s: None)
+    out = loop.run_rl(cfg, log_fn=lambda s: None)
   assert int(out["last"]["step"]) == 3
   applied = [json.loads(line) for line in open(os.path.join(tmp_path, "applied.jsonl"))]
   keys = [k for r in applied for k in r["keys"]]

@@ -13,7 +13,7 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.rl import fleet as fleet_lib
-from composer_jax.rl import warmstart
+from composer_jax.rl import setup
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout import harness, workers
@@ -45,7 +45,7 @@ def _hits(url):
 @pytest.fixture
 def setting(tmp_path):
   pool = procedural.generate(3, seed=7, level=1)
-  tok = warmstart.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
+  tok = setup.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
   hcfg = harness.HarnessConfig(system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=512, max_turn_tokens=32,
                                observation_reserve=128, max_turns=2, max_segments=1)
   (tmp_path / "ckpt").mkdir()

@@ -8,9 +8,10 @@ import types
 import pytest
 
 from composer_jax import configs
-from composer_jax.rl import warmstart
+from composer_jax.rl import setup, warmstart
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
+from tests.run_testlib import fake_run
 
 
 def test_a_resumed_runs_control_gets_all_of_rls_wall_clock(tmp_path, monkeypatch):
@@ -28,16 +29,12 @@ def test_a_resumed_runs_control_gets_all_of_rls_wall_clock(tmp_path, monkeypatch
   cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path))
   seconds = []
 
-  class Envs:
-    class factory:
-      close = staticmethod(lambda: None)
   monkeypatch.setattr(experiment, "evaluate_at_temperatures", lambda *a, **k: {"T1": {"success": 0.5}})
-  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 3})
-  monkeypatch.setattr(experiment, "sft_control", lambda c, tok, start, s, log: seconds.append(s) or "control")
-  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
-  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: [types.SimpleNamespace(id="t", metadata={})])
-  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, run, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl",
+                      lambda c, start, run, log: {"params": "rl", "last": {}, "resumed_at": 3})
+  monkeypatch.setattr(experiment, "sft_control", lambda c, run, start, s, log: seconds.append(s) or "control")
+  fake_run(monkeypatch, heldout=[types.SimpleNamespace(id="t", metadata={})])
   (tmp_path / "sft").mkdir()
   result = experiment.run_experiment(cfg, log_fn=lambda s: None)
   assert seconds == [pytest.approx(result["phase_seconds"]["rl"] + 60.0)] and result["rl_seconds"] == seconds[0]
@@ -72,8 +69,8 @@ def test_the_control_is_sized_by_the_starts_training_steps_not_its_demonstration
     warmstart.seconds_per_step(str(tmp_path))
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a, **k: time_lib.sleep(1.0) or (["demo"], ["dev"]))
   monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: time_lib.sleep(0.05) or ("params", {}))
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: [])
-  assert warmstart.sft(cfg, None, None, str(tmp_path / "sft"), steps=10, learning_rate=1e-3, seed=0,
+  run = setup.Run(None, [], [], None)
+  assert warmstart.sft(cfg, run, None, str(tmp_path / "sft"), steps=10, learning_rate=1e-3, seed=0,
                        log_fn=lambda s: None) == ("params", {})
   record = json.load(open(tmp_path / "sft" / "train_seconds.json"))
   assert record["steps"] == 10 and 0.05 <= record["seconds"] < 1.0
@@ -97,20 +94,15 @@ def test_a_run_grown_to_more_rl_steps_evaluates_its_new_policy_against_a_control
                                                   for s in range(1, 6)))
   evaluated, controls = [], []
 
-  class Envs:
-    class factory:
-      close = staticmethod(lambda: None)
   monkeypatch.setattr(experiment, "evaluate_at_temperatures",
-                      lambda c, params, tok, tasks, envs, name, **k: evaluated.append((name, params)) or
+                      lambda c, params, run, tasks, name, **k: evaluated.append((name, params)) or
                       {"T1": {"success": 0.5}})
-  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": f"rl{c.rl.steps}", "last": {},
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, run, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, start, run, log: {"params": f"rl{c.rl.steps}", "last": {},
                                                                    "resumed_at": 3 if c.rl.steps == 5 else 0})
-  monkeypatch.setattr(experiment.warmstart, "sft", lambda c, tok, init, workdir, **k: controls.append(
+  monkeypatch.setattr(experiment.warmstart, "sft", lambda c, run, init, workdir, **k: controls.append(
       (os.path.relpath(workdir, tmp_path), init, k["steps"])) or (f"control{k['steps']}", None))
-  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
-  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: [types.SimpleNamespace(id="t", metadata={})])
-  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  fake_run(monkeypatch, heldout=[types.SimpleNamespace(id="t", metadata={})])
   d = rl_configs.get_config("colab")
   d.rl.steps = 3
   first = experiment.run_experiment(configs.from_dict(RunConfig, d, workdir=str(tmp_path)), log_fn=lambda s: None)

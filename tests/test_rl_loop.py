@@ -30,7 +30,7 @@ def _applied(workdir):
 
 def test_sync_loop_trains_on_fresh_groups_only(tmp_path):
   cfg = _cfg(tmp_path, "test,mode=sync", **{"rl.steps": 2, "rl.ckpt_every": 1})
-  out = loop.train_rl(cfg, log_fn=lambda s: None)
+  out = loop.run_rl(cfg, log_fn=lambda s: None)
   rows = _applied(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
   assert all(len(r["keys"]) == cfg.rl.groups_per_step for r in rows)

@@ -9,11 +9,12 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import evaluate, warmstart, weight_files
+from composer_jax.rl import evaluate, setup, warmstart, weight_files
 from composer_jax.rl.config import RunConfig
 from experiments.configs import common
 from experiments.configs import rl as rl_configs
 from rollout.tasks import procedural
+from tests.run_testlib import fake_run
 
 
 def _cfg(**overrides):
@@ -195,7 +196,7 @@ def test_success_rate_runs_through_the_evaluation_runner_and_resumes(tmp_path):
   from rollout.tasks.environment import EnvironmentCache
   from rollout.workspace import make_factory
   tasks = procedural.generate(4, seed=5, split="heldout", level=1)
-  tok = warmstart.fit_tokenizer(tasks, harness.SHORT_SYSTEM_PROMPT, 512)
+  tok = setup.fit_tokenizer(tasks, harness.SHORT_SYSTEM_PROMPT, 512)
   hcfg = harness.HarnessConfig(system_prompt="short", context_budget=512, max_turn_tokens=128,
                                observation_reserve=128, max_turns=4, max_segments=1)
   envs = EnvironmentCache(make_factory("local"))
@@ -266,13 +267,13 @@ def test_the_sft_control_reuses_the_warm_starts_transcripts(tmp_path, monkeypatc
   seen = {}
   monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: seen.setdefault("args", a) and (None, {}))
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: (train, dev))
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda cfg: [])
-  warmstart.sft(cfg, None, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
+  run = setup.Run(None, [], [], None)
+  warmstart.sft(cfg, run, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
   assert seen.pop("args")[2:4] == (train, dev)
   warmstart.write_jsonl(str(tmp_path / "sft" / "sft_train.jsonl"), [[{"role": "user", "content": "saved"}]])
   warmstart.write_jsonl(str(tmp_path / "sft" / "sft_eval.jsonl"), dev)
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: pytest.fail("the control re-ran the oracle"))
-  warmstart.sft(cfg, None, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
+  warmstart.sft(cfg, run, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
   assert seen["args"][2:4] == ([[{"role": "user", "content": "saved"}]], dev)
 
 
@@ -287,10 +288,6 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
   dev = [types.SimpleNamespace(id=f"d{i}", metadata={"level": 1 + i % 2}) for i in range(4)]
   oracle, trained = [], []
 
-  class Envs:
-    class factory:
-      close = staticmethod(lambda: None)
-
   def run_sft(model_cfg, tok, train, heldout, workdir, *, steps, init_params, **kw):
     os.makedirs(workdir, exist_ok=True)
     warmstart.write_jsonl(os.path.join(workdir, "sft_train.jsonl"), train)
@@ -298,14 +295,11 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
     trained.append((os.path.basename(workdir), steps, init_params, [m[0]["content"] for m in train],
                     [m[0]["content"] for m in heldout]))
     return f"params of {os.path.basename(workdir)}", {}
-  monkeypatch.setattr(warmstart, "run_tokenizer", lambda c: None)
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
-  monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, n=None: dev)
-  monkeypatch.setattr(warmstart.setup, "make_envs", lambda c: Envs)
+  monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, envs, n=None: dev)
   monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, *a, **k: oracle.extend(t.id for t in tasks)
                       or [[{"role": "user", "content": t.id}] for t in tasks])
   monkeypatch.setattr(warmstart, "run_sft", run_sft)
-  assert warmstart.warm_start(cfg, log_fn=lambda s: None) == "params of sft"
+  assert warmstart.warm_start(cfg, setup.Run(None, pool, [], None), log_fn=lambda s: None) == "params of sft"
   level1, level2 = ["t0", "t2", "t4"], ["t1", "t3", "t5"]
   assert trained == [("sft_curriculum", 7, None, level1, ["d0", "d2"]),
                      ("sft", 5, "params of sft_curriculum", level1 + level2, ["d0", "d2", "d1", "d3"])]
@@ -322,10 +316,9 @@ def test_the_tokenizer_is_fitted_to_the_curriculums_first_levels(tmp_path, monke
   cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
   pool = [types.SimpleNamespace(id=f"t{i}", metadata={"level": 1 + i % 2}) for i in range(300)]
   fitted = []
-  monkeypatch.setattr(warmstart.setup, "train_pool", lambda c: pool)
-  monkeypatch.setattr(warmstart, "fit_tokenizer", lambda tasks, *a: fitted.append([t.id for t in tasks]) or "tok")
-  monkeypatch.setattr(warmstart.tokenizer_lib, "save_tokenizer", lambda tok, path: None)
-  assert warmstart.run_tokenizer(cfg) == "tok"
+  monkeypatch.setattr(setup, "fit_tokenizer", lambda tasks, *a: fitted.append([t.id for t in tasks]) or "tok")
+  monkeypatch.setattr(setup.tokenizer_lib, "save_tokenizer", lambda tok, path: None)
+  assert setup.run_tokenizer(cfg, pool) == "tok"
   assert fitted == [[t.id for t in pool[:256] if not curriculum or t.metadata["level"] == 1]]
 
 
@@ -351,22 +344,18 @@ def test_run_experiment_evaluates_the_summary_rows_at_the_same_budget(tmp_path, 
   (tmp_path / "sft").mkdir()
   calls = []
 
-  def evaluate_at_temperatures(c, params, tok, tasks, envs, name, summarizer_params=None):
+  def evaluate_at_temperatures(c, params, run, tasks, name, summarizer_params=None):
     calls.append((name, params, summarizer_params, c.harness.overflow, c.harness.max_segments,
                   c.harness.context_budget, [t.id for t in tasks]))
     return {"T0": {"success": 0.5}}
 
-  class Envs:
-    class factory:
-      close = staticmethod(lambda: None)
   monkeypatch.setattr(experiment, "evaluate_at_temperatures", evaluate_at_temperatures)
-  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: {"params": "rl", "last": {}, "resumed_at": 0})
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, run, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl",
+                      lambda c, start, run, log: {"params": "rl", "last": {}, "resumed_at": 0})
   monkeypatch.setattr(experiment, "sft_control", lambda *a: "control")
-  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
   tasks = [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)]
-  monkeypatch.setattr(experiment.setup, "heldout_tasks", lambda c: tasks)
-  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  fake_run(monkeypatch, heldout=tasks)
   # the RL steps' metrics: a length term that was always on, a todo term that never fired, in quarters of 2 steps
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(
       {"step": s, "reward": 0.1 * s, "reward/task": 0.1 * s + 0.03, "reward/length": -0.03, "reward/todo": 0.0,
@@ -406,15 +395,13 @@ def test_start_only_evaluates_the_warm_start_and_trains_nothing_after_it(tmp_pat
     class factory:
       close = staticmethod(lambda: calls.append("closed"))
   monkeypatch.setattr(experiment, "evaluate_at_temperatures",
-                      lambda c, params, tok, tasks, envs, name, **k: calls.append((name, params, len(tasks))) or
+                      lambda c, params, run, tasks, name, **k: calls.append((name, params, len(tasks))) or
                       {"T1": {"success": 0.25}})
-  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, log: "start")
-  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, log: pytest.fail("RL ran in a start-only run"))
+  monkeypatch.setattr(experiment.warmstart, "warm_start", lambda c, run, log: "start")
+  monkeypatch.setattr(experiment.loop, "train_rl", lambda c, start, run, log: pytest.fail("RL ran in a start-only run"))
   monkeypatch.setattr(experiment, "sft_control", lambda *a: pytest.fail("the control ran in a start-only run"))
-  monkeypatch.setattr(experiment.setup, "load_tokenizer", lambda c: None)
-  monkeypatch.setattr(experiment.setup, "heldout_tasks",
-                      lambda c: [types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)])
-  monkeypatch.setattr(experiment.setup, "make_envs", lambda c: Envs)
+  fake_run(monkeypatch, heldout=[types.SimpleNamespace(id=f"L{lv}", metadata={"level": lv}) for lv in (1, 2, 3)],
+           envs=Envs)
   result = experiment.run_experiment(cfg, log_fn=lambda s: None)
   assert calls == [("sft", "start", 3), "closed"]
   saved = json.load(open(tmp_path / "results.json"))

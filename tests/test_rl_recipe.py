@@ -12,7 +12,7 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import losses, warmstart
+from composer_jax.rl import losses, setup
 from composer_jax.rl.config import RunConfig
 from experiments.configs import common
 from experiments.configs import rl as rl_configs
@@ -34,7 +34,7 @@ def recipe():
 def tok(recipe):
   # The run's kind of tokenizer: a 512-token BPE fitted to training tasks of the mix.
   pool = [t for lv in (1, 2, 3) for t in procedural.generate(60, seed=1, split="train", level=lv)]
-  return warmstart.fit_tokenizer(pool, recipe.harness.system_prompt, recipe.tokenizer)
+  return setup.fit_tokenizer(pool, recipe.harness.system_prompt, recipe.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +72,9 @@ def test_recipe_config_and_its_sweep_rows_build():
     assert run.tasks.seed == run.seed + 1   # a seed row reseeds the task stream too
   # λ(q) makes an oracle-length level-3 episode pay the same at every q: C differs in shape, not scale.
   for q in (0.0, 0.5, 1.0):
-    k, x = rl_configs.RECIPE_LENGTH_K, rl_configs.RECIPE_LEVEL3_TOKENS
+    k, x = c.harness.rewards.length_k, rl_configs.LEVEL3_TOKENS
     c_x = x if q == 0 else (np.log1p(k * x) / k if q == 1 else ((1 + k * x) ** (1 - q) - 1) / (k * (1 - q)))
-    assert rl_configs._length_weight(q) * c_x == pytest.approx(rl_configs.RECIPE_LEVEL3_COST)
+    assert rl_configs._length_weight(q) * c_x == pytest.approx(rl_configs.LEVEL3_COST)
 
 
 def test_the_longer_start_rows_change_only_the_sft_steps():

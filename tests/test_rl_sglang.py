@@ -31,7 +31,7 @@ def test_async_rl_on_an_sglang_fleet(tmp_path):
   c = rl_configs.get_config("test,mode=async,engine=sglang,steps=3")
   c.rl.ckpt_every = 3
   cfg = configs.from_dict(RunConfig, c, workdir=str(tmp_path))
-  out = loop.train_rl(cfg, log_fn=print)
+  out = loop.run_rl(cfg, log_fn=print)
   m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in m] == [1, 2, 3]
   applied = [json.loads(line) for line in open(tmp_path / "applied.jsonl")]

@@ -9,6 +9,7 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.rl import loop, setup
+from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout.evaluation import policies as budget_lib
@@ -44,8 +45,8 @@ def test_sync_rl_on_a_mined_set_with_gold_patch_demonstrations(tmp_path):
                                 "rl.ckpt_every": 2, "harness.context_budget": 1000, "harness.max_turn_tokens": 400,
                                 "harness.summary_max_tokens": 400, "harness.tools.max_output_chars": 200,
                                 "sft.seq_len": 512})
-  out = loop.train_rl(cfg, log_fn=lambda s: None)
-  pool = setup.train_pool(cfg)
+  out = loop.run_rl(cfg, log_fn=lambda s: None)
+  pool = setup.train_pool(cfg, None)
   assert sorted(t.prompt for t in pool) == ["Add six to calc", "Add two to calc"]
   assert (tmp_path / "run" / "tasks_train_0.json").exists()      # frozen once: workers read the same pool
   demos = [json.loads(line)["messages"] for line in open(tmp_path / "run" / "sft" / "sft_train.jsonl")]
@@ -79,13 +80,13 @@ def test_a_finite_pool_is_frozen_once_and_checked_against_the_config(tmp_path):
   try:
     cfg = configs.from_dict(RunConfig, rl_configs.get_config("test"), workdir=str(tmp_path))
     cfg = configs.replace(cfg, **{"tasks.kind": "rl_test_source", "tasks.n": 0})
-    pool = setup.train_pool(cfg)
-    assert [t.id for t in setup.train_pool(cfg)] == [t.id for t in pool] and calls == ["train"]   # read back
-    held = setup.heldout_tasks(cfg)
+    pool = setup.train_pool(cfg, None)
+    assert [t.id for t in setup.train_pool(cfg, None)] == [t.id for t in pool] and calls == ["train"]   # read back
+    held = setup.heldout_tasks(cfg, None)
     assert {t.id for t in held}.isdisjoint(t.id for t in pool) and len(held) + len(pool) == 12
     other = configs.replace(cfg, **{"tasks.heldout_percent": 50})
     with pytest.raises(ValueError, match=r"another task source \{'heldout_percent': \(20, 50\)\}"):
-      setup.train_pool(other)
+      setup.train_pool(other, None)
   finally:
     del registry.SOURCES["rl_test_source"]
 
@@ -130,7 +131,7 @@ def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
                timeout=1800)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
-  held = len(setup.heldout_tasks(setup.load_run_config(str(run))))
+  held = len(setup.heldout_tasks(workdir_lib.load_run_config(str(run)), None))
   assert result["eval_tasks"] == held and 0 < held <= 4
   assert all(result[p]["T1"]["n"] == held for p in ("sft", "rl"))
   assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
@@ -139,7 +140,6 @@ def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
 def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_naming_the_flags():
   """The issue's mined and SWE sets: `max_turn_tokens=48` cut the oracle's write_file of the gold patch, reported
   minutes in as "the oracle failed 4 tasks: check the sandbox/grader". Now checked before the demonstrations."""
-  from composer_jax.rl import inputs
   from composer_jax.rl.config import RunInputError
   from composer_jax.train import tokenizer as tokenizer_lib
   from rollout.tasks.task import Environment, HiddenTests, Task
@@ -155,11 +155,11 @@ def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_namin
                                           r"patches need (\d+) and (\d+)\): rerun with --config\.harness\."
                                           r"max_turn_tokens=\1 --config\.harness\.summary_max_tokens=\1 "
                                           r"--config\.harness\.context_budget=\2"):
-    inputs.check_budgets(small, tok, [task])
+    setup.check_budgets(small, tok, [task])
   need = max(budget_lib.oracle_turn_tokens(task, tok))
   assert 48 < need <= colab.harness.max_turn_tokens   # rl.py's budgets for repository sources hold this one
-  inputs.check_budgets(colab, tok, [task])
-  inputs.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])
+  setup.check_budgets(colab, tok, [task])
+  setup.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])
 
 
 @pytest.mark.slow   # ~6 min on the loaded 2-core machine: mining, demonstrations, 20 SFT steps, 2 RL steps, 2 evals

@@ -35,7 +35,7 @@ def test_a_sync_run_trains_on_tree_groups(tmp_path, monkeypatch):
 
   monkeypatch.setattr(tree_harness, "rollout_tree", spy)
   cfg = _cfg(tmp_path, **{"rl.steps": 2, "rollout.tree_branch_turns": (0, 1), "rollout.tree_fanouts": (2, 2)})
-  out = loop.train_rl(cfg, log_fn=lambda s: None)
+  out = loop.run_rl(cfg, log_fn=lambda s: None)
   assert int(out["last"]["step"]) == 2
   assert len(trees) >= 2 * cfg.rl.groups_per_step and all(sum(t["multiplicity"] for t in g) == 4 for g in trees)
   applied = [json.loads(line) for line in open(os.path.join(tmp_path, "applied.jsonl"))]

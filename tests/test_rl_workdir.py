@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from composer_jax import configs
-from composer_jax.rl import experiment, loop, warmstart
+from composer_jax.rl import experiment, loop, setup, warmstart
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import interrupt
@@ -99,20 +99,25 @@ def _no_tmp_dirs(root):
   return [os.path.join(d, n) for d, dirs, _ in os.walk(root) for n in dirs if "tmp" in n]
 
 
+def _warm_start(cfg, log_fn):
+  with setup.open_run(cfg) as run:
+    return warmstart.warm_start(cfg, run, log_fn)
+
+
 def test_ctrl_c_in_sft_checkpoints_and_the_rerun_reaches_the_same_params(tmp_path, monkeypatch):
   kw = {"sft.steps": 40}
-  whole = warmstart.warm_start(_cfg(tmp_path / "whole", **kw), log_fn=lambda s: None)
+  whole = _warm_start(_cfg(tmp_path / "whole", **kw), log_fn=lambda s: None)
   cfg = _cfg(tmp_path / "stopped", **kw)
   watcher = _interrupt_when(_has_checkpoint(tmp_path / "stopped" / "sft" / "checkpoints"))
   with pytest.raises(interrupt.Interrupted, match=r"training stopped at step (\d+) of 40, checkpointed") as e:
-    warmstart.warm_start(cfg, log_fn=lambda s: None)
+    _warm_start(cfg, log_fn=lambda s: None)
   watcher.join()
   stopped_at = int(e.value.args[0].split("step ")[1].split(" ")[0])
   assert 4 <= stopped_at < 40 and not _no_tmp_dirs(tmp_path / "stopped")
   assert not (tmp_path / "stopped" / "sft" / "params").exists()
   logs = []
   monkeypatch.setattr(warmstart, "oracle_transcripts", lambda *a, **k: pytest.fail("demonstrations made again"))
-  resumed = warmstart.warm_start(cfg, log_fn=logs.append)
+  resumed = _warm_start(cfg, log_fn=logs.append)
   assert any("Resumed from" in line and f"at step {stopped_at}" in line for line in logs), logs
   # The demonstrations were read back, not made again; the data iterator continued where it stopped.
   flat = lambda p: np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)])   # noqa: E731
@@ -126,13 +131,13 @@ def test_ctrl_c_in_rl_checkpoints_the_finished_steps_and_the_rerun_trains_each_s
   metrics = tmp_path / "metrics.jsonl"
   watcher = _interrupt_when(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1)
   with pytest.raises(interrupt.Interrupted, match=r"RL stopped at step (\d) of 6, checkpointed") as e:
-    loop.train_rl(cfg, log_fn=lambda s: None)
+    loop.run_rl(cfg, log_fn=lambda s: None)
   watcher.join()
   stopped_at = int(e.value.args[0].split("step ")[1][0])
   assert 1 <= stopped_at < 6 and (tmp_path / "checkpoints" / str(stopped_at)).is_dir()
   assert not _no_tmp_dirs(tmp_path / "checkpoints")
   logs = []
-  out = loop.train_rl(cfg, log_fn=logs.append)
+  out = loop.run_rl(cfg, log_fn=logs.append)
   assert f"Resumed RL at step {stopped_at}" in logs and out["resumed_at"] == stopped_at
   applied = [json.loads(line)["step"] for line in open(tmp_path / "applied.jsonl")]
   assert applied == [1, 2, 3, 4, 5, 6]

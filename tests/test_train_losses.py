@@ -22,6 +22,13 @@ def test_shifted_targets_respect_segments_padding_and_mask():
   np.testing.assert_array_equal(tmask2, [[0, 0, 0, 0, 0, 0]])   # t=0 → 7 masked, t=1 → 8 other doc, ...
 
 
+def test_masked_mean_hand_computed():
+  """The one masked mean of the LM and RL losses: over the masked-in positions only, 0 when there are none."""
+  x = jnp.array([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]])
+  assert float(losses.masked_mean(x, jnp.array([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]))) == pytest.approx(21.0 / 3)
+  assert float(losses.masked_mean(x, jnp.zeros((2, 3)))) == 0.0
+
+
 def test_cross_entropy_hand_computed():
   # With the identity as the head (D = V), the hidden states are the logits.
   h = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import warmstart
+from composer_jax.rl import setup
 from rollout import chat_format as cf
 from rollout import harness, tree_codec, tree_harness, workers
 from rollout import tree as tree_lib
@@ -90,7 +90,7 @@ def setting(request, tmp_path_factory):
   if request.param == "bwrap" and os.geteuid() != 0:
     pytest.skip("the bwrap backend needs root (overlay mounts)")
   pool = procedural.generate(2, seed=3, level=1)
-  tok = warmstart.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
+  tok = setup.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
   factory = recording_factory(LocalFactory, root=str(tmp_path_factory.mktemp("ws"))) if request.param == "local" \
     else recording_factory(SandboxFactory, backend="bwrap")
   envs = EnvironmentCache(factory)

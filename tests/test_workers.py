@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from composer_jax.rl import warmstart
+from composer_jax.rl import setup
 from rollout import harness, workers
 from rollout.engines import scripted
 from rollout.queue import QueueConsumer, QueueProducer
@@ -15,7 +15,7 @@ from rollout.workspace import make_factory
 @pytest.fixture(scope="module")
 def setting():
   pool = procedural.generate(6, seed=3, level=1)
-  tok = warmstart.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
+  tok = setup.fit_tokenizer(pool, harness.SHORT_SYSTEM_PROMPT, 512)
   envs = EnvironmentCache(make_factory("local"))
   hcfg = harness.HarnessConfig(system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=512, max_turn_tokens=128,
                                observation_reserve=128, max_turns=4, max_segments=1)

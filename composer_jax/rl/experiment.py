@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import evaluate, inputs, loop, publishers, setup, warmstart
+from composer_jax.rl import evaluate, loop, publishers, setup, warmstart
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.sampling.engine import JaxEngine
@@ -32,13 +32,13 @@ def _engine(cfg: RunConfig, params) -> JaxEngine:
                                                           max_batch=64))
 
 
-def evaluate_at_temperatures(cfg: RunConfig, params, tok, tasks, envs, name: str, summarizer_params=None) -> dict:
+def evaluate_at_temperatures(cfg: RunConfig, params, run: setup.Run, tasks, name: str, summarizer_params=None) -> dict:
   """Success of policy `name` on `tasks` at each of `eval.temperatures` (0 = greedy); results in workdir/eval.
   With `summarizer_params`, those params write the self-summaries (`rollout.engines.split.SummariesFrom`)."""
-  eng = _engine(cfg, params)
+  eng, tok = _engine(cfg, params), run.tokenizer
   if summarizer_params is not None:
     eng = split.SummariesFrom(eng, _engine(cfg, summarizer_params), chat_format.special_id(tok, chat_format.SUMMARY))
-  return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, envs, cfg.harness, t,
+  return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, run.envs, cfg.harness, t,
                                            evaluate.out_dir(cfg.workdir, name, t), policy=name,
                                            progress=cfg.progress_bar)
           for t in cfg.eval.temperatures}
@@ -59,7 +59,7 @@ def control_dir(workdir: str, rl_steps: int) -> str:
   return os.path.join(workdir, at_step("sft_control", rl_steps))
 
 
-def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> dict:
+def sft_control(cfg: RunConfig, run: setup.Run, start_params, seconds: float, log_fn) -> dict:
   """More SFT from the same start for about `seconds` of wall-clock (steps at the warm start's measured rate of SFT
   steps, `warmstart.seconds_per_step`: the control reads the start's demonstrations, so making them is not in it).
 
@@ -77,7 +77,7 @@ def sft_control(cfg: RunConfig, tok, start_params, seconds: float, log_fn) -> di
       json.dump(size, f)
   log_fn(f"SFT control: {size['steps']} more steps (~{size['seconds']:.0f} s at {size['seconds_per_step']:.2f} "
          "s/step)")
-  params, last = warmstart.sft(cfg, tok, start_params, out_dir, steps=size["steps"],
+  params, last = warmstart.sft(cfg, run, start_params, out_dir, steps=size["steps"],
                                learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
   log_fn(f"SFT control done: loss {(last or {}).get('loss', float('nan')):.3f}")
   return params
@@ -142,46 +142,34 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_
   """Runs (or resumes) the RL job and evaluates SFT start, RL and (`eval.control`) the SFT control; returns numbers.
   With `eval.start_only`, the warm start and its evaluation only.
 
-  First it locks the workdir (one live run), refuses a resume with another config but for the fields named in
-  `allow_changes` (`rl.workdir`), and checks its task sets and budgets (`rl.inputs`), so bad input fails before
-  any work; only then is the config stored as the workdir's (a run refused for its input leaves none that a fixed
-  rerun would differ from)."""
-  with workdir_lib.lock(cfg.workdir):
-    workdir_lib.check_resume(cfg, allow_changes)
-    pool, _ = inputs.check_tasks(cfg)
-    if cfg.tasks.kind != "procedural":   # a repository set's gold patches (procedural budgets are the config's)
-      inputs.check_budgets(cfg, warmstart.run_tokenizer(cfg), pool)
-    workdir_lib.save_config(cfg)
-    return _run_experiment(cfg, log_fn)
+  It claims the workdir first (`rl.workdir.claim`: one live run, a resume only with the stored config but for the
+  fields named in `allow_changes`, and the run's tokenizer, tasks and workspaces built once, which checks the run's
+  input before any work); every phase then shares them."""
+  with workdir_lib.claim(cfg, allow_changes) as run:
+    return _run_experiment(cfg, run, log_fn)
 
 
-def _run_experiment(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
+def _run_experiment(cfg: RunConfig, run: setup.Run, log_fn: Callable[[str], None]) -> dict:
   t0 = time.perf_counter()
-  start = warmstart.warm_start(cfg, log_fn)
+  start = warmstart.warm_start(cfg, run, log_fn)
   phases = {"sft_start": time.perf_counter() - t0}   # wall-clock seconds of each phase (a resumed one: its rest)
   out = None
   if not cfg.eval.start_only:
     t1 = time.perf_counter()
-    out = loop.train_rl(cfg, log_fn)
+    out = loop.train_rl(cfg, start, run, log_fn)
     phases["rl"] = time.perf_counter() - t1
     rl_seconds = phases["rl"] + earlier_rl_seconds(cfg.workdir, out["resumed_at"])   # a resumed run: all of it
-  tok = setup.load_tokenizer(cfg)
-  tasks = setup.heldout_tasks(cfg)   # checked non-empty before the warm start (`inputs.check_tasks`)
-  envs = setup.make_envs(cfg)
 
   def timed(name, fn, *args, **kwargs):
     t = time.perf_counter()
     value = fn(*args, **kwargs)
     phases[name] = time.perf_counter() - t
     return value
-  try:
-    result = {"sft": timed("eval_sft", evaluate_at_temperatures, cfg, start, tok, tasks, envs, "sft")}
-    if out is not None:
-      result.update(_trained_rows(cfg, start, out["params"], rl_seconds, tok, tasks, envs, timed, log_fn))
-  finally:
-    envs.factory.close()
+  result = {"sft": timed("eval_sft", evaluate_at_temperatures, cfg, start, run, run.heldout, "sft")}
+  if out is not None:
+    result.update(_trained_rows(cfg, start, out["params"], rl_seconds, run, timed, log_fn))
   phases["total"] = time.perf_counter() - t0
-  result.update(eval_tasks=len(tasks), phase_seconds=phases)
+  result.update(eval_tasks=len(run.heldout), phase_seconds=phases)
   if out is None:
     result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks,
                   sft_curriculum_steps=cfg.sft.curriculum_steps)
@@ -207,24 +195,24 @@ def earlier_phase_seconds(workdir: str) -> list[dict]:
   return previous.get("earlier_phase_seconds", []) + [previous.get("phase_seconds", {})]
 
 
-def _trained_rows(cfg: RunConfig, start, params, rl_seconds: float, tok, tasks, envs, timed, log_fn) -> dict:
-  """The RL policy's rows, the equal-time SFT control and the summary rows (`timed(name, fn, ...)` records each
-  phase's wall-clock), each evaluated under its name `at_step` the run's RL steps."""
-  steps = cfg.rl.steps
-  rows = {"rl": timed("eval_rl", evaluate_at_temperatures, cfg, params, tok, tasks, envs, at_step("rl", steps))}
+def _trained_rows(cfg: RunConfig, start, params, rl_seconds: float, run: setup.Run, timed, log_fn) -> dict:
+  """The RL policy's rows, the equal-time SFT control and the summary rows on the held-out tasks
+  (`timed(name, fn, ...)` records each phase's wall-clock), each evaluated under its name `at_step` the run's RL
+  steps."""
+  steps, tasks = cfg.rl.steps, run.heldout
+  rows = {"rl": timed("eval_rl", evaluate_at_temperatures, cfg, params, run, tasks, at_step("rl", steps))}
   if cfg.eval.control and cfg.sft.steps:
-    ctrl = timed("sft_control", sft_control, cfg, tok, start, rl_seconds, log_fn)
-    rows["sft_control"] = timed("eval_sft_control", evaluate_at_temperatures, cfg, ctrl, tok, tasks, envs,
+    ctrl = timed("sft_control", sft_control, cfg, run, start, rl_seconds, log_fn)
+    rows["sft_control"] = timed("eval_sft_control", evaluate_at_temperatures, cfg, ctrl, run, tasks,
                                 at_step("sft_control", steps))
     if (size := control_size(cfg.workdir, steps)) is not None:
       rows.update(control_steps=size["steps"], control_seconds=size["seconds"])
   if cfg.eval.summaries_from_start or cfg.eval.drop_oldest:
     needs_summary = summary_tasks(cfg, tasks)
   if cfg.eval.summaries_from_start:   # do RL's trained summaries help? the RL policy with the start's summaries
-    rows["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_at_temperatures, cfg, params, tok,
-                                       needs_summary, envs, at_step("rl_start_summaries", steps),
-                                       summarizer_params=start)
+    rows["rl_start_summaries"] = timed("eval_rl_start_summaries", evaluate_at_temperatures, cfg, params, run,
+                                       needs_summary, at_step("rl_start_summaries", steps), summarizer_params=start)
   if cfg.eval.drop_oldest:   # ... and against no summaries at all
-    rows["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_at_temperatures, without_summaries(cfg), params, tok,
-                                   needs_summary, envs, at_step("rl_drop_oldest", steps))
+    rows["rl_drop_oldest"] = timed("eval_rl_drop_oldest", evaluate_at_temperatures, without_summaries(cfg), params,
+                                   run, needs_summary, at_step("rl_drop_oldest", steps))
   return rows

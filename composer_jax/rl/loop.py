@@ -1,14 +1,15 @@
 """The RL loop: each step takes whole groups from a rollout source, runs the jitted RL step, publishes the weights.
 
-`train_rl(cfg)` runs (or resumes) one RL job in `cfg.workdir`:
+`train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
+also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  start = warm_start(cfg)                       # tokenizer + SFT on oracle transcripts (`warmstart.py`); KL reference
   trainer = Trainer(cfg, start)                 # state restored from workdir/checkpoints or initialised (`trainer.py`)
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
-  source = sources.make(cfg, ...)               # in-process (sync) | worker processes (async), via the queue
+  source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(version); trainer.step(groups); publisher.publish(params, step); checkpoint
 
-Run it in a process of its own with `python -m composer_jax.rl.loop <workdir>` (it reads the workdir's RunConfig).
+`run_rl(cfg)` is the RL job alone (the workdir claimed, the warm start, then `train_rl`); run it in a process of
+its own with `python -m composer_jax.rl.loop <workdir>` (it reads the workdir's RunConfig).
 """
 from __future__ import annotations
 
@@ -26,25 +27,25 @@ from composer_jax.train import interrupt
 from composer_jax.train import metrics as metrics_lib
 
 
-def train_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=()) -> dict:
-  """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps`; returns the final params, the last metrics and the
-  step it resumed at (0 for a fresh run).
-
-  It holds the workdir (`rl.workdir.claim`: one live run, a resume only with the stored config but for the fields
-  named in `allow_changes`). Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`).
-  """
-  with workdir_lib.claim(cfg, allow_changes):
-    return _train_rl(cfg, log_fn)
+def run_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=()) -> dict:
+  """The RL job of `cfg` alone (no held-out evaluation): it claims the workdir (`rl.workdir.claim`: one live run, a
+  resume only with the stored config but for the fields named in `allow_changes`), computes the warm start and runs
+  `train_rl` from it."""
+  with workdir_lib.claim(cfg, allow_changes) as run:
+    return train_rl(cfg, warmstart.warm_start(cfg, run, log_fn), run, log_fn)
 
 
-def _train_rl(cfg: RunConfig, log_fn: Callable[[str], None]) -> dict:
-  trainer = Trainer(cfg, warmstart.warm_start(cfg, log_fn), log_fn)
+def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None] = print) -> dict:
+  """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps` from `start`; returns the final params, the last
+  metrics and the step it resumed at (0 for a fresh run). The caller holds the workdir (`rl.workdir.claim`).
+  Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`)."""
+  trainer = Trainer(cfg, start, log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
     stack.callback(trainer.close)
     publisher = publishers.make(cfg, trainer.params, trainer.start, log_fn)   # before the workers attach to it
     stack.callback(publisher.close)
-    source = sources.make(cfg, publisher.engine, setup.load_tokenizer(cfg), trainer.consumer, log_fn)
+    source = sources.make(cfg, publisher.engine, run, trainer.consumer, log_fn)
     stack.callback(source.close)
     progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn))
     stop = stack.enter_context(interrupt.StopAtStep("RL"))
@@ -131,4 +132,4 @@ def _plot(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-  train_rl(setup.load_run_config(sys.argv[1]))
+  run_rl(workdir_lib.load_run_config(sys.argv[1]))

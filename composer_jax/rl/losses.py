@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.model import head
+from composer_jax.train.losses import masked_mean
 
 NORMALIZATIONS = ("tokens", "sequence", "constant")
 IMPORTANCE = ("truncate", "none")
@@ -104,10 +105,6 @@ def group_advantages(reward_B: jax.Array, group_B: jax.Array, first_B: jax.Array
   return adv_B * valid_B.astype(jnp.float32)
 
 
-def _masked_mean(x, m):
-  return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
 def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.Array, adv: jax.Array,
                 mask_BxL: jax.Array, is_cap: jax.Array, cfg: LossConfig, seq_BxL: jax.Array | None = None,
                 num_seqs: int | None = None, weight_BxL: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -157,9 +154,9 @@ def policy_loss(logp_BxL: jax.Array, inf_logp_BxL: jax.Array, ref_logp_BxL: jax.
   else:
     loss = jnp.sum(per_tok * lw) / (cfg.norm_constant if cfg.norm_constant is not None else B * L)
   big = jnp.finfo(jnp.float32).max
-  metrics = {"kl": _masked_mean(k1, m), "importance_ratio_mean": _masked_mean(ratio, m),
+  metrics = {"kl": masked_mean(k1, m), "importance_ratio_mean": masked_mean(ratio, m),
              "importance_ratio_max": jnp.max(jnp.where(m > 0, ratio, -big)),
              "importance_ratio_min": jnp.min(jnp.where(m > 0, ratio, big)),
-             "clip_fraction": _masked_mean((ratio > cap).astype(jnp.float32), m),
-             "logprob_gap": _masked_mean(jnp.abs(log_ratio), m), "generated_tokens": n_tok}
+             "clip_fraction": masked_mean((ratio > cap).astype(jnp.float32), m),
+             "logprob_gap": masked_mean(jnp.abs(log_ratio), m), "generated_tokens": n_tok}
   return loss, metrics

@@ -1,25 +1,89 @@
-"""What the trainer and the worker processes both build from a `RunConfig`: tokenizer, task pools, workspaces.
+"""What an RL run builds once from its `RunConfig` and every phase shares, checked before it spends time.
+
+`open_run(cfg)` yields the run's `Run`: its workspaces (one `EnvironmentCache`, closed when the block ends), the
+training pool, the held-out tasks and the tokenizer. Building it checks the run's input, so bad input is a
+`RunInputError` naming the field to change, raised before the minutes of demonstrations, SFT and RL that would
+otherwise end in it: both task sides load and are non-empty, and the oracle of a finite set fits the budgets.
 
 Tasks come from the one task-source registry (`rollout.tasks.registry`): the training pool is `cfg.tasks` (its
 'train' side), held-out tasks are the same source's 'heldout' side. A pool of a finite source (mined, swe, file) is
-loaded once and frozen into the workdir (`tasks_<split>.json`), so worker processes and restarts train on exactly
-the tasks the trainer saw, and nothing is mined twice.
+loaded once and frozen into the workdir (`tasks_<split>_<n>.json`), so worker processes and restarts train on
+exactly the tasks the trainer saw, and nothing is mined twice.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import json
 import os
+from collections.abc import Iterator, Sequence
 
 from composer_jax import configs
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import workdir as workdir_lib
-from composer_jax.rl.config import RunConfig
+from composer_jax.rl.config import RunConfig, RunInputError
+from composer_jax.sampling.engine import bucket
 from composer_jax.train import tokenizer as tokenizer_lib
-from rollout.tasks import registry
+from rollout import chat_format, harness
+from rollout.evaluation import budget, policies
+from rollout.tasks import miner, registry
 from rollout.tasks.environment import EnvironmentCache
 from rollout.tasks.task import Task
 from rollout.workspace import make_factory
+
+# What a task source raises on bad input: a missing or malformed file, a path that is not a repository.
+_LOAD_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, miner.MiningError)
+DEV_TASKS = 32   # held-out tasks whose oracle transcripts measure the SFT dev loss
+
+
+@dataclasses.dataclass
+class Run:
+  """The pieces of one RL run, built once (`open_run`) and handed to every phase."""
+  tokenizer: object
+  pool: list[Task]          # the training tasks
+  heldout: list[Task]       # the held-out tasks (`eval.tasks` of them)
+  envs: EnvironmentCache    # the tasks' workspaces
+
+
+@contextlib.contextmanager
+def open_run(cfg: RunConfig) -> Iterator[Run]:
+  """The run's `Run`, its workspaces closed when the block ends; raises `RunInputError` on bad input first."""
+  envs = EnvironmentCache(make_factory(cfg.rollout.workspaces))
+  try:
+    pool, heldout = _checked_tasks(cfg, envs)
+    tok = run_tokenizer(cfg, pool)
+    check_budgets(cfg, tok, pool)
+    yield Run(tok, pool, heldout, envs)
+  finally:
+    envs.factory.close()
+
+
+def _checked_tasks(cfg: RunConfig, envs: EnvironmentCache) -> tuple[list[Task], list[Task]]:
+  """The training pool and the held-out tasks; raises `RunInputError` when either cannot load or is empty, leaving
+  no frozen pool behind (a rerun with the set or `tasks.heldout_percent` fixed must not find the refused one
+  frozen)."""
+  frozen = set(glob.glob(os.path.join(cfg.workdir, "tasks_*.json")))
+  try:
+    try:
+      pool = train_pool(cfg, envs)
+      heldout = heldout_tasks(cfg, envs)
+    except _LOAD_ERRORS as e:
+      raise RunInputError(f"cannot load the {cfg.tasks.kind!r} task source: {e}") from None
+    if not pool:
+      raise RunInputError(f"the {cfg.tasks.kind!r} task source has no training tasks ({cfg.tasks})")
+    if not heldout:
+      raise RunInputError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on "
+                          f"({len(pool)} training tasks at tasks.heldout_percent={cfg.tasks.heldout_percent}): "
+                          "raise tasks.heldout_percent or use a bigger set")
+  except RunInputError:
+    for path in set(glob.glob(os.path.join(cfg.workdir, "tasks_*.json"))) - frozen:
+      os.remove(path)
+    raise
+  return pool, heldout
+
+
+def train_pool(cfg: RunConfig, envs: EnvironmentCache) -> list[Task]:
+  return _load(cfg, cfg.tasks, envs)
 
 
 def heldout_spec(cfg: RunConfig, n: int | None = None) -> registry.SetSpec:
@@ -27,7 +91,11 @@ def heldout_spec(cfg: RunConfig, n: int | None = None) -> registry.SetSpec:
   return dataclasses.replace(cfg.tasks, split="heldout", seed=cfg.tasks.seed + 1, n=n or cfg.eval.tasks)
 
 
-def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
+def heldout_tasks(cfg: RunConfig, envs: EnvironmentCache, n: int | None = None) -> list[Task]:
+  return _load(cfg, heldout_spec(cfg, n), envs)
+
+
+def _load(cfg: RunConfig, spec: registry.SetSpec, envs: EnvironmentCache, log=print) -> list[Task]:
   if spec.kind == "procedural":   # generated, cheap and deterministic
     return registry.load_tasks(spec, None, log)
   path = os.path.join(cfg.workdir, f"tasks_{spec.split}_{spec.n}.json")
@@ -39,11 +107,7 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
       diff = {k: (v, now.get(k)) for k, v in frozen["spec"].items() if now.get(k) != v}
       raise ValueError(f"{path} froze the tasks of another task source {diff} (frozen, now): use a new workdir")
     return [Task.from_dict(d) for d in frozen["tasks"]]
-  envs = make_envs(cfg)
-  try:
-    tasks = registry.load_tasks(spec, envs, log)
-  finally:
-    envs.factory.close()
+  tasks = registry.load_tasks(spec, envs, log)
   os.makedirs(cfg.workdir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
     json.dump({"spec": configs.to_dict(spec), "tasks": [t.to_dict() for t in tasks]}, f)
@@ -51,24 +115,68 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, log=print) -> list[Task]:
   return tasks
 
 
-def train_pool(cfg: RunConfig) -> list[Task]:
-  pool = _load(cfg, cfg.tasks)
-  if not pool:
-    raise ValueError(f"the {cfg.tasks.kind!r} task source has no training tasks ({cfg.tasks})")
-  return pool
-
-
-def heldout_tasks(cfg: RunConfig, n: int | None = None) -> list[Task]:
-  return _load(cfg, heldout_spec(cfg, n))
-
-
 def of_levels(tasks: list[Task], levels) -> list[Task]:
   """The tasks of those procedural levels (`metadata['level']`), in order."""
   return [t for t in tasks if t.metadata.get("level") in levels]
 
 
-def make_envs(cfg: RunConfig) -> EnvironmentCache:
-  return EnvironmentCache(make_factory(cfg.rollout.workspaces))
+def fit_tokenizer(tasks: Sequence, system_prompt: str, vocab_size: int | tokenizer_lib.TokenizerConfig):
+  """A BPE fitted to training-split project files, prompts and oracle transcripts (the one tokenizer fitting)."""
+  tasks = policies.with_oracle(tasks)
+  texts = [f for t in tasks for f in t.environment.files.values()] + [system_prompt, harness.SUMMARY_PROMPT]
+  texts += [t.prompt for t in tasks]
+  texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in tasks]
+  cfg = vocab_size if isinstance(vocab_size, tokenizer_lib.TokenizerConfig) else tokenizer_lib.TokenizerConfig(
+      vocab_size=vocab_size)
+  return tokenizer_lib.train_tokenizer(texts, cfg)
+
+
+def fit_tokenizer_to_source(spec, envs, system_prompt: str, cfg: tokenizer_lib.TokenizerConfig, n: int, seed: int):
+  """`fit_tokenizer` on `n` tasks of the *train* side of `spec`'s source (never held-out tasks; procedural tasks
+  from generator seed `seed`), for baselines and demos that have no trained model's tokenizer."""
+  fit = dataclasses.replace(spec, split="train", n=n, seed=seed)
+  return fit_tokenizer(registry.load_tasks(fit, envs, log=lambda s: None), system_prompt, cfg)
+
+
+def run_tokenizer(cfg: RunConfig, pool: list[Task]):
+  """The run's tokenizer: already in the workdir, else the init checkpoint's, else fitted to training tasks (with a
+  curriculum, to those of its first levels: measured, a BPE fitted to the mix left the level-2 start at 17-22%
+  greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md)."""
+  tok_dir = tokenizer_dir(cfg)
+  if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+    return tokenizer_lib.load_tokenizer(tok_dir)
+  if cfg.sft.init_checkpoint:
+    tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.sft.init_checkpoint, "tokenizer"))
+  else:
+    fit = pool[:max(cfg.sft.tasks, 256)]
+    if cfg.sft.curriculum_levels:
+      fit = of_levels(fit, cfg.sft.curriculum_levels)
+    tok = fit_tokenizer(fit, cfg.harness.system_prompt, cfg.tokenizer)
+  tokenizer_lib.save_tokenizer(tok, tok_dir)
+  return tok
+
+
+def check_budgets(cfg: RunConfig, tokenizer, tasks) -> None:
+  """Raises `RunInputError` when the oracle of a finite set's `tasks` (its gold patch written through the agent's
+  tools) does not fit `harness.max_turn_tokens` or one `harness.context_budget`, naming the values that fit
+  (`rollout.evaluation.budget.fit_budget`, as evaluation sizes its budgets). Procedural tasks are sized by their
+  config (a multi-segment level needs its summaries by design)."""
+  if cfg.tasks.kind == "procedural":
+    return
+  h = cfg.harness
+  fitted = budget.fit_budget(tasks, tokenizer, h)
+  if (fitted.max_turn_tokens, fitted.context_budget) == (h.max_turn_tokens, h.context_budget):
+    return
+  flags = (f"--config.harness.max_turn_tokens={fitted.max_turn_tokens} "
+           f"--config.harness.summary_max_tokens={fitted.max_turn_tokens} "
+           f"--config.harness.context_budget={fitted.context_budget}")
+  positions = bucket(fitted.context_budget - fitted.max_turn_tokens, 1) + bucket(fitted.max_turn_tokens, 1)
+  if positions > cfg.model.max_position_embeddings:   # as `RunConfig` checks it: padded prompt + padded turn
+    flags += f" --config.model.max_position_embeddings={positions}"
+  raise RunInputError(f"the oracle of the {cfg.tasks.kind!r} tasks does not fit the harness budgets "
+                      f"(harness.max_turn_tokens={h.max_turn_tokens}, harness.context_budget={h.context_budget}; "
+                      f"its gold patches need {fitted.max_turn_tokens} and {fitted.context_budget}): rerun with "
+                      f"{flags}")
 
 
 def batch_config(cfg: RunConfig) -> rl_batch.BatchConfig:
@@ -84,16 +192,3 @@ def queue_url(cfg: RunConfig) -> str:
 
 def tokenizer_dir(cfg: RunConfig) -> str:
   return os.path.join(cfg.workdir, "tokenizer")
-
-
-def load_run_config(workdir: str) -> RunConfig:
-  cfg = workdir_lib.stored_config(workdir)
-  if cfg is None:
-    raise FileNotFoundError(f"{workdir}/{workdir_lib.RUN_CONFIG} does not exist: not an RL run's workdir")
-  if not isinstance(cfg, RunConfig):
-    raise TypeError(f"{workdir}/{workdir_lib.RUN_CONFIG} holds a {type(cfg).__name__}, not a RunConfig")
-  return cfg
-
-
-def load_tokenizer(cfg: RunConfig):
-  return tokenizer_lib.load_tokenizer(tokenizer_dir(cfg))

@@ -70,25 +70,23 @@ def take_groups(consumer: QueueConsumer, cfg: RunConfig, version: int, wait=lamb
 class InProcess:
   """Sync rollouts in the trainer's process with `engine` (kept current by the in_place or fleet publisher)."""
 
-  def __init__(self, cfg: RunConfig, engine, tok, consumer: QueueConsumer, log_fn=print):
+  def __init__(self, cfg: RunConfig, engine, run: setup.Run, consumer: QueueConsumer, log_fn=print):
     if engine is None:
       raise ValueError(f"rollout.mode='sync' needs an in-process engine; engine {cfg.rollout.engine!r} has none")
-    self.cfg, self.engine, self.tok, self.consumer = cfg, engine, tok, consumer
-    self.envs = setup.make_envs(cfg)
+    self.cfg, self.engine, self.run, self.consumer = cfg, engine, run, consumer
     self.producer = QueueProducer(setup.queue_url(cfg), "sync0")
-    self.pool = setup.train_pool(cfg)
     self.wcfg = workers.WorkerConfig(samples_per_prompt=cfg.rollout.samples_per_prompt,
                                      max_groups=cfg.rl.groups_per_step, tree=cfg.rollout.tree)
 
   def next(self, version: int) -> tuple[list, float]:
     t0 = time.perf_counter()
-    workers.run_worker(self.engine, self.tok, self.pool, self.envs, self.cfg.harness, self.producer, self.wcfg,
-                       os.path.join(self.cfg.workdir, "sync0.json"))
+    workers.run_worker(self.engine, self.run.tokenizer, self.run.pool, self.run.envs, self.cfg.harness, self.producer,
+                       self.wcfg, os.path.join(self.cfg.workdir, "sync0.json"))
     rollout_s = time.perf_counter() - t0
     return take_groups(self.consumer, self.cfg, version), rollout_s
 
   def close(self) -> None:
-    self.envs.factory.close()
+    pass   # the run's workspaces are `setup.open_run`'s to close
 
 
 class WorkersHung(RuntimeError):
@@ -104,7 +102,7 @@ class WorkerPool:
   stalled 2 × `rollout.workers` times with no group finished in between, `next` raises `WorkersHung`.
   """
 
-  def __init__(self, cfg: RunConfig, engine, tok, consumer: QueueConsumer, log_fn=print):
+  def __init__(self, cfg: RunConfig, engine, run: setup.Run, consumer: QueueConsumer, log_fn=print):
     self.cfg, self.consumer, self.log_fn = cfg, consumer, log_fn
     self.logs = os.path.join(cfg.workdir, "workers")
     os.makedirs(self.logs, exist_ok=True)
@@ -184,8 +182,9 @@ class WorkerPool:
 SOURCES = {"sync": InProcess, "async": WorkerPool}
 
 
-def make(cfg: RunConfig, engine, tok, consumer: QueueConsumer, log_fn=print) -> Source:
-  """The rollout source of `rollout.mode` (`engine`: the publisher's in-process engine, used by sync)."""
+def make(cfg: RunConfig, engine, run: setup.Run, consumer: QueueConsumer, log_fn=print) -> Source:
+  """The rollout source of `rollout.mode` (`engine`: the publisher's in-process engine, and `run`'s tokenizer, pool
+  and workspaces, used by sync)."""
   if cfg.rollout.mode not in SOURCES:
     raise ValueError(f"unknown rollout.mode {cfg.rollout.mode!r}; valid: {sorted(SOURCES)}")
-  return SOURCES[cfg.rollout.mode](cfg, engine, tok, consumer, log_fn)
+  return SOURCES[cfg.rollout.mode](cfg, engine, run, consumer, log_fn)

@@ -81,10 +81,6 @@ def _frozen_logprobs(params, batch, cfg: ModelConfig, routing, temperature: floa
   return losses.token_logprobs(h, _tempered(model.lm_head(params, cfg), temperature), batch["tokens"]), aux
 
 
-def _masked_mean(x, m):
-  return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
 def sequence_index(batch: dict) -> tuple[jax.Array, int]:
   """([B, L] sequence of each token, S): the batch's `seq` (packed rows, `rl.batch`), or row i for a batch
   without it (one sequence per row)."""
@@ -122,7 +118,7 @@ def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed, te
 
   def unreplayed(_):
     logp, aux = _frozen_logprobs(params, batch, cfg, None, temperature)
-    gap = _masked_mean(jnp.abs(logp - batch["inf_logprobs"]), batch["gen_mask"])
+    gap = lm_losses.masked_mean(jnp.abs(logp - batch["inf_logprobs"]), batch["gen_mask"])
     return jnp.where(recorded >= 0, recorded, aux["experts"]), gap
 
   def recorded_only(_):
@@ -182,7 +178,7 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
 
   first = batch["first"] * batch["valid"]
   n_traj = jnp.maximum(jnp.sum(first), 1.0)
-  metrics.update(loss=loss, entropy=_masked_mean(jax.lax.stop_gradient(entropy), mask),
+  metrics.update(loss=loss, entropy=lm_losses.masked_mean(jax.lax.stop_gradient(entropy), mask),
                  reward=jnp.sum(batch["reward"] * first) / n_traj, pass_rate=jnp.sum(batch["passed"] * first) / n_traj,
                  length=jnp.sum(batch["traj_gen_tokens"] * first) / n_traj, trajectories=jnp.sum(first),
                  advantage_abs_mean=jnp.sum(jnp.abs(adv_S) * first) / n_traj,

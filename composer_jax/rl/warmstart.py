@@ -1,8 +1,7 @@
-"""The RL starting point: a small tokenizer fitted to training tasks, and SFT on oracle trajectories.
+"""The RL starting point: SFT on oracle trajectories, in the run's tokenizer (`setup.run_tokenizer`).
 
-`warm_start(cfg)` is the whole step: tokenizer in `workdir/tokenizer` (fitted, or the `sft.init_checkpoint`'s), then
-SFT from random init or from that checkpoint (`sft.steps=0`: the checkpoint as it is). The start is also RL's frozen
-KL reference.
+`warm_start(cfg, run)` is the whole step: SFT from random init or from `sft.init_checkpoint` (`sft.steps=0`: the
+checkpoint as it is). The start is also RL's frozen KL reference.
 
 Oracle transcripts are produced by running the scripted oracle through the real harness (same prompts, tool
 results and chat format the policy will see), written as JSONL, and trained on with the LM trainer's SFT data path
@@ -22,35 +21,17 @@ from collections.abc import Callable, Sequence
 import tqdm
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import inputs, setup
+from composer_jax.rl import setup
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import data as data_lib
 from composer_jax.train import loop as train_loop
 from composer_jax.train import stages
 from composer_jax.train import tokenizer as tokenizer_lib
 from composer_jax.train.config import OptimConfig, TrainConfig
-from rollout import chat_format, harness
+from rollout import harness
 from rollout.engines import scripted
 from rollout.evaluation import policies
-from rollout.tasks import procedural, registry
-
-
-def fit_tokenizer(tasks: Sequence, system_prompt: str, vocab_size: int | tokenizer_lib.TokenizerConfig):
-  """A BPE fitted to training-split project files, prompts and oracle transcripts (the one tokenizer fitting)."""
-  tasks = policies.with_oracle(tasks)
-  texts = [f for t in tasks for f in t.environment.files.values()] + [system_prompt, harness.SUMMARY_PROMPT]
-  texts += [t.prompt for t in tasks]
-  texts += [chat_format.render([{"role": "assistant", **m} for m in t.metadata["oracle"]]) for t in tasks]
-  cfg = vocab_size if isinstance(vocab_size, tokenizer_lib.TokenizerConfig) else tokenizer_lib.TokenizerConfig(
-      vocab_size=vocab_size)
-  return tokenizer_lib.train_tokenizer(texts, cfg)
-
-
-def fit_tokenizer_to_source(spec, envs, system_prompt: str, cfg: tokenizer_lib.TokenizerConfig, n: int, seed: int):
-  """`fit_tokenizer` on `n` tasks of the *train* side of `spec`'s source (never held-out tasks; procedural tasks
-  from generator seed `seed`), for baselines and demos that have no trained model's tokenizer."""
-  fit = dataclasses.replace(spec, split="train", n=n, seed=seed)
-  return fit_tokenizer(registry.load_tasks(fit, envs, log=lambda s: None), system_prompt, cfg)
+from rollout.tasks import procedural
 
 
 def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessConfig, progress: bool = False,
@@ -126,7 +107,7 @@ def sft_tasks(cfg: RunConfig, pool: list) -> list:
           for t in pool[-cfg.sft.tasks:]]
 
 
-def sft_transcripts(cfg: RunConfig, tok, pool: list, levels: Sequence[int] | None = None) -> tuple[list, list]:
+def sft_transcripts(cfg: RunConfig, run: setup.Run, levels: Sequence[int] | None = None) -> tuple[list, list]:
   """Demonstration transcripts for SFT (`sft_tasks`) and up to 32 held-out dev transcripts (right fixes); with
   `levels`, only the tasks of those procedural levels (a curriculum's part).
 
@@ -134,16 +115,13 @@ def sft_transcripts(cfg: RunConfig, tok, pool: list, levels: Sequence[int] | Non
   (it only monitors SFT, and says so in the log).
   """
   keep = (lambda ts: ts) if levels is None else (lambda ts: setup.of_levels(ts, levels))
-  envs = setup.make_envs(cfg)
-  try:
-    train = oracle_transcripts(tok, keep(sft_tasks(cfg, pool)), envs, cfg.harness, progress=cfg.progress_bar)
-    dev_tasks = keep(setup.heldout_tasks(cfg, 32))
-    if not dev_tasks:
-      print(f"(no held-out {cfg.tasks.kind} tasks: SFT dev loss on 2 training demonstrations)")
-      return train, train[:2]
-    return train, oracle_transcripts(tok, dev_tasks, envs, cfg.harness)
-  finally:
-    envs.factory.close()
+  train = oracle_transcripts(run.tokenizer, keep(sft_tasks(cfg, run.pool)), run.envs, cfg.harness,
+                             progress=cfg.progress_bar)
+  dev_tasks = keep(setup.heldout_tasks(cfg, run.envs, setup.DEV_TASKS))
+  if not dev_tasks:
+    print(f"(no held-out {cfg.tasks.kind} tasks: SFT dev loss on 2 training demonstrations)")
+    return train, train[:2]
+  return train, oracle_transcripts(run.tokenizer, dev_tasks, run.envs, cfg.harness)
 
 
 CURRICULUM_DIR = "sft_curriculum"   # a curriculum's first stage, beside the warm start's `sft`
@@ -153,7 +131,7 @@ def _saved(workdir: str) -> list[str]:
   return [os.path.join(workdir, f) for f in ("sft_train.jsonl", "sft_eval.jsonl")]
 
 
-def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
+def sft(cfg: RunConfig, run: setup.Run, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
         log_fn: Callable[[str], None] = print):
   """SFT of the run's model on its demonstrations (the warm start, and the equal-time SFT control). The control
   reads the warm start's transcripts from `workdir/sft`, and the warm start those of a curriculum's first stage
@@ -166,11 +144,11 @@ def sft(cfg: RunConfig, tok, init_params, workdir: str, *, steps: int, learning_
   elif cfg.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
     rest = tuple(lv for lv in cfg.tasks.levels if lv not in cfg.sft.curriculum_levels)
     first_train, first_dev = map(read_jsonl, _saved(first))
-    more, more_dev = sft_transcripts(cfg, tok, setup.train_pool(cfg), rest)
+    more, more_dev = sft_transcripts(cfg, run, rest)
     train, dev = first_train + more, first_dev + more_dev
   else:
-    train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg))
-  return _train(cfg, tok, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
+    train, dev = sft_transcripts(cfg, run)
+  return _train(cfg, run.tokenizer, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
 
 
 TRAIN_SECONDS = "train_seconds.json"   # in each SFT dir: its steps and their wall-clock, demonstrations excluded
@@ -216,7 +194,7 @@ def seconds_per_step(workdir: str) -> float:
   return sum(r["seconds"] for r in records) / sum(r["steps"] for r in records)
 
 
-def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] = print):
+def curriculum(cfg: RunConfig, run: setup.Run, init_params, log_fn: Callable[[str], None] = print):
   """A curriculum's first stage: `sft.curriculum_steps` SFT steps on the demonstrations of `sft.curriculum_levels`
   only (in workdir/sft_curriculum; a finished stage is loaded, not redone). The warm start's SFT continues from it
   on every level. Measured (experiments/results/curriculum.md): with level 1 first and a BPE fitted to level 1,
@@ -227,35 +205,15 @@ def curriculum(cfg: RunConfig, tok, init_params, log_fn: Callable[[str], None] =
   if all(map(os.path.isfile, _saved(stage))):   # resumed: its demonstrations are already made
     train, dev = map(read_jsonl, _saved(stage))
   else:
-    train, dev = sft_transcripts(cfg, tok, setup.train_pool(cfg), cfg.sft.curriculum_levels)
+    train, dev = sft_transcripts(cfg, run, cfg.sft.curriculum_levels)
   log_fn(f"SFT curriculum: levels {list(cfg.sft.curriculum_levels)} first")
-  params, _ = _train(cfg, tok, train, dev, stage, cfg.sft.curriculum_steps, cfg.sft.learning_rate, cfg.seed,
+  params, _ = _train(cfg, run.tokenizer, train, dev, stage, cfg.sft.curriculum_steps, cfg.sft.learning_rate, cfg.seed,
                      init_params, log_fn)
   return params
 
 
-def run_tokenizer(cfg: RunConfig):
-  """The run's tokenizer: already in the workdir, else the init checkpoint's, else fitted to training tasks (with a
-  curriculum, to those of its first levels: measured, a BPE fitted to the mix left the level-2 start at 17-22%
-  greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md)."""
-  tok_dir = setup.tokenizer_dir(cfg)
-  if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-    return tokenizer_lib.load_tokenizer(tok_dir)
-  if cfg.sft.init_checkpoint:
-    tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.sft.init_checkpoint, "tokenizer"))
-  else:
-    pool = setup.train_pool(cfg)[:max(cfg.sft.tasks, 256)]
-    if cfg.sft.curriculum_levels:
-      pool = setup.of_levels(pool, cfg.sft.curriculum_levels)
-    tok = fit_tokenizer(pool, cfg.harness.system_prompt, cfg.tokenizer)
-  tokenizer_lib.save_tokenizer(tok, tok_dir)
-  return tok
-
-
-def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
+def warm_start(cfg: RunConfig, run: setup.Run, log_fn: Callable[[str], None] = print):
   """The starting params (resumable: a finished SFT in `workdir/sft` is loaded, not redone); see the docstring."""
-  tok = run_tokenizer(cfg)
-  inputs.check_budgets(cfg, tok, setup.train_pool(cfg))   # before the demonstrations that would fail on them
   sft_dir = os.path.join(cfg.workdir, "sft")
   if cfg.sft.steps and os.path.isdir(os.path.join(sft_dir, "params")):
     return stages.load_params(sft_dir, cfg.model)
@@ -263,8 +221,8 @@ def warm_start(cfg: RunConfig, log_fn: Callable[[str], None] = print):
   if not cfg.sft.steps:
     return init_params
   if cfg.sft.curriculum_levels:
-    init_params = curriculum(cfg, tok, init_params, log_fn)
-  params, last = sft(cfg, tok, init_params, sft_dir, steps=cfg.sft.steps, learning_rate=cfg.sft.learning_rate,
+    init_params = curriculum(cfg, run, init_params, log_fn)
+  params, last = sft(cfg, run, init_params, sft_dir, steps=cfg.sft.steps, learning_rate=cfg.sft.learning_rate,
                      seed=cfg.seed, log_fn=log_fn)
   log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
   return params

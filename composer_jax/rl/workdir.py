@@ -17,7 +17,8 @@ import os
 import pickle
 import socket
 
-from composer_jax.rl.config import RunInputError
+from composer_jax.rl import setup
+from composer_jax.rl.config import RunConfig, RunInputError
 
 LOCK = "lock"
 RUN_CONFIG = "run_config.pkl"
@@ -136,8 +137,21 @@ def save_config(cfg) -> str:
 
 @contextlib.contextmanager
 def claim(cfg, allow=()):
-  """The block runs holding `cfg.workdir`'s lock, after the resume check, with `cfg` stored as the run's config."""
+  """The run's pieces (`setup.open_run`) for a block that holds `cfg.workdir`'s lock: after the resume check, and
+  after its input is checked (building the pieces checks it), `cfg` is stored as the run's config, so a run refused
+  for its input leaves none that a fixed rerun would differ from."""
   with lock(cfg.workdir):
     check_resume(cfg, allow)
-    save_config(cfg)
-    yield
+    with setup.open_run(cfg) as run:
+      save_config(cfg)
+      yield run
+
+
+def load_run_config(workdir: str):
+  """The `RunConfig` a run stored in `workdir` (worker processes and `python -m composer_jax.rl.loop` read it)."""
+  cfg = stored_config(workdir)
+  if cfg is None:
+    raise FileNotFoundError(f"{workdir}/{RUN_CONFIG} does not exist: not an RL run's workdir")
+  if not isinstance(cfg, RunConfig):
+    raise TypeError(f"{workdir}/{RUN_CONFIG} holds a {type(cfg).__name__}, not a RunConfig")
+  return cfg

@@ -67,10 +67,11 @@ def main(workdir: str, worker_index: int) -> None:
   from composer_jax.compile_cache import enable_compilation_cache
   enable_compilation_cache()   # the trainer's cache directory (exported to this process)
   from composer_jax.rl import publishers, setup
+  from composer_jax.rl import workdir as workdir_lib
   from rollout import workers
   from rollout.queue import QueueProducer
 
-  cfg = setup.load_run_config(workdir)
+  cfg = workdir_lib.load_run_config(workdir)
   sdir = os.path.join(workdir, "workers")
   stopping = lambda: os.getppid() != ppid or os.path.exists(os.path.join(sdir, "STOP"))
   follower = publishers.follow(cfg)
@@ -81,16 +82,13 @@ def main(workdir: str, worker_index: int) -> None:
   os.makedirs(sdir, exist_ok=True)
   with open(os.path.join(sdir, f"{wcfg.producer_id}.pid"), "w") as f:
     f.write(str(os.getpid()))
-  envs = setup.make_envs(cfg)
-  try:
-    workers.run_worker(follower.engine, setup.load_tokenizer(cfg), setup.train_pool(cfg), envs, cfg.harness,
+  with setup.open_run(cfg) as run:   # the trainer's tokenizer and pool, workspaces of this worker's own
+    workers.run_worker(follower.engine, run.tokenizer, run.pool, run.envs, cfg.harness,
                        QueueProducer(setup.queue_url(cfg), wcfg.producer_id), wcfg,
                        os.path.join(sdir, f"{wcfg.producer_id}.json"),
                        refresh=throttle(follower, per_version, stopping,
                                         lambda: beat(beat_path(workdir, worker_index))), should_stop=stopping,
                        log_fn=lambda s: print(s, flush=True))
-  finally:
-    envs.factory.close()
 
 
 if __name__ == "__main__":

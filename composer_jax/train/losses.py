@@ -56,11 +56,12 @@ def mtp_losses(h_BxLxD, mtp_h_NxBxLxD, w_DxV, mtp_w_DxV, tokens_BxL, segment_ids
       student_h, student_w = jax.lax.stop_gradient(student_h), jax.lax.stop_gradient(student_w)   # metric only
     ce_BxL, agree_BxL = head.distill_cross_entropy(student_h, student_w, teacher_at, w_DxV, chunk_size=chunk_size)
     if mode == "self_distill":
-      loss = _masked_mean(ce_BxL, mask)
+      loss = masked_mean(ce_BxL, mask)
     losses.append(loss)
-    agreements.append(_masked_mean(agree_BxL, mask))
+    agreements.append(masked_mean(agree_BxL, mask))
   return jnp.stack(losses) if losses else jnp.zeros((0,)), jnp.stack(agreements) if agreements else jnp.zeros((0,))
 
 
-def _masked_mean(x_BxL, mask_BxL):
+def masked_mean(x_BxL, mask_BxL):
+  """The mean of `x` over the positions where `mask` is 1 (0 when there are none)."""
   return jnp.sum(x_BxL * mask_BxL) / jnp.maximum(jnp.sum(mask_BxL), 1.0)

@@ -1,6 +1,9 @@
 """Shared helpers for `get_config(arg)` files (big_vision `configs/common.py` style)."""
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import ml_collections
 
 
@@ -58,19 +61,62 @@ def parse_arg(arg: str | None, *, lazy: bool = False, renames: dict[str, str] | 
   return res
 
 
-def override(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
-  """Sets `{"a.b": v}`-style dotted keys on `c`, as `--config.a.b=v` does (a sweep row onto its variant).
+def override(c: ml_collections.ConfigDict, *overrides: dict) -> ml_collections.ConfigDict:
+  """Sets each of `overrides` on `c` in turn: `{"a.b": v}`-style dotted keys, as `--config.a.b=v` does (a sweep
+  row onto its variant), or nested sections (`{"a": {"b": v}}`).
 
   A key `c` does not have is an error naming it (a typo must not start a run with the default).
   """
-  for key, value in overrides.items():
-    *path, leaf = key.split(".")
-    node = c
-    for i, p in enumerate(path):
-      if p not in node:
-        raise KeyError(f"{key!r}: the config has no {'.'.join(path[:i + 1])!r}")
-      node = node[p]
-    if leaf not in node:
-      raise KeyError(f"{key!r}: the config has no {key!r}")
-    node[leaf] = value
+  for group in overrides:
+    for key, value in group.items():
+      *path, leaf = key.split(".")
+      node = c
+      for i, p in enumerate(path):
+        if p not in node:
+          raise KeyError(f"{key!r}: the config has no {'.'.join(path[:i + 1])!r}")
+        node = node[p]
+      if leaf not in node:
+        raise KeyError(f"{key!r}: the config has no {key!r}")
+      if isinstance(value, dict) and isinstance(node[leaf], ml_collections.ConfigDict):
+        override(node[leaf], value)
+      else:
+        node[leaf] = value
+  return c
+
+
+def defaults_of(cls, **given) -> ml_collections.ConfigDict:
+  """Every field of the config dataclass `cls` at its default, nested dataclasses as sections: the keys a locked
+  config accepts as `--config.<key>`, with the values the library would use. A `None` default becomes a typed
+  placeholder (a flag can still set it); `given` sets fields (those without a default among them)."""
+  hints = typing.get_type_hints(cls)
+  out = ml_collections.ConfigDict()
+  for f in dataclasses.fields(cls):
+    if f.name in given:
+      out[f.name] = given[f.name]
+      continue
+    if f.default is not dataclasses.MISSING:
+      value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      value = f.default_factory()
+    else:
+      continue   # required and not given (e.g. a workdir that comes by flag)
+    if dataclasses.is_dataclass(value):
+      out[f.name] = _values_of(value)
+    elif value is None:
+      arms = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+      out[f.name] = ml_collections.config_dict.placeholder(arms[0])
+    else:
+      out[f.name] = value
+  return out
+
+
+def _values_of(obj) -> ml_collections.ConfigDict:
+  """`defaults_of` for a dataclass instance: its values, nested."""
+  c = defaults_of(type(obj), **{f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                                if not dataclasses.is_dataclass(getattr(obj, f.name))
+                                and getattr(obj, f.name) is not None})
+  for f in dataclasses.fields(obj):
+    v = getattr(obj, f.name)
+    if dataclasses.is_dataclass(v):
+      c[f.name] = _values_of(v)
   return c
