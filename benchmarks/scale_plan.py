@@ -93,12 +93,11 @@ class Stage:
 
 
 # Remat: every stage keeps the ring's output (`save_attention`: a few GB per device, and the backward does not run
-# the ring again); 32k pretraining also keeps the EP return exchange's result (`save_attention_ep_return`: ~35 GB
-# per device on 256 devices, one exchange of six fewer per layer). The RL step has no room for it at 256 devices
-# (its batch and the reference forward's buffers), and long_256k is compute-bound.
+# the ring again). Keeping the EP return exchange's result too (`save_attention_ep_return`, one exchange of six
+# fewer per layer) needs 35 GB more per device at 32k on 256 devices, past the budget (parallel/README.md).
 STAGES = {
     "pretrain_8k": Stage("lm", 8192),
-    "pretrain_32k": Stage("lm", 32768, remat_policy="save_attention_ep_return"),
+    "pretrain_32k": Stage("lm", 32768),
     "long_256k": Stage("lm", 262144),
     "rl": Stage("rl", 32768),
 }
@@ -319,7 +318,8 @@ def _child(args) -> None:
     axes = args.mesh or PLANS[args.variant][name][n]
     stage = dataclasses.replace(STAGES[name], seq=args.seq or STAGES[name].seq)
     fig = compile_case(args.variant, stage, axes, args.moe_layers or None, args.dump_dir)
-    print("CASE " + json.dumps({"stage": name, "devices": n, "axes": axes, "seq": stage.seq, **fig}), flush=True)
+    print("CASE " + json.dumps({"stage": name, "devices": n, "axes": axes, "seq": stage.seq,
+                                "remat_policy": stage.remat_policy, **fig}), flush=True)
 
 
 # ----- roofline, table (parent process) -----

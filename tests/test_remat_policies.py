@@ -55,7 +55,7 @@ def _grad_and_exchanges(cfg, params, tokens, mesh, rules):
   grad = jax.jit(jax.value_and_grad(_loss), static_argnums=2)
   with jax.set_mesh(mesh), use_rules(rules):
     compiled = grad.lower(params, tokens, cfg).compile()
-    val, g = grad(params, tokens, cfg)
+    val, g = compiled(params, tokens)
   colls = hlo_collectives.parse(compiled.as_text(), n_devices=mesh.size)
   count = lambda kind, scope: sum(c.times for c in colls if c.kind == kind and scope in c.op_name)  # noqa: E731
   return val, g, {"ring_fwd": count("collective-permute", "ring_attention_fwd"),
