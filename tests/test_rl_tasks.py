@@ -13,9 +13,9 @@ from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout.evaluation import policies as budget_lib
-from rollout.tasks import environment, miner, procedural, registry, setfile
+from rollout.tasks import environment, miner, procedural, registry, setfile, swe
 from rollout.workspace import LocalFactory
-from tests.tasks_testlib import FAST, commit, init_repo
+from tests.tasks_testlib import FAST, commit, init_repo, swe_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,4 +178,55 @@ def test_the_readmes_mined_command_runs_end_to_end(tmp_path):
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
   assert result["eval_tasks"] == 1 and all(result[p]["T1"]["n"] == 1 for p in ("sft", "rl"))
+  assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_one_instance_swe_file_is_refused_before_any_work(tmp_path):
+  """The issue's 1-instance SWE file: a finite set's sides follow its gold patches, so one instance is on one side
+  only, and RL (which trains on one side and evaluates on the other) is refused in one line naming the field, at
+  any share held out, before any demonstration."""
+  from composer_jax.rl.config import RunInputError
+  jsonl, repos = swe_set(tmp_path, 1)
+  (task,) = swe.load_jsonl(jsonl, repos)
+  command = f"tasks=swe,jsonl={jsonl},repos_dir={repos}"
+
+  def refusal(percent):
+    if registry.split_of(task, percent) == "train":
+      return (f"the 'swe' task source has no held-out tasks to evaluate on (1 training tasks at "
+              f"tasks.heldout_percent={percent}): raise tasks.heldout_percent or use a bigger set")
+    return (f"the 'swe' task source has no training tasks at tasks.heldout_percent={percent} (a finite set's sides "
+            "follow its tasks' gold patches): lower tasks.heldout_percent or use a bigger set")
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,{command}", f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2 and r.stderr.strip() == f"error: {refusal(20)}", r.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path / "run")) == ["lock"]
+  colab = configs.from_dict(RunConfig, rl_configs.get_config(f"colab,{command}"), workdir=str(tmp_path / "in"))
+  sides = set()
+  for percent in (1, 20, 50, 99):
+    sides.add(registry.split_of(task, percent))
+    cfg = configs.replace(colab, **{"tasks.heldout_percent": percent})
+    with pytest.raises(RunInputError) as e, setup.open_run(cfg):
+      pass
+    assert str(e.value) == refusal(percent)
+  assert sides == {"train", "heldout"}   # both refusals were checked
+
+
+@pytest.mark.slow   # ~8 min on the loaded 2-core machine: demonstrations, 20 SFT steps, 2 RL steps, 2 evaluations
+def test_the_readmes_swe_command_runs_end_to_end(tmp_path):
+  """`rl_main.py --config=experiments/configs/rl.py:colab,tasks=swe,jsonl=...,repos_dir=...` as the README writes
+  it, sized down by flags, on a 4-instance SWE-style file against one local clone: the oracle applies each gold
+  patch in a sandbox and the hidden tests (the test patch, then pytest) pass; SFT, RL and the held-out evaluation
+  run (the issue's run failed on the oracle, then on "no held-out tasks" minutes in)."""
+  jsonl, repos = swe_set(tmp_path, 4)
+  sides = [registry.split_of(t, 20) for t in swe.load_jsonl(jsonl, repos)]
+  run = tmp_path / "run"
+  r = _rl_main(f"--config=experiments/configs/rl.py:colab,tasks=swe,jsonl={jsonl},repos_dir={repos}",
+               f"--workdir={run}", "--config.sft.steps=20", "--config.rl.steps=2",
+               "--config.eval.temperatures=(1.0,)", "--config.eval.control=False", "--config.progress_bar=False",
+               timeout=1800)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  result = json.loads(r.stdout.strip().splitlines()[-1])
+  assert result["eval_tasks"] == sides.count("heldout") > 0 and sides.count("train") > 0
+  assert all(result[p]["T1"]["n"] == result["eval_tasks"] for p in ("sft", "rl"))
+  demos = [json.loads(line)["messages"] for line in open(run / "sft" / "sft_train.jsonl")]
+  assert len(demos) == sides.count("train")   # every training instance's oracle solved it (else the run stops)
   assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]

@@ -70,7 +70,9 @@ def _checked_tasks(cfg: RunConfig, envs: EnvironmentCache) -> tuple[list[Task], 
     except _LOAD_ERRORS as e:
       raise RunInputError(f"cannot load the {cfg.tasks.kind!r} task source: {e}") from None
     if not pool:
-      raise RunInputError(f"the {cfg.tasks.kind!r} task source has no training tasks ({cfg.tasks})")
+      raise RunInputError(f"the {cfg.tasks.kind!r} task source has no training tasks at tasks.heldout_percent="
+                          f"{cfg.tasks.heldout_percent} (a finite set's sides follow its tasks' gold patches): lower "
+                          "tasks.heldout_percent or use a bigger set")
     if not heldout:
       raise RunInputError(f"the {cfg.tasks.kind!r} task source has no held-out tasks to evaluate on "
                           f"({len(pool)} training tasks at tasks.heldout_percent={cfg.tasks.heldout_percent}): "

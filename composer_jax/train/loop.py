@@ -167,6 +167,7 @@ class _Finisher:
       from tqdm import tqdm
       self.bar = tqdm(total=train_cfg.steps, initial=start, desc="train", dynamic_ncols=True)
     self.last: dict = {}
+    self.ppl = math.nan  # the latest held-out perplexity, shown on the bar between evaluations
     self.t_log, self.tokens_since_log = time.perf_counter(), 0.0
 
   def __call__(self, step_no: int, dev_metrics) -> None:
@@ -195,7 +196,11 @@ class _Finisher:
       self.writer.write(step_no, m)
     self.last = {"step": step_no, **m}
     if self.bar is not None:
-      self.bar.set_postfix(loss=f"{m['loss']:.3f}", ppl=f"{self.last.get('eval_perplexity', float('nan')):.1f}")
+      self.ppl = m.get("eval_perplexity", self.ppl)
+      shown = {"loss": f"{m['loss']:.3f}"}
+      if math.isfinite(self.ppl):  # SFT without held-out batches has none to show
+        shown["ppl"] = f"{self.ppl:.1f}"
+      self.bar.set_postfix(shown)
 
   def close(self) -> None:
     if self.writer is not None:
