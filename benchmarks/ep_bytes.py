@@ -34,8 +34,8 @@ from composer_jax.model import ModelConfig  # noqa: E402
 from composer_jax.model.expert_parallel import expert_parallel  # noqa: E402
 from composer_jax.parallel import make_mesh  # noqa: E402
 
-_HLO_SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
-_MLIR_SHAPE = re.compile(r"tensor<([\dx]+)x([a-z]+\d+)>")
+_HLO_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")   # f32, f8e4m3fn, ...
+_MLIR_SHAPE = re.compile(r"tensor<([\dx]+)x([a-z]+\d+[A-Za-z0-9]*)>")  # f32, f8E4M3FN, ...
 
 
 _BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64, "s8": 8, "u8": 8, "s32": 32, "u32": 32, "i1": 8,
@@ -43,6 +43,7 @@ _BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64, "s8": 8, "u8": 
 
 
 def _nbytes(dtype: str, dims: list[int]) -> int:
+  dtype = dtype.lower()
   if dtype not in _BITS:
     raise ValueError(f"unknown HLO element type {dtype!r} in a collective; add it to _BITS")
   return math.prod(dims) * _BITS[dtype] // 8

@@ -2,9 +2,12 @@
 
 Shared by `hlo_collectives.py` (collectives), `hlo_costs.py` (FLOPs, the peak's buffers) and `scale_plan.py`.
 A computation inside a `while` body runs once per iteration: `times` follows `while` loops' known trip counts
-(a loop without one is an error) and every other call (`calls=`, `to_apply=`, conditional branches), so a scanned
-layer stack's instructions are counted once per layer. XLA's own `cost_analysis()` counts a while body once,
-which is why the FLOPs here are counted from this table instead.
+(a loop without one is an error) and every other call (`calls=`, `to_apply=`), so a scanned layer stack's
+instructions are counted once per layer. A `conditional` runs one of its branches: only its heaviest branch is
+counted (the most bytes computed, loops and calls included; an upper bound of what runs), the others get no
+executions. Counting every branch would, e.g., count both halves of each zig-zag ring step (`lax.cond(earlier,
+later)`), twice the attention that runs. XLA's own `cost_analysis()` counts a while body once, which is why the
+FLOPs here are counted from this table instead.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ _CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# Ops that compute nothing (they name or bundle existing buffers): left out of a branch's weight.
+_PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 
 BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3": 8, "f8e8m0fnu": 8,
         "f4e2m1fn": 4, "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64,
@@ -40,6 +45,15 @@ def nbytes(dtype: str, dims: tuple[int, ...]) -> int:
   for d in dims:
     n *= d
   return n * BITS[dtype] // 8
+
+
+def branches_of(ins) -> list[str]:  # noqa: N802
+  """A conditional's branch computations (`branch_computations=` or `true_/false_computation=`), else []."""
+  if ins.opcode != "conditional":
+    return []
+  if b := _BRANCHES.search(ins.attrs):
+    return [c.strip().lstrip("%") for c in b.group(1).split(",")]
+  return re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", ins.attrs)
 
 
 @dataclasses.dataclass
@@ -100,6 +114,26 @@ def parse_module(text: str) -> Module:
     raise ValueError("no ENTRY computation in the HLO text")
   instrs = {i.name: i for body in comps.values() for i in body}
   times: dict[str, int] = {}
+  weights: dict[str, int] = {}
+
+  def weight(name: str, depth: int = 0) -> int:
+    """Bytes a computation computes per execution (results of all but `_PLUMBING` ops), its loops and calls
+    included, of a conditional its heaviest branch."""
+    if name not in weights:
+      if depth > 100:
+        raise ValueError(f"HLO call graph deeper than 100 at {name}")
+      total = 0
+      for ins in comps.get(name, []):
+        branches = [c for c in branches_of(ins) if c in comps]
+        trip = _TRIP.search(ins.attrs) if ins.opcode == "while" else None
+        body = re.search(r"\bbody=%([\w.\-]+)", ins.attrs).group(1) if trip else None
+        if ins.opcode not in _PLUMBING:
+          total += sum(nbytes(d, dims) for d, dims in element_types(ins.type))
+        total += max((weight(c, depth + 1) for c in branches), default=0)
+        total += sum(weight(c, depth + 1) * (int(trip.group(1)) if c == body else 1)
+                     for c in ins.callees if c in comps and c not in branches)
+      weights[name] = total
+    return weights[name]
 
   def visit(name: str, mult: int, depth: int = 0):
     if depth > 100:
@@ -114,6 +148,10 @@ def parse_module(text: str) -> Module:
         body = re.search(r"\bbody=%([\w.\-]+)", ins.attrs).group(1)
         visit(body, mult * int(trip.group(1)), depth + 1)
         callees = [c for c in callees if c != body]
+      branches = [c for c in branches_of(ins) if c in comps]
+      if branches:
+        visit(max(branches, key=weight), mult, depth + 1)
+        callees = [c for c in callees if c not in branches]
       for c in callees:
         if c in comps:
           visit(c, mult, depth + 1)

@@ -11,8 +11,8 @@ fake CPU devices (`--xla_force_host_platform_device_count`, set before jax is im
 the project's public functions (`train.step.make_train_step`, `rl.step.make_rl_step`; params from
 `model.shardings`, the AdamW of `train.optim`), lowers it on abstract inputs carrying their shardings and compiles
 it: **the program a GPU would run** — every layer, `lax.scan` over each stack (`scan_layers=True`; unrolled
-layers let XLA:CPU schedule the recomputation early, so remat saved nothing), remat as the config has it. Nothing
-is extrapolated. From the compiled executable it reads:
+layers let XLA:CPU schedule the recomputation early, so remat saved nothing), remat as the stage names it
+(`Stage.remat_policy`). Nothing is extrapolated. From the compiled executable it reads:
 - per-device argument / temp / output bytes (`memory_analysis()`);
 - every collective (`hlo_collectives.py`), in the program's element types (XLA:CPU widens bf16 collectives to
   f32, tuples included; a GPU does not), loops counted per iteration;
@@ -74,8 +74,8 @@ HEADROOM = 0.10
 def RL_CONFIG():  # noqa: N802  (a constant, built lazily so that importing this file does not import jax)
   """The RL step the plan compiles: the run's (`experiments/configs/rl.py`'s default `rl` section: its loss and
   its optimizer), router replay on. Its unreplayed forward sits in a `lax.cond` (run when routing is missing or its
-  metric is due), so the compiled program holds both branches; `RL_FORWARDS` counts that forward as if it ran every
-  step."""
+  metric is due): the collectives and FLOPs count that branch, the heavier one (`hlo_module`), and `RL_FORWARDS`
+  counts that forward, as if it ran every step."""
   from composer_jax import configs
   from composer_jax.rl.config import RLConfig
   from experiments.configs import rl
@@ -92,8 +92,12 @@ class Stage:
   step: str          # "lm" (train.step) | "rl" (rl.step)
   seq: int           # tokens per row
   rows_per_shard: int = 1   # rows per (data x expert) batch shard
+  remat_policy: str = "save_attention"   # model.remat.REMAT_POLICIES
 
 
+# Remat: every stage keeps the ring's output (`save_attention`: a few GB per device, and the backward does not run
+# the ring again). Keeping the EP return exchange's result too (`save_attention_ep_return`, one exchange of six
+# fewer per layer) needs 35 GB more per device at 32k on 256 devices, past the budget (parallel/README.md).
 STAGES = {
     "pretrain_8k": Stage("lm", 8192),
     "pretrain_32k": Stage("lm", 32768),
@@ -131,15 +135,26 @@ def rules_for(axes: dict[str, int], n_experts: int = 384):
   return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp)
 
 
+# Expert parallelism by the compiling platform: XLA:CPU has no ragged-all-to-all, so the CPU-compiled rows use
+# capacity buffers (1.25x the mean load, dispatched in FP8); a GPU compile (`--platform gpu`) runs dropless
+# `ep_ragged` with a receive buffer of the same 1.25x (`ragged_buffer_factor`; rows past it are cut and counted).
+EP_BY_PLATFORM = {"cpu": {"moe_impl": "ep_capacity", "ep_dispatch": "fp8"},
+                  "gpu": {"moe_impl": "ep_ragged", "ragged_buffer_factor": 1.25}}
+
+
 def plan_model_config(variant: str, seq: int, n_moe_layers: int | None = None):
-  """The variant's shape, scanned, with ring attention and capacity expert parallelism; `n_moe_layers` (tests)
-  shortens the MoE stack, None keeps the published depth."""
+  """The variant's shape, scanned, with ring attention and the platform's expert parallelism (`EP_BY_PLATFORM`;
+  FP8 dispatch is DeepSeek-V3's recipe, the architecture both variants share: e4m3 tokens out, the return in bf16);
+  `n_moe_layers` (tests) shortens the MoE stack, None keeps the published depth."""
+  import jax
+
   from composer_jax import configs, model
   from experiments.configs import model as model_configs
   cfg = configs.from_dict(model.ModelConfig, model_configs.get_config(variant).to_dict())
   n_layers = cfg.num_hidden_layers if n_moe_layers is None else cfg.first_k_dense_replace + n_moe_layers
   return dataclasses.replace(cfg, num_hidden_layers=n_layers, scan_layers=True, attention_impl="ring",
-                             moe_impl="ep_capacity", max_position_embeddings=max(seq, cfg.max_position_embeddings))
+                             max_position_embeddings=max(seq, cfg.max_position_embeddings),
+                             **EP_BY_PLATFORM["gpu" if jax.default_backend() == "gpu" else "cpu"])
 
 
 # ----- compiled figures (run inside a process with the right device count) -----
@@ -202,7 +217,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   from composer_jax.train import step as step_lib
   from composer_jax.train.config import OptimConfig, TrainConfig
 
-  cfg = plan_model_config(variant, stage.seq, n_moe_layers)
+  cfg = dataclasses.replace(plan_model_config(variant, stage.seq, n_moe_layers), remat_policy=stage.remat_policy)
   mesh = make_mesh(axes, devices=devices)
   rules = rules_for(axes, cfg.n_routed_experts)
   specs = jax.tree_util.tree_flatten_with_path(model.param_specs(cfg),
@@ -308,7 +323,8 @@ def _child(args) -> None:
     axes = args.mesh or PLANS[args.variant][name][n]
     stage = dataclasses.replace(STAGES[name], seq=args.seq or STAGES[name].seq)
     fig = compile_case(args.variant, stage, axes, args.moe_layers or None, args.dump_dir)
-    print("CASE " + json.dumps({"stage": name, "devices": n, "axes": axes, "seq": stage.seq, **fig}), flush=True)
+    print("CASE " + json.dumps({"stage": name, "devices": n, "axes": axes, "seq": stage.seq,
+                                "remat_policy": stage.remat_policy, **fig}), flush=True)
 
 
 # ----- roofline, table (parent process) -----

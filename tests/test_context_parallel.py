@@ -23,6 +23,7 @@ from composer_jax.train.step import loss_fn
 # MLA head dims on purpose: Q = Qn + R = 12 differs from Dv = 8, and C = 16 differs from both.
 B, H, QN, R, DV, C = 2, 4, 8, 4, 8, 16
 MESHES = [{"context": 4, "tensor": 2}, {"context": 8}, {"data": 2, "context": 2, "tensor": 2}]
+DP_CP = {"data": 2, "context": 4}
 
 
 def _packed_segments(L: int) -> jax.Array:
@@ -71,10 +72,11 @@ def test_zigzag_ppermute_matches_gather(sizes):
 
 
 @pytest.mark.parametrize("impl, block", [("ring", 512), ("ring", 4), ("ring", 3), ("allgather", 512), ("allgather", 8)])
-@pytest.mark.parametrize("sizes", MESHES[:2], ids=["cp4xtp2", "cp8"])
+@pytest.mark.parametrize("sizes", MESHES[:2] + [DP_CP], ids=["cp4xtp2", "cp8", "dp2xcp4"])
 def test_attention_matches_dense_attend(impl, block, sizes):
   """Block 512 is one tile per ring block; 4 tiles each ring block's halves (L/2N = 4 or 8 rows), with the causal
-  pairs only on the diagonal step and empty tiles skipped; 3 leaves partial tiles."""
+  pairs only on the diagonal step and empty tiles skipped; 3 leaves partial tiles. On dp2xcp4 the ring is manual
+  over `data` too: each device skips tiles by its own row (row 0 packed and padded, row 1 one document)."""
   L, scale = 64, 0.3
   q, c, kr, kvb = _attn_inputs(L)
   seg = _packed_segments(L)
@@ -101,6 +103,30 @@ def test_attention_matches_dense_attend(impl, block, sizes):
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   # Padding rows (segment 0 sees segment 0 only, causally) are attended like any other segment, as in `attend`.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), g, g_ref)
+
+
+def test_ring_sums_over_the_batch_axis_once_per_call():
+  """Rows split over `data` (x context=4): the ring's program reduces over `data` only for the expansion weights'
+  gradient, once per call; no skip decision or per-step gradient is all-reduced across the batch shards."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from benchmarks import hlo_collectives
+  L = 64
+  q, c, kr, kvb = _attn_inputs(L)
+  seg = _packed_segments(L)
+  index = jnp.broadcast_to(jnp.arange(L), (B, L))
+  z = functools.partial(cp.to_zigzag, n=4)
+
+  def loss(q, c, kr, seg, index, kvb):
+    return cp.ring_attention(z(q), z(c), z(kr), z(seg), z(index), kvb, 0.3, 4).sum()
+  mesh = make_mesh(DP_CP)
+  rows = jax.device_put((q, c, kr, seg, index), NamedSharding(mesh, P("data", "context")))
+  with jax.set_mesh(mesh):
+    text = jax.jit(jax.grad(loss, (0, 1, 2, 5))).lower(*rows, kvb).compile().as_text()
+  ring = [x for x in hlo_collectives.parse(text, n_devices=8) if "ring_attention" in x.op_name]
+  over_data = [x for x in ring if x.kind == "all-reduce" and x.group_size > 1]
+  assert ring and sum(x.times for x in over_data) <= 2, [(x.op_name, x.times) for x in over_data]
 
 
 def test_rejects_indivisible_length():

@@ -287,6 +287,14 @@ def test_ep_ragged_lowers_for_cuda_with_ragged_all_to_all():
   assert f_text.count("custom_call @ragged_all_to_all") == 2  # dispatch and return
   assert "all_to_all" not in f_text.replace("ragged_all_to_all", "")  # no padded fallback collective
   assert g_text.count("custom_call @ragged_all_to_all") >= 3  # the backward's transposed exchanges too
+  # A bounded buffer (the scale plan's GPU rows): m = 4 tokens x K = 2 local assignments, ceil(1.25 m) = 10 rows
+  # received instead of the worst case N m = 32.
+  bounded = dataclasses.replace(cfg, ragged_buffer_factor=1.25)
+  with jax.set_mesh(make_mesh({"data": 2, "expert": 4})):
+    b_text = jax.jit(lambda p, x: moe_lib.moe_block(p, x, valid, bounded)[0].sum()).trace(p, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+  recv = [line for line in b_text.splitlines() if "custom_call @ragged_all_to_all" in line]
+  assert len(recv) == 2 and "tensor<10x" in recv[0] and "tensor<32x" in f_text
 
 
 def test_ep_errors_name_the_problem():
@@ -329,3 +337,59 @@ def test_ep_ragged_gradients_match_dense():
   # sums). Measured within 3e-7 of each gradient's largest entry (~10); 1e-5 leaves a 30x margin.
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_ragged_plan_matches_filling_each_buffer_in_order():
+  """`ragged_plan` against a loop that fills each destination's buffer source by source, local expert by local
+  expert, until `rows` rows are used; offsets are exclusive cumulative sums of the chunk sizes."""
+  rng = np.random.default_rng(0)
+  N, X = 4, 3
+  counts = rng.integers(0, 6, (N, N, X))
+  for rows in (N * counts.sum(axis=(1, 2)).max(), 20, 7, 0):
+    plan = jax.tree.map(np.asarray, ep.ragged_plan(jnp.asarray(counts), rows))
+    kept = np.zeros_like(counts)
+    for d in range(N):
+      used = 0
+      for s in range(N):
+        for x in range(X):
+          kept[s, d, x] = min(counts[s, d, x], max(rows - used, 0))
+          used += kept[s, d, x]
+    sent = counts.sum(-1)
+    np.testing.assert_array_equal(plan["kept_NxNxX"], kept)
+    np.testing.assert_array_equal(plan["kept"], kept.sum(-1))
+    np.testing.assert_array_equal(plan["in_off"], np.cumsum(sent, 1) - sent)    # within the source's sorted rows
+    np.testing.assert_array_equal(plan["out_off"], np.cumsum(sent, 0) - sent)   # at the destination
+    assert ((plan["kept"] == 0) | (plan["out_off"] + plan["kept"] <= rows)).all()  # kept rows fit the buffer
+  assert ep.ragged_buffer_rows(16, 4, 0.0) == 64 and ep.ragged_buffer_rows(16, 4, 1.25) == 20
+
+
+def test_ep_ragged_bounded_buffer_drops_what_the_plan_cuts():
+  """expert=4, receive buffers of ceil(0.5 x m) rows (reference collective): the output is the dense layer's with
+  the cut assignments' gates zeroed (found by a numpy model of the exchange: each source's assignments sorted by
+  expert, the first `kept` of each destination's chunk kept), and dropped_fraction counts them; a factor of 4
+  (= N) never cuts and equals the dense layer."""
+  p = _moe_params(CFG)
+  B, L, N = 8, 4, 4
+  x = jax.random.normal(jax.random.key(3), (B, L, CFG.hidden_size))
+  idx, w = _routed(p, x)
+  T, D, X = B * L, CFG.hidden_size, CFG.n_routed_experts // N
+  mesh = make_mesh({"expert": N}, devices=jax.devices()[:N])
+  for factor in (0.5, 4.0):
+    cfg = dataclasses.replace(CFG, moe_impl="ep_ragged", ragged_buffer_factor=factor)
+    y, dropped = _ep(p, x, idx, w, jnp.ones((B, L), bool), cfg, mesh,
+                     ragged_all_to_all=ep.ragged_all_to_all_reference)
+    e_sxm = np.asarray(idx).reshape(N, -1)                        # device s holds rows [s B/N, (s+1) B/N)
+    m = e_sxm.shape[1]
+    counts = np.stack([np.bincount(e, minlength=N * X).reshape(N, X) for e in e_sxm])
+    kept = np.asarray(ep.ragged_plan(jnp.asarray(counts), ep.ragged_buffer_rows(m, N, factor))["kept"])
+    keep_sxm = np.zeros_like(e_sxm, bool)
+    for s in range(N):
+      order = np.argsort(e_sxm[s], kind="stable")
+      for d in range(N):
+        chunk = order[e_sxm[s][order] // X == d]
+        keep_sxm[s, chunk[:kept[s, d]]] = True
+    w_kept = jnp.where(jnp.asarray(keep_sxm.reshape(B, L, K)), w, 0.0)
+    ref = experts_lib.experts_dense(p, x.reshape(T, D), idx.reshape(T, K), w_kept.reshape(T, K))
+    assert float(dropped) == pytest.approx((~keep_sxm).mean())
+    assert (factor == 4.0) == keep_sxm.all()
+    np.testing.assert_allclose(np.asarray(y).reshape(T, D), ref, rtol=1e-6, atol=2e-6)

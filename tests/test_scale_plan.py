@@ -114,6 +114,21 @@ def test_dot_flops_count_every_loop_iteration():
   assert hlo_costs.dot_flops(hlo_module.parse_module(compiled.as_text()))["total"] == 10 * one
 
 
+
+def test_a_conditional_counts_only_its_heaviest_branch():
+  """5 scanned steps, each a `lax.cond` between one and two [128, 256] x [256, 256] matmuls: one branch runs per
+  step, so 5 x 2 matmuls are counted (every branch would give 5 x 3); a cond inside a cond likewise."""
+  def f(x, w, flags):
+    def step(c, xs):
+      wi, flag = xs
+      two = lambda c: jnp.tanh(jnp.tanh(c @ wi) @ wi)  # noqa: E731
+      one = lambda c: jax.lax.cond(flag > 1, lambda c: jnp.tanh(c @ wi), jnp.sin, c)  # noqa: E731
+      return jax.lax.cond(flag > 0, two, one, c), None
+    return jax.lax.scan(step, x, (w, flags))[0]
+  text = jax.jit(f).lower(jnp.ones((128, 256)), jnp.ones((5, 256, 256)), jnp.ones(5, jnp.int32)).compile().as_text()
+  assert " conditional(" in text
+  assert hlo_costs.dot_flops(hlo_module.parse_module(text))["total"] == 5 * 2 * (2 * 128 * 256 * 256)
+
 PEAK_PROGRAM = """
 import json, sys
 import jax, jax.numpy as jnp
@@ -163,7 +178,8 @@ def test_moonlight_16b_is_the_published_size():
 def test_all_to_all_bytes_match_ep_bytes(monkeypatch):
   """The step's EP all-to-all bytes = (MoE layers + MTP block) x one layer's fwd+bwd bytes from ep_bytes.measure.
 
-  `small` is f32, so XLA:CPU's bf16 upcast plays no part; dense attention (no context axis here).
+  `small` is f32, so XLA:CPU's bf16 upcast plays no part (its FP8 dispatch it widens to f16: the program's types
+  are compared); dense attention (no context axis here).
   """
   seq = 128
   orig = sp.plan_model_config
@@ -175,14 +191,18 @@ def test_all_to_all_bytes_match_ep_bytes(monkeypatch):
   got = sp.measure(compiled, case, None)
   eb = _bench("ep_bytes")
   layer_cfg = dataclasses.replace(case["cfg"], moe_impl="ep_capacity")
-  _, per_token_fwd_bwd = eb.measure(layer_cfg, {"data": 2, "expert": 4}, seq, backward=True)
+  # ep_bytes' figure from the cuda lowering: the program's element types (XLA:CPU widens the FP8 dispatch to f16).
+  per_token_fwd_bwd, _ = eb.measure(layer_cfg, {"data": 2, "expert": 4}, seq, backward=True)
   n_exchanging = 1 + layer_cfg.num_nextn_predict_layers        # one MoE layer + the MTP module's MoE block
   ep = hc.summarize(hc.parse(compiled.as_text(), 8), op_name_contains="ep_capacity")["all-to-all"]
-  assert ep["count"] == 4 * n_exchanging                       # dispatch + return, forward and backward
+  # Dispatch + return, forward and backward; the plan dispatches in FP8, whose scales take an all-to-all of their own.
+  assert layer_cfg.ep_dispatch == "fp8" and ep["count"] == 5 * n_exchanging
   assert ep["buffer_bytes"] == n_exchanging * per_token_fwd_bwd * seq
   assert got["region_collectives"]["all-to-all"] == ep          # the plan's "ours" column is exactly these
-  # ep_bytes' own parser agrees on the region's all-to-alls; the partitioner adds the embedding's reshards.
-  assert eb.hlo_all_to_all_bytes(compiled.as_text()) == got["collectives"]["all-to-all"]["buffer_bytes"]
+  # ep_bytes' own parser agrees on the compiled module's all-to-alls in XLA:CPU's (widened) types; the partitioner
+  # adds the embedding's reshards.
+  widened = hc.summarize(hc.parse(compiled.as_text(), 8, program_dtypes=False))["all-to-all"]["buffer_bytes"]
+  assert eb.hlo_all_to_all_bytes(compiled.as_text()) == widened > got["collectives"]["all-to-all"]["buffer_bytes"]
 
 
 def test_activation_memory_matches_cp_memory():

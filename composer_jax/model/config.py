@@ -60,6 +60,8 @@ class ModelConfig:
   moe_impl: str = "auto"                  # a name in model.moe.MOE_IMPLS: "dense" | "blocked" | "ragged" |
                                           # "capacity" | "ep_capacity" | "ep_ragged" (EP: a mesh), "auto" (by platform)
   capacity_factor: float = 1.25           # for moe_impl="capacity" / "ep_capacity"
+  ragged_buffer_factor: float = 0.0       # ep_ragged's receive buffer: 0 = the worst case (N x local assignments,
+                                          # never drops), f > 0 = f x local assignments (overflow cut and counted)
   ep_dispatch: str = "compute"            # ep_capacity's token exchange: "compute" (the compute dtype) | "fp8"
                                           # (e4m3 with a per-slot scale out; the return and gradients stay in the
                                           # compute dtype, as DeepSeek-V3 dispatches)
@@ -75,8 +77,9 @@ class ModelConfig:
   scan_layers: bool | None = None         # lax.scan over each stack of identical layers (True), a Python loop
                                           # (False), or None: by platform (`transformer.scans_layers`)
   remat: bool = False
-  remat_policy: str = "full"              # with remat: a name in model.transformer.REMAT_POLICIES — "full" (save
-                                          # only each layer's input) or "save_dots" (keep matmul outputs)
+  remat_policy: str = "full"              # with remat: a name in model.remat.REMAT_POLICIES — "full" (save
+                                          # only each layer's input), "save_dots" (keep matmul outputs),
+                                          # "save_attention" (the ring's output), "save_attention_ep_return"
 
   @property
   def qk_head_dim(self) -> int:

@@ -7,9 +7,11 @@ the results back (all-to-all) and combines them with the gate weights. Two varia
 - `ep_capacity`: fixed [E, Ce, D] send buffers, Ce = ceil(capacity_factor * t * K / E) slots per (source device,
   expert), exchanged with `lax.all_to_all` (runs on every backend, XLA:CPU included). Assignments past Ce are
   dropped: the token keeps the shared expert and the residual, and `dropped_fraction` counts them.
-- `ep_ragged`: dropless; assignments sorted by expert are exchanged with `lax.ragged_all_to_all` (GPU/TPU only;
-  XLA:CPU does not implement it) and computed with grouped matmuls (`experts.expert_matmul`). The receive buffer has
-  the worst-case N * t * K rows, so no assignment is ever dropped.
+- `ep_ragged`: assignments sorted by expert are exchanged with `lax.ragged_all_to_all` (GPU/TPU only; XLA:CPU
+  does not implement it) and computed with grouped matmuls (`experts.expert_matmul`); only real rows travel. The
+  receive buffer has the worst-case N * t * K rows (dropless by construction; memory grows with N), or with
+  `cfg.ragged_buffer_factor` f > 0, ceil(f * t * K) rows: rows past it are cut (`ragged_plan`) and counted in
+  `dropped_fraction` (of all assignments, padding included), dropless whenever no device receives more.
 
 Expert weights FSDP-sharded over token axes (`ShardingRules.expert_embed`, e.g. data x context) enter the region in
 that layout and are all-gathered inside it (`_gather_weights`), so their gradients leave through the transposed
@@ -30,6 +32,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.model.config import ModelConfig
@@ -101,7 +104,7 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, experts_BxLxK: jax.Array, w_BxL
     ragged_all_to_all: the dropless collective; tests pass `ragged_all_to_all_reference` to run on CPU.
 
   Returns:
-    (routed output [B, L, D] without the shared expert, fraction of valid assignments dropped (0 for ep_ragged)).
+    (routed output [B, L, D] without the shared expert, fraction of assignments dropped).
   """
   mesh = ambient_mesh() if mesh is None else mesh
   rules = current_rules() if rules is None else rules
@@ -126,7 +129,8 @@ def expert_parallel(p: dict, x_BxLxD: jax.Array, experts_BxLxK: jax.Array, w_BxL
     body = functools.partial(_capacity_body, cap_factor=cfg.capacity_factor, token_axes=(*batch, *seq),
                              ffw_axes=ffw, fp8_dispatch=cfg.ep_dispatch == "fp8")
   elif cfg.moe_impl == "ep_ragged":
-    body = functools.partial(_ragged_body, cfg=cfg, ffw_axes=ffw, ragged_all_to_all=ragged_all_to_all)
+    body = functools.partial(_ragged_body, cfg=cfg, token_axes=(*batch, *seq), ffw_axes=ffw,
+                             ragged_all_to_all=ragged_all_to_all)
   else:
     raise ValueError(f"moe_impl={cfg.moe_impl!r} is not an expert-parallel impl; valid: {EP_IMPLS}")
   dt = x_BxLxD.dtype
@@ -192,9 +196,13 @@ fp8_all_to_all.defvjp(_fp8_all_to_all_fwd, _fp8_all_to_all_bwd)
 
 
 def return_to_sources(y_NxXxCexD):
-  """The inverse all-to-all: each source device gets its [E, Ce, D] slots back."""
+  """The inverse all-to-all: each source device gets its [E, Ce, D] slots back.
+
+  The result is named "ep_return": a remat policy that keeps it (remat.REMAT_POLICIES) spares a
+  rematerialised layer this exchange and the down projection before it, which the backward re-ran only to have
+  these values for the gate weights' gradient."""
   N, X, Ce, D = y_NxXxCexD.shape
-  return jax.lax.all_to_all(y_NxXxCexD, AXIS, 0, 0, tiled=True).reshape(N * X, Ce, D)
+  return checkpoint_name(jax.lax.all_to_all(y_NxXxCexD, AXIS, 0, 0, tiled=True).reshape(N * X, Ce, D), "ep_return")
 
 
 def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cap_factor,
@@ -223,9 +231,32 @@ def _exclusive_cumsum(a, axis):
   return jnp.cumsum(a, axis=axis) - a
 
 
-def _ragged_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cfg, ffw_axes,
-                 ragged_all_to_all):
-  del valid_bxl  # dropless: padding tokens are computed like the single-device ragged path does
+def ragged_buffer_rows(n_assignments: int, n_devices: int, factor: float) -> int:
+  """Receive rows of `ep_ragged`: the worst case N x m (factor 0: never drops), else ceil(factor x m), m the local
+  assignments (each device receives m on average)."""
+  return n_devices * n_assignments if factor <= 0 else min(n_devices * n_assignments, math.ceil(factor * n_assignments))
+
+
+def ragged_plan(counts_NxNxX: jax.Array, rows: int) -> dict[str, jax.Array]:
+  """Where every chunk of the dropless exchange goes, given every device's counts [source, destination, X local
+  experts] and a receive buffer of `rows` rows per device.
+
+  Source s's rows for destination d are contiguous in s's expert-sorted rows (from `in_off[s, d]`) and land at d
+  after every earlier source's (`out_off[s, d]`). What does not fit in d's buffer is cut: a chunk keeps its first
+  `kept[s, d]` rows (its lowest local experts first) and later sources' chunks keep none, so the kept rows fill d's
+  buffer from row 0 without gaps. `kept_NxNxX[s, d, x]` counts the kept rows of local expert x.
+  """
+  sent_NxN = counts_NxNxX.sum(-1)
+  out_off_NxN = _exclusive_cumsum(sent_NxN, 0)
+  kept_NxN = jnp.clip(rows - out_off_NxN, 0, sent_NxN)
+  start_NxNxX = _exclusive_cumsum(counts_NxNxX, 2)   # where each local expert's rows start inside its chunk
+  return {"in_off": _exclusive_cumsum(sent_NxN, 1), "out_off": out_off_NxN, "sent": sent_NxN, "kept": kept_NxN,
+          "kept_NxNxX": jnp.clip(kept_NxN[..., None] - start_NxNxX, 0, counts_NxNxX)}
+
+
+def _ragged_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cfg, token_axes,
+                 ffw_axes, ragged_all_to_all):
+  del valid_bxl  # padding tokens are computed like the single-device ragged path does
   b, l, D = x_bxlxD.shape
   K = experts_bxlxK.shape[-1]
   X = gate_XxDxF.shape[0]
@@ -238,28 +269,29 @@ def _ragged_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxl
   xs_mxD = x_bxlxD.reshape(t, D)[token_m]
   sizes_NxX = jnp.bincount(expert_m, length=N * X).astype(jnp.int32).reshape(N, X)
   # Every device's per-(destination, local expert) counts: [source, destination, X]. Tiny (N*N*X ints).
-  all_NxNxX = jax.lax.all_gather(sizes_NxX, AXIS)
-  sent_NxN = all_NxNxX.sum(-1)
-  in_off_NxN = _exclusive_cumsum(sent_NxN, 1)   # where source s's chunk for d starts in s's sorted rows
-  out_off_NxN = _exclusive_cumsum(sent_NxN, 0)  # where it lands in d's receive buffer (sources in order)
-  R = N * m
-  recv_RxD = ragged_all_to_all(xs_mxD, jnp.zeros((R, D), xs_mxD.dtype), in_off_NxN[me], sent_NxN[me],
-                               out_off_NxN[me], sent_NxN[:, me], axis_name=AXIS)
+  R = ragged_buffer_rows(m, N, cfg.ragged_buffer_factor)
+  plan = ragged_plan(jax.lax.all_gather(sizes_NxX, AXIS), R)
+  in_off, out_off, kept = plan["in_off"], plan["out_off"], plan["kept"]
+  recv_RxD = ragged_all_to_all(xs_mxD, jnp.zeros((R, D), xs_mxD.dtype), in_off[me], kept[me], out_off[me],
+                               kept[:, me], axis_name=AXIS)
   # Received rows are grouped by source, then by local expert: regroup by local expert for the grouped matmul.
-  counts_flat = all_NxNxX[:, me, :].reshape(N * X)
+  counts_flat = plan["kept_NxNxX"][:, me, :].reshape(N * X)
   ends = jnp.cumsum(counts_flat)
   seg_R = jnp.searchsorted(ends, jnp.arange(R, dtype=ends.dtype), side="right")  # N*X for unused rows
   local_R = jnp.where(seg_R < N * X, seg_R % X, X)
   order_R = jnp.argsort(local_R, stable=True)
-  group_X = all_NxNxX[:, me, :].sum(0)
+  group_X = plan["kept_NxNxX"][:, me, :].sum(0)
   mm = functools.partial(expert_matmul, group_sizes_E=group_X, cfg=cfg)
   y_sorted_RxD = _ffn(recv_RxD[order_R], gate_XxDxF, up_XxDxF, down_XxFxD, mm, ffw_axes)
   y_RxD = jnp.zeros_like(y_sorted_RxD).at[order_R].set(y_sorted_RxD)
-  back_mxD = ragged_all_to_all(y_RxD, jnp.zeros((m, D), y_RxD.dtype), out_off_NxN[:, me], sent_NxN[:, me],
-                               in_off_NxN[:, me], sent_NxN[me], axis_name=AXIS)
+  # Rows cut from the buffer are never sent back: they stay zero, as a dropped capacity slot contributes nothing.
+  back_mxD = checkpoint_name(ragged_all_to_all(y_RxD, jnp.zeros((m, D), y_RxD.dtype), out_off[:, me], kept[:, me],
+                                               in_off[:, me], kept[me], axis_name=AXIS), "ep_return")
   ys_mxD = back_mxD * w_bxlxK.reshape(m)[order_m][:, None].astype(back_mxD.dtype)
   out_txD = jnp.zeros((t, D), ys_mxD.dtype).at[token_m].add(ys_mxD)
-  return out_txD.reshape(b, l, D), jnp.zeros((), jnp.float32)
+  counts = jnp.stack([(plan["sent"][me] - kept[me]).sum(), m]).astype(jnp.float32)
+  n_dropped, n_all = jax.lax.psum(counts, token_axes)
+  return out_txD.reshape(b, l, D), n_dropped / n_all
 
 
 def ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,

@@ -18,6 +18,13 @@ Each block is attended by the tiled kernel (tiled_attention.py, tiles of `block`
 visits only the causal tile pairs (the local order is increasing in original index), and every step skips tiles
 whose segment/index mask is empty (packed documents).
 
+The regions are manual over `context` and over the mesh axes the batch is split on (`rules.current_rules()`'s
+`batch`, where they divide B): each device then decides its tile skips from its own rows, and the expansion
+weights' gradient is summed once per layer call, over every manual axis, at the end of the backward ring. Manual
+over `context` alone, the partitioner reduced over the batch axes inside the ring: an all-reduce of every skip
+decision (one per tile pair) and of each step's `k_b`/`v_b` gradient, over the `expert` axis, i.e. across nodes.
+Heads sharded on `tensor` stay automatic.
+
 Letters: B batch, L local query length, S local key length, H heads, Q query/key head dim, R rope head dim,
 Dv value head dim, C kv_lora_rank, N context-parallel size (`n` in code).
 """
@@ -27,10 +34,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.model import tiled_attention as tiled
 from composer_jax.model.attention import expand_kv
+from composer_jax.parallel.rules import current_rules, mesh_axes_dividing
 
 AXIS = "context"
 
@@ -57,8 +66,18 @@ def online_update(acc, q_BxLxHxQ, kv, kvb, seg_q, idx_q, scale, tile: tiled.Tili
   return tiled.fold(acc, q_BxLxHxQ, k_BxSxHxQ, v_BxSxHxDv, (seg_q, idx_q, seg_k, idx_k), scale, tile)
 
 
-def empty_acc(B, H, L, Dv):
-  return jax.lax.pcast(tiled.empty_acc(B, H, L, Dv), (AXIS,), to="varying")
+def batch_axes(B: int) -> tuple[str, ...]:
+  """The automatic mesh axes of the current mesh that the rules split the batch over and that divide B."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual}
+  return tuple(a for a in mesh_axes_dividing("batch", B, mesh, current_rules()) if a in auto and a != AXIS)
+
+
+def empty_acc(B, H, L, Dv, axes=(AXIS,)):
+  """A fresh accumulator, varying over the region's manual `axes`."""
+  return jax.lax.pcast(tiled.empty_acc(B, H, L, Dv), axes, to="varying")
 
 
 def _split_rows(tree, half):
@@ -66,14 +85,15 @@ def _split_rows(tree, half):
   return jax.tree.map(lambda a: a[:, :, :half], tree), jax.tree.map(lambda a: a[:, :, half:], tree)
 
 
-def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, me_1, *, scale: float, n: int, block: int):
+def _fwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, me_1, *, scale: float, n: int, block: int,
+                axes: tuple[str, ...]):
   """Forward ring → (out [B, L, H, Dv], lse [B, H, L] float32; -inf for rows that see no key). me_1: [1] this
-  device's index on `context` (`shard_index`)."""
+  device's index on `context` (`shard_index`); axes: the region's manual axes."""
   B, L, H, _ = q_BxLxHxQ.shape
   i, half = me_1[0], L // 2
   kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
   full = tiling(block, causal=False)
-  acc = online_update(empty_acc(B, H, L, kvb["v_b"].shape[-1]), q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale,
+  acc = online_update(empty_acc(B, H, L, kvb["v_b"].shape[-1], axes), q_BxLxHxQ, kv, kvb, seg_BxL, idx_BxL, scale,
                       tiling(block, causal=True))
 
   def earlier(acc, kv):
@@ -108,14 +128,14 @@ def _block_grads(q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_q, idx_q,
 
 
 def _bwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, out_BxLxHxDv, lse_BxHxL, dout_BxLxHxDv, me_1,
-                *, scale: float, n: int, block: int):
-  """Backward ring → (dq, dc, dkr, dkvb summed over the ring)."""
+                *, scale: float, n: int, block: int, axes: tuple[str, ...]):
+  """Backward ring → (dq, dc, dkr, dkvb summed over the ring and the batch shards)."""
   L = q_BxLxHxQ.shape[1]
   i, half = me_1[0], L // 2
   weights = kvb
   # Varying copies: their per-device gradients accumulate locally and are summed once at the end (through the
   # replicated originals, autodiff would insert a psum at every step).
-  kvb = jax.lax.pcast(kvb, (AXIS,), to="varying")
+  kvb = jax.lax.pcast(kvb, axes, to="varying")
   delta_BxHxL = tiled.delta_rows(dout_BxLxHxDv, out_BxLxHxDv)
   rows = (q_BxLxHxQ, dout_BxLxHxDv, lse_BxHxL, delta_BxHxL, seg_BxL, idx_BxL)
   kv = (c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL)
@@ -144,17 +164,21 @@ def _bwd_region(q_BxLxHxQ, c_BxSxC, kr_BxSxR, seg_BxL, idx_BxL, kvb, out_BxLxHxD
   ((dq, dkvb, dc, dkr), _), _ = jax.lax.scan(step, ((dq, dkvb, dc, dkr), kv), jnp.arange(1, n))
   if n > 1:  # device i now holds the gradient of device i+1's block: one last hop home
     dc, dkr = jax.lax.ppermute((dc, dkr), AXIS, ring)
-  dkvb = jax.tree.map(lambda g, w: jax.lax.psum(g, AXIS).astype(w.dtype), dkvb, weights)
+  dkvb = jax.tree.map(lambda g, w: jax.lax.psum(g, axes).astype(w.dtype), dkvb, weights)
   return dq.astype(q_BxLxHxQ.dtype), dc.astype(c_BxSxC.dtype), dkr.astype(kr_BxSxR.dtype), dkvb
 
 
-SEQ = P(None, AXIS)
-LSE = P(None, None, AXIS)
+def _specs(B: int):
+  """(manual axes, [B, L, ...] spec, [B, H, L] spec) of the regions for a batch of B rows."""
+  b = batch_axes(B)
+  rows = b[0] if len(b) == 1 else (b or None)
+  return (AXIS, *b), P(rows, AXIS), P(rows, None, AXIS)
 
 
 def _fwd_call(q, c, kr, seg, idx, kvb, scale, n, block):
-  fn = jax.shard_map(functools.partial(_fwd_region, scale=scale, n=n, block=block), axis_names={AXIS},
-                     in_specs=(SEQ,) * 5 + (P(), P(AXIS)), out_specs=(SEQ, LSE))
+  axes, seq, lse = _specs(q.shape[0])
+  fn = jax.shard_map(functools.partial(_fwd_region, scale=scale, n=n, block=block, axes=axes),
+                     axis_names=set(axes), in_specs=(seq,) * 5 + (P(), P(AXIS)), out_specs=(seq, lse))
   with jax.named_scope("ring_attention_fwd"):
     return fn(q, c, kr, seg, idx, kvb, shard_index(n))
 
@@ -168,13 +192,18 @@ def ring(q_BxLxHxQ, c_BxLxC, kr_BxLxR, seg_BxL, idx_BxL, kvb, scale: float, n: i
 
 def _ring_fwd(q, c, kr, seg, idx, kvb, scale, n, block):
   out, lse = _fwd_call(q, c, kr, seg, idx, kvb, scale, n, block)
+  # Named so that a remat policy can keep them (remat.REMAT_POLICIES "save_attention"): with both saved, the
+  # backward needs nothing else from the forward ring, so a rematerialised layer does not run the ring again.
+  out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
   return out, (q, c, kr, seg, idx, kvb, out, lse)
 
 
 def _ring_bwd(scale, n, block, res, dout):
   q, c, kr, seg, idx, kvb, out, lse = res
-  fn = jax.shard_map(functools.partial(_bwd_region, scale=scale, n=n, block=block), axis_names={AXIS},
-                     in_specs=(SEQ,) * 5 + (P(), SEQ, LSE, SEQ, P(AXIS)), out_specs=(SEQ, SEQ, SEQ, P()))
+  axes, seq, lse_spec = _specs(q.shape[0])
+  fn = jax.shard_map(functools.partial(_bwd_region, scale=scale, n=n, block=block, axes=axes),
+                     axis_names=set(axes), in_specs=(seq,) * 5 + (P(), seq, lse_spec, seq, P(AXIS)),
+                     out_specs=(seq, seq, seq, P()))
   with jax.named_scope("ring_attention_bwd"):
     dq, dc, dkr, dkvb = fn(q, c, kr, seg, idx, kvb, out, lse, dout, shard_index(n))
   return dq, dc, dkr, None, None, dkvb

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from composer_jax.model import context_parallel as cp_lib
 from composer_jax.model import head
@@ -17,6 +18,7 @@ from composer_jax.model.attention import KVCache, attention, segment_causal_mask
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
+from composer_jax.model.remat import LAYER_INPUT, remat_policy
 from composer_jax.model.rope import rope_cos_sin
 from composer_jax.parallel.rules import TOKENS, constrain
 
@@ -85,23 +87,6 @@ def take_layer(tree, i: int):
   return tree[i] if isinstance(tree, tuple) else jax.tree.map(lambda a: a[i], tree)
 
 
-# `cfg.remat_policy` -> a function returning the `jax.checkpoint` policy for each layer (MaxText's `remat_policy`
-# names the same trade-offs). "full": recompute the whole layer in the backward (least memory); "save_dots": keep
-# the outputs of matmuls without batch dims (recompute only the cheap elementwise ops). Offloading the layer input
-# to host memory is not here: under `lax.scan` the named input produced no host transfer in this JAX version.
-REMAT_POLICIES = {
-    "full": lambda: jax.checkpoint_policies.nothing_saveable,
-    "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def remat_policy(cfg: ModelConfig):
-  """The `jax.checkpoint` policy `cfg.remat_policy` names, or a ValueError listing the valid names."""
-  if cfg.remat_policy not in REMAT_POLICIES:
-    raise ValueError(f"remat_policy={cfg.remat_policy!r}; valid: {sorted(REMAT_POLICIES)}")
-  return REMAT_POLICIES[cfg.remat_policy]()
-
-
 def run_stack(stack, x_BxLxD: jax.Array, rope, mask, valid_BxL: jax.Array, cfg: ModelConfig,
               routing_LsxBxLxK: jax.Array | None = None, cache: KVCache | None = None):
   """Applies a stack of Ls identical layers; returns (x, aux with a leading Ls axis, cache or None).
@@ -112,6 +97,7 @@ def run_stack(stack, x_BxLxD: jax.Array, rope, mask, valid_BxL: jax.Array, cfg: 
   """
   def body(x, xs):
     p, r, c = xs
+    x = checkpoint_name(x, LAYER_INPUT)   # what remat_policy "offload_layer_input" moves to host memory
     layer_cache = None if cache is None else dataclasses.replace(cache, c=c[0], kr=c[1])
     x, aux, layer_cache = block(p, x, rope, mask, valid_BxL, cfg, r, layer_cache)
     return x, (aux, None if layer_cache is None else (layer_cache.c, layer_cache.kr))

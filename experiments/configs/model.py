@@ -40,7 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --config.model.scan_layers=True|False still parses.
   c.scan_layers = ml_collections.FieldReference(None, field_type=bool)
   c.remat = False
-  c.remat_policy = "full"               # with remat: model.transformer.REMAT_POLICIES
+  c.remat_policy = "full"               # with remat: model.remat.REMAT_POLICIES
   if arg.variant == "tiny":
     c.update(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
              num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16,
