@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 
+import net_testlib
 import pytest
 
 from rollout.queue import open_store
@@ -21,16 +22,10 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AW
 BACKENDS = ("memory", "file", "s3")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def moto_server(timeout_s: float = 60.0):
   """Runs `python -m moto.server` on 127.0.0.1 and yields its endpoint URL once it accepts connections."""
-  port = _free_port()
+  port = net_testlib.free_port()
   proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:

@@ -8,11 +8,11 @@ import functools
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import jax
+import net_testlib
 import numpy as np
 import pytest
 from hf_sliced_testlib import CFG
@@ -96,17 +96,11 @@ def test_every_device_block_reads_exactly_its_bytes(ckpts):
       assert ckpt.bytes_read == 4 * math.prod(b - a for a, b in idx), (path, idx)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_read_their_share_and_save_together(ckpts, tmp_path):
   plain, fp8 = ckpts
   out = str(tmp_path / "out")
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
-  coordinator = f"127.0.0.1:{_free_port()}"
+  coordinator = f"127.0.0.1:{net_testlib.free_port()}"
   procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "hf_sliced_testlib.py"), plain, fp8, out,
                              coordinator, "2", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]

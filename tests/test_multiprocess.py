@@ -9,11 +9,11 @@ in another order (~1e-7 relative); test_mesh_training.py says why three AdamW st
 and 1e-4 in params.
 """
 import os
-import socket
 import subprocess
 import sys
 
 import jax
+import net_testlib
 import numpy as np
 import pytest
 from mesh_testlib import logged, train
@@ -25,15 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _run_processes(workdir: str, n: int, devices_each: int, timeout: float = 420):
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}", "PYTHONPATH": ROOT}
-  coordinator = f"127.0.0.1:{_free_port()}"
+  coordinator = f"127.0.0.1:{net_testlib.free_port()}"
   procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "mesh_testlib.py"), workdir, str(STEPS),
                              coordinator, str(n), str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(n)]

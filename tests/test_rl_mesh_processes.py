@@ -8,10 +8,10 @@ in another order (~1e-7 relative), as `test_multiprocess.py`; test_rl_mesh.py sa
 1e-5. A resumed run on the same mesh runs the same compiled program on the same inputs: exactly equal.
 """
 import os
-import socket
 import subprocess
 import sys
 
+import net_testlib
 import numpy as np
 import pytest
 import rl_mesh_testlib as lib
@@ -21,12 +21,6 @@ from rollout.queue import GroupKey
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _start(workdir: str, kill_at: int, coordinator: str, n: int, i: int, devices: int) -> subprocess.Popen:
@@ -70,7 +64,7 @@ def test_two_processes_train_like_one(tmp_path):
   mp_dir, ref_dir = str(tmp_path / "mp"), str(tmp_path / "ref")
   for d in (mp_dir, ref_dir):
     lib.fill_queue(lib.run_config(d, STEPS), STEPS)
-  coordinator = f"127.0.0.1:{_free_port()}"
+  coordinator = f"127.0.0.1:{net_testlib.free_port()}"
   outs = _finish([_start(mp_dir, 0, coordinator, 2, i, devices=1) for i in range(2)])
   for i, (rc, out) in enumerate(outs):
     assert rc == 0 and f"process {i}/2: 2 devices, done" in out, out[-4000:]

@@ -1,0 +1,8 @@
+"""A free local TCP port, for tests that start servers or coordinators of their own."""
+import socket
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
