@@ -53,18 +53,24 @@ _LOOP_KEYS = ("context_budget", "max_turn_tokens", "observation_reserve", "max_t
               "summary_max_tokens", "summary_prompt", "system_prompt")
 
 
-def _stored(checkpoints: str, field: str) -> dict | None:
-  """The `field` ("model" or "harness") of the run config RL runs stored with their checkpoints (`run_config.pkl`;
-  ':'-joined workdirs must agree), or None when none of them stores one (an LM-stage workdir)."""
+def _stored_configs(checkpoints: str) -> dict:
+  """The run configs RL runs stored with their checkpoints (`run_config.pkl`), by workdir (':'-joined); LM-stage
+  workdirs store none."""
   found = {}
   for workdir in filter(None, checkpoints.split(":")):
     if os.path.isfile(os.path.join(workdir, "run_config.pkl")):
       from composer_jax.rl import workdir as workdir_lib
-      found[workdir] = dataclasses.asdict(getattr(workdir_lib.stored_config(workdir), field))
-  if len({repr(m) for m in found.values()}) > 1:
-    raise ValueError(f"the checkpoints {sorted(found)} were trained with different {field} configs: evaluate them "
+      found[workdir] = workdir_lib.stored_config(workdir)
+  return found
+
+
+def _stored(configs: dict, field: str) -> dict | None:
+  """The `field` ("model" or "harness") the stored `configs` agree on, or None when there are none."""
+  values = {w: dataclasses.asdict(getattr(c, field)) for w, c in configs.items()}
+  if len({repr(v) for v in values.values()}) > 1:
+    raise ValueError(f"the checkpoints {sorted(values)} were trained with different {field} configs: evaluate them "
                      f"apart, or name one with {field}=")
-  return next(iter(found.values()), None)
+  return next(iter(values.values()), None)
 
 
 # Config keys and args users typed before a rename: the CLI names the new one (`experiments/cli.py`).
@@ -90,7 +96,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.corpus = arg.corpus  # pretraining corpus (dir or JSONL with "text") for the contamination guard; "" = off
   c.keep_contaminated = arg.keep_contaminated
   # checkpoint.model: the shape of every checkpoint in `workdir` (':'-joined), a variant of configs/model.py.
-  model = model_configs.get_config(arg.model).to_dict() if arg.model else _stored(arg.checkpoint, "model")
+  stored = _stored_configs(arg.checkpoint)
+  model = model_configs.get_config(arg.model).to_dict() if arg.model else _stored(stored, "model")
   c.checkpoint = ml_collections.ConfigDict(dict(workdir=arg.checkpoint,
                                                 model=model or model_configs.get_config("colab").to_dict()))
   c.sglang_url = arg.sglang_url
@@ -110,9 +117,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                              grade_workers=4, seed=c.get_ref("seed")))
   c.auto_budget = arg.variant != "procedural"
   # A policy is judged in the loop it was trained in: by default the one its RL checkpoint stored, else a preset.
-  stored = _stored(arg.checkpoint, "harness") if not arg.harness else None
-  if arg.harness in RL_HARNESS or stored is not None:
-    r = stored or rl_configs.get_config(RL_HARNESS[arg.harness]).harness
+  own = _stored(stored, "harness") if not arg.harness else None
+  if arg.harness in RL_HARNESS or own is not None:
+    r = own or rl_configs.get_config(RL_HARNESS[arg.harness]).harness
     c.harness.update({k: r[k] for k in _LOOP_KEYS if k in r})
     c.harness.tools.max_output_chars = r["tools"]["max_output_chars"]
     c.auto_budget = False
