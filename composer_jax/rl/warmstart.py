@@ -18,10 +18,14 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import tqdm
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import setup
+from composer_jax.parallel import distributed, layout
+from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.parallel.rules import ShardingRules
+from composer_jax.rl import processes, setup
 from composer_jax.rl.config import RunConfig
 from composer_jax.train import data as data_lib
 from composer_jax.train import loop as train_loop
@@ -76,18 +80,25 @@ def read_jsonl(path: str) -> list[list[dict]]:
 
 def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequence, workdir: str, *, steps: int,
             seq_len: int, batch_size: int, learning_rate: float, seed: int = 0, init_params=None,
-            progress_bar: bool = False, log_fn: Callable[[str], None] = print):
+            progress_bar: bool = False, log_fn: Callable[[str], None] = print, mesh=None, rules=None):
   """SFT on transcripts in `workdir`; exports `workdir/params` and returns the params and last metrics.
 
-  Resumable: it checkpoints every tenth of its steps (at most every 100), and Ctrl-C checkpoints the steps done
-  (`train.interrupt`), so an interrupted SFT continues from there, with its data iterator where it was."""
-  os.makedirs(workdir, exist_ok=True)
-  tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, "tokenizer"))
+  On `mesh` under `rules` (default: one device); across processes, process 0 writes the files and each process
+  loads its share of every batch, as pretraining does. Resumable: it checkpoints every tenth of its steps (at most
+  every 100), and Ctrl-C checkpoints the steps done (`train.interrupt`), so an interrupted SFT continues from there,
+  with its data iterator where it was."""
   tr, ev = os.path.join(workdir, "sft_train.jsonl"), os.path.join(workdir, "sft_eval.jsonl")
-  write_jsonl(tr, train)
-  write_jsonl(ev, heldout)
+
+  def write():
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, "tokenizer"))
+    write_jsonl(tr, train)
+    write_jsonl(ev, heldout)
+  processes.on_primary("sft_files", write)
   dcfg = data_lib.DataConfig(seq_len=seq_len, batch_size=batch_size, seed=seed)
-  data = data_lib.sft_data(tokenizer, tr, ev, dcfg)
+  mesh = mesh if mesh is not None else train_loop.single_device_mesh()
+  data = _process_rows(data_lib.sft_data(tokenizer, tr, ev, dcfg), dcfg,
+                       layout.batch_sharding(mesh, rules if rules is not None else ShardingRules()))
   tcfg = TrainConfig(steps=steps, seed=seed, log_every=max(1, steps // 10), eval_every=steps, eval_batches=2,
                      ckpt_every=max(1, min(100, steps // 10)), ckpt_keep=1,
                      # A model with MTP modules gets its drafter trained too (self-distilled, the trunk detached:
@@ -97,9 +108,22 @@ def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequenc
   ocfg = OptimConfig(learning_rate=learning_rate, warmup_steps=max(1, steps // 10), decay_steps=steps)
   params, last = train_loop.train(model_cfg=model_cfg, train_cfg=tcfg, optim_cfg=ocfg, workdir=workdir,
                                   train_iter=iter(data.train), eval_batches=lambda: iter(data.eval),
-                                  init_params=init_params, log_fn=log_fn)
+                                  init_params=init_params, mesh=mesh, rules=rules, log_fn=log_fn)
   stages.export_params(workdir, params)
   return params, last
+
+
+def _process_rows(data: data_lib.Data, dcfg: data_lib.DataConfig, sharding) -> data_lib.Data:
+  """`data` (global batches) cut to this process's rows of each batch (`layout.process_batch_shard`): every process
+  packs all the transcripts (a few thousand) and keeps its block, so a step's global batch is the one a single
+  process trains on, whatever the process count (pretraining's shards of the examples would pack differently)."""
+  layout.check_batch_shape(dcfg.batch_size, dcfg.seq_len, sharding)
+  index, count = layout.process_batch_shard(sharding)
+  if count == 1:
+    return data
+  n = dcfg.batch_size // count
+  rows = lambda b: {k: v[index * n:(index + 1) * n] for k, v in b.items()}   # noqa: E731
+  return dataclasses.replace(data, train=data.train.map(rows), eval=data.eval.map(rows))
 
 
 def sft_tasks(cfg: RunConfig, pool: list) -> list:
@@ -140,18 +164,34 @@ def sft(cfg: RunConfig, run: setup.Run, init_params, workdir: str, *, steps: int
   reads the warm start's transcripts from `workdir/sft`, and the warm start those of a curriculum's first stage
   (the same tasks through the same oracle: re-running thousands of sandboxed episodes would only cost time)."""
   warm, first = os.path.join(cfg.workdir, "sft"), os.path.join(cfg.workdir, CURRICULUM_DIR)
-  if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
-    train, dev = map(read_jsonl, _saved(workdir))
-  elif os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
-    train, dev = map(read_jsonl, _saved(warm))
-  elif cfg.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
-    rest = tuple(lv for lv in cfg.tasks.levels if lv not in cfg.sft.curriculum_levels)
-    first_train, first_dev = map(read_jsonl, _saved(first))
-    more, more_dev = sft_transcripts(cfg, run, rest)
-    train, dev = first_train + more, first_dev + more_dev
-  else:
-    train, dev = sft_transcripts(cfg, run)
+
+  def make():
+    if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
+      return tuple(map(read_jsonl, _saved(workdir)))
+    if os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
+      return tuple(map(read_jsonl, _saved(warm)))
+    if cfg.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
+      rest = tuple(lv for lv in cfg.tasks.levels if lv not in cfg.sft.curriculum_levels)
+      first_train, first_dev = map(read_jsonl, _saved(first))
+      more, more_dev = sft_transcripts(cfg, run, rest)
+      return first_train + more, first_dev + more_dev
+    return sft_transcripts(cfg, run)
+  train, dev = _demonstrations(workdir, make)
   return _train(cfg, run.tokenizer, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
+
+
+def _demonstrations(workdir: str, make: Callable[[], tuple[list, list]]) -> tuple[list, list]:
+  """`make()`'s (train, dev) transcripts. Across processes process 0 makes them (its sandboxes run the oracle) and
+  writes them into `workdir`, where the others read them."""
+  def made():
+    train, dev = make()
+    if jax.process_count() > 1:
+      os.makedirs(workdir, exist_ok=True)
+      for path, transcripts in zip(_saved(workdir), (train, dev), strict=True):
+        write_jsonl(path, transcripts)
+    return train, dev
+  got = processes.on_primary("demonstrations", made)
+  return got if distributed.is_primary() else tuple(map(read_jsonl, _saved(workdir)))
 
 
 TRAIN_SECONDS = "train_seconds.json"   # in each SFT dir: its steps and their wall-clock, demonstrations excluded
@@ -166,10 +206,11 @@ def _train(cfg: RunConfig, tok, train, dev, workdir: str, steps: int, learning_r
   t = time.perf_counter()
   out = run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len, batch_size=cfg.sft.batch,
                 learning_rate=learning_rate, seed=seed, init_params=init_params, progress_bar=cfg.progress_bar,
-                log_fn=log_fn)
-  os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
-  with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
-    json.dump({"steps": steps - before, "seconds": time.perf_counter() - t}, f)
+                log_fn=log_fn, mesh=mesh_lib.mesh_from_config(cfg.mesh), rules=cfg.mesh.rules())
+  if distributed.is_primary():
+    os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
+    with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
+      json.dump({"steps": steps - before, "seconds": time.perf_counter() - t}, f)
   return out
 
 
@@ -204,23 +245,27 @@ def curriculum(cfg: RunConfig, run: setup.Run, init_params, log_fn: Callable[[st
   level 2's start reached 56-78% greedy, where the same steps on the mix from the start left it at ~15%."""
   stage = os.path.join(cfg.workdir, CURRICULUM_DIR)
   if os.path.isdir(os.path.join(stage, "params")):
-    return stages.load_params(stage, cfg.model)
-  if all(map(os.path.isfile, _saved(stage))):   # resumed: its demonstrations are already made
-    train, dev = map(read_jsonl, _saved(stage))
-  else:
-    train, dev = sft_transcripts(cfg, run, cfg.sft.curriculum_levels)
+    return load_params(cfg, stage)
+  train, dev = _demonstrations(stage, lambda: tuple(map(read_jsonl, _saved(stage)))
+                                if all(map(os.path.isfile, _saved(stage)))   # resumed: already made
+                                else sft_transcripts(cfg, run, cfg.sft.curriculum_levels))
   log_fn(f"SFT curriculum: levels {list(cfg.sft.curriculum_levels)} first")
   params, _ = _train(cfg, run.tokenizer, train, dev, stage, cfg.sft.curriculum_steps, cfg.sft.learning_rate, cfg.seed,
                      init_params, log_fn)
   return params
 
 
+def load_params(cfg: RunConfig, workdir: str):
+  """The params an SFT stage exported into `workdir`, on the run's mesh (`RunConfig.mesh`), where SFT trains."""
+  return stages.load_params(workdir, cfg.model, mesh_lib.mesh_from_config(cfg.mesh), cfg.mesh.rules())
+
+
 def warm_start(cfg: RunConfig, run: setup.Run, log_fn: Callable[[str], None] = print):
   """The starting params (resumable: a finished SFT in `workdir/sft` is loaded, not redone); see the docstring."""
   sft_dir = os.path.join(cfg.workdir, "sft")
   if cfg.sft.steps and os.path.isdir(os.path.join(sft_dir, "params")):
-    return stages.load_params(sft_dir, cfg.model)
-  init_params = stages.load_params(cfg.sft.init_checkpoint, cfg.model) if cfg.sft.init_checkpoint else None
+    return load_params(cfg, sft_dir)
+  init_params = load_params(cfg, cfg.sft.init_checkpoint) if cfg.sft.init_checkpoint else None
   if not cfg.sft.steps:
     return init_params
   if cfg.sft.curriculum_levels:
