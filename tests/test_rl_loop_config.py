@@ -306,6 +306,27 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
   assert sorted(oracle) == sorted(t.id for t in pool + dev)   # each demonstration made once
 
 
+def test_a_warm_start_resumes_after_its_last_finished_stage(tmp_path, monkeypatch):
+  """A finished stage is loaded, not redone: after the curriculum's first stage the SFT on every level continues from
+  its params (the init checkpoint is not loaded again); after the last stage the start is its params."""
+  d = rl_configs.get_config("colab")
+  d.tasks.levels, d.sft.demo_accuracy = (1, 2), 1.0
+  d.sft.update(curriculum_levels=(1,), curriculum_steps=7, steps=5, init_checkpoint="/init")
+  cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
+  loaded, trained = [], []
+  monkeypatch.setattr(warmstart.stages, "load_params", lambda path, model_cfg: loaded.append(path) or f"loaded {path}")
+  monkeypatch.setattr(warmstart, "sft", lambda plan, run, init, stage, **k: trained.append((stage, init)) or
+                      (f"params of {os.path.basename(stage)}", {}))
+  run = setup.Run(None, [], [], [], None, str(tmp_path), False)
+  os.makedirs(tmp_path / "sft_curriculum" / "params")
+  assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == "params of sft"
+  assert loaded == [str(tmp_path / "sft_curriculum")]
+  assert trained == [(str(tmp_path / "sft"), f"loaded {tmp_path / 'sft_curriculum'}")]
+  os.makedirs(tmp_path / "sft" / "params")
+  assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == f"loaded {tmp_path / 'sft'}"
+  assert len(trained) == 1
+
+
 @pytest.mark.parametrize("curriculum", [True, False])
 def test_the_tokenizer_is_fitted_to_the_curriculums_first_levels(tmp_path, monkeypatch, curriculum):
   """Fitted to the first sft.tasks training tasks, and with a curriculum to those of its first levels only."""

@@ -118,8 +118,8 @@ def sft_transcripts(plan: SFTPlan, run: setup.Run, keep: Callable[[object], bool
   (it only monitors SFT, and says so in the log).
   """
   pick = (lambda ts: ts) if keep is None else (lambda ts: [t for t in ts if keep(t.metadata.get("level"))])
-  train = oracle_transcripts(run.tokenizer, pick(sft_tasks(plan, run.pool)), run.envs, plan.harness,
-                             progress=run.progress_bar)
+  tasks = pick(sft_tasks(plan, run.pool))
+  train = oracle_transcripts(run.tokenizer, tasks, run.envs, plan.harness, progress=run.progress_bar)
   dev_tasks = pick(run.dev)
   if not dev_tasks:
     print("(no held-out tasks: SFT dev loss on 2 training demonstrations)")
@@ -135,21 +135,24 @@ def _saved(workdir: str) -> list[str]:
 
 
 def sft(plan: SFTPlan, run: setup.Run, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
-        log_fn: Callable[[str], None] = print):
-  """SFT of the run's model on its demonstrations (the warm start, and the equal-time SFT control). The control
-  reads the warm start's transcripts from `run.workdir/sft`, and the warm start those of a curriculum's first stage
-  (the same tasks through the same oracle: re-running thousands of sandboxed episodes would only cost time)."""
+        keep: Callable[[object], bool] | None = None, log_fn: Callable[[str], None] = print):
+  """SFT of the run's model on its demonstrations in `workdir` (a warm start's stage, or the equal-time control);
+  with `keep`, on those of the procedural levels it keeps (a curriculum's first stage).
+
+  Demonstrations are made once per task (re-running thousands of sandboxed episodes would only cost time): a
+  resumed stage reads its own back, the control reads the warm start's (`run.workdir/sft`), and the warm start
+  after a curriculum reads the first stage's and adds the other levels'."""
   warm, first = os.path.join(run.workdir, "sft"), os.path.join(run.workdir, CURRICULUM_DIR)
   if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
     train, dev = map(read_jsonl, _saved(workdir))
-  elif os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
+  elif keep is None and os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
     train, dev = map(read_jsonl, _saved(warm))
-  elif plan.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
+  elif keep is None and plan.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
     first_train, first_dev = map(read_jsonl, _saved(first))
     more, more_dev = sft_transcripts(plan, run, lambda level: level not in plan.sft.curriculum_levels)
     train, dev = first_train + more, first_dev + more_dev
   else:
-    train, dev = sft_transcripts(plan, run)
+    train, dev = sft_transcripts(plan, run, keep)
   return _train(plan, run, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
 
 
@@ -196,35 +199,35 @@ def seconds_per_step(workdir: str) -> float:
   return sum(r["seconds"] for r in records) / sum(r["steps"] for r in records)
 
 
-def curriculum(plan: SFTPlan, run: setup.Run, init_params, log_fn: Callable[[str], None] = print):
-  """A curriculum's first stage: `sft.curriculum_steps` SFT steps on the demonstrations of `sft.curriculum_levels`
-  only (in workdir/sft_curriculum; a finished stage is loaded, not redone). The warm start's SFT continues from it
-  on every level. Measured (experiments/results/curriculum.md): with level 1 first and a BPE fitted to level 1,
-  level 2's start reached 56-78% greedy, where the same steps on the mix from the start left it at ~15%."""
-  stage, levels = os.path.join(run.workdir, CURRICULUM_DIR), plan.sft.curriculum_levels
-  if os.path.isdir(os.path.join(stage, "params")):
-    return stages.load_params(stage, plan.model)
-  if all(map(os.path.isfile, _saved(stage))):   # resumed: its demonstrations are already made
-    train, dev = map(read_jsonl, _saved(stage))
-  else:
-    train, dev = sft_transcripts(plan, run, lambda level: level in levels)
-  log_fn(f"SFT curriculum: levels {list(levels)} first")
-  params, _ = _train(plan, run, train, dev, stage, plan.sft.curriculum_steps, plan.sft.learning_rate, plan.seed,
-                     init_params, log_fn)
-  return params
+def sft_stages(plan: SFTPlan, workdir: str) -> list[tuple[str, int, Callable[[object], bool] | None]]:
+  """The warm start's SFT stages in order, as (dir, steps, the levels it keeps or None for all): with a curriculum,
+  first `sft.curriculum_steps` steps on the demonstrations of `sft.curriculum_levels` only (workdir/sft_curriculum),
+  then `sft.steps` on every level's (workdir/sft). Measured (experiments/results/curriculum.md): with level 1 first
+  and a BPE fitted to level 1, level 2's start reached 56-78% greedy, where the same steps on the mix from the start
+  left it at ~15%."""
+  last = (os.path.join(workdir, "sft"), plan.sft.steps, None)
+  levels = plan.sft.curriculum_levels
+  if not levels:
+    return [last]
+  return [(os.path.join(workdir, CURRICULUM_DIR), plan.sft.curriculum_steps, lambda level: level in levels), last]
 
 
 def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = print):
-  """The starting params (resumable: a finished SFT in `run.workdir/sft` is loaded, not redone); see the docstring."""
-  sft_dir, sft_cfg = os.path.join(run.workdir, "sft"), plan.sft
-  if sft_cfg.steps and os.path.isdir(os.path.join(sft_dir, "params")):
-    return stages.load_params(sft_dir, plan.model)
-  init_params = stages.load_params(sft_cfg.init_checkpoint, plan.model) if sft_cfg.init_checkpoint else None
-  if not sft_cfg.steps:
-    return init_params
-  if sft_cfg.curriculum_levels:
-    init_params = curriculum(plan, run, init_params, log_fn)
-  params, last = sft(plan, run, init_params, sft_dir, steps=sft_cfg.steps, learning_rate=sft_cfg.learning_rate,
-                     seed=plan.seed, log_fn=log_fn)
-  log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
+  """The starting params: `sft.init_checkpoint`'s (or a random init) trained through each SFT stage in turn; a
+  finished stage is loaded, not redone, and with `sft.steps=0` the checkpoint is the start as it is."""
+  todo = sft_stages(plan, run.workdir) if plan.sft.steps else []
+  finished = [i for i, (stage, _, _) in enumerate(todo) if os.path.isdir(os.path.join(stage, "params"))]
+  params, last = None, None
+  if finished:
+    params = stages.load_params(todo[finished[-1]][0], plan.model)
+    todo = todo[finished[-1] + 1:]
+  elif plan.sft.init_checkpoint:
+    params = stages.load_params(plan.sft.init_checkpoint, plan.model)
+  for stage, steps, keep in todo:
+    if keep is not None:
+      log_fn(f"SFT curriculum: levels {list(plan.sft.curriculum_levels)} first")
+    params, last = sft(plan, run, params, stage, steps=steps, learning_rate=plan.sft.learning_rate, seed=plan.seed,
+                       keep=keep, log_fn=log_fn)
+  if last is not None:
+    log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
   return params
