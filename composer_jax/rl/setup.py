@@ -151,15 +151,18 @@ def run_tokenizer(cfg: RunConfig, pool: list[Task]):
   greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md)."""
   tok_dir = tokenizer_dir(cfg.workdir)
   if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-    return tokenizer_lib.load_tokenizer(tok_dir)
-  if cfg.sft.init_checkpoint:
-    tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.sft.init_checkpoint, "tokenizer"))
+    source = tok_dir
   else:
+    source = os.path.join(cfg.sft.init_checkpoint, "tokenizer") if cfg.sft.init_checkpoint else None
+  if source is None:
     fit = pool[:max(cfg.sft.tasks, 256)]
     if cfg.sft.curriculum_levels:
       fit = of_levels(fit, cfg.sft.curriculum_levels)
     tok = fit_tokenizer(fit, cfg.harness.system_prompt, cfg.tokenizer)
-  tokenizer_lib.save_tokenizer(tok, tok_dir)
+  else:
+    tok = tokenizer_lib.load_tokenizer(source)
+  if source != tok_dir:
+    tokenizer_lib.save_tokenizer(tok, tok_dir)
   return tok
 
 
