@@ -102,9 +102,10 @@ def for_local_engine(params) -> tuple[object, Mesh | None]:
   return full, Mesh(np.array(jax.local_devices()), ("replica",))
 
 
-def publish_weights(directory: str, params, version: int) -> None:
-  """`weight_files.publish` of the trainer's `params`; across processes they are gathered first (every process
-  calls this) and process 0 writes."""
+def publish_weights(directory: str, params, version: int, unless_latest: bool = False) -> None:
+  """`weight_files.publish` of the trainer's `params` (`unless_latest`: `publish_unless_latest`); across processes
+  they are gathered first (every process calls this) and process 0 writes."""
   from composer_jax.rl import weight_files
+  publish = weight_files.publish_unless_latest if unless_latest else weight_files.publish
   full, _ = for_local_engine(params)
-  on_primary("publish_weights", lambda: weight_files.publish(directory, full, version))
+  on_primary("publish_weights", lambda: publish(directory, full, version))

@@ -102,9 +102,7 @@ class WeightFiles:
         log_fn(f"withdrew weights v{withdrawn} published after the checkpoint at step {version}: those steps are "
                "redone")
     processes.on_primary("recover_weights", recover)
-    got = weight_files.latest(self.dir)
-    if got is None or got[0] != version:
-      processes.publish_weights(self.dir, params, version)
+    processes.publish_weights(self.dir, params, version, unless_latest=True)
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()
