@@ -44,7 +44,8 @@ def main(argv):
   _START_DISTRIBUTED()
   from composer_jax.parallel import distributed
   from composer_jax.rl import experiment
-  result = experiment.run_experiment(cfg, allow_changes=tuple(_RESUME_WITH_CHANGES.value))
+  log_fn = print if distributed.is_primary() else (lambda s: None)   # process 0 reports the run
+  result = experiment.run_experiment(cfg, log_fn, allow_changes=tuple(_RESUME_WITH_CHANGES.value))
   if distributed.is_primary():
     print(json.dumps(result))
 
