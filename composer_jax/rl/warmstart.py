@@ -61,17 +61,12 @@ def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessCo
 
 
 def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:
-  """Writes atomically: a resumed SFT reads back its demonstrations only when they were written whole."""
+  """Writes atomically: a resumed SFT reads back its demonstrations (`train.data.read_transcripts`) only when they
+  were written whole."""
   with open(path + ".tmp", "w") as f:
     for m in transcripts:
       f.write(json.dumps({"messages": list(m)}) + "\n")
   os.replace(path + ".tmp", path)
-
-
-def read_jsonl(path: str) -> list[list[dict]]:
-  """The transcripts `write_jsonl` wrote."""
-  with open(path) as f:
-    return [json.loads(line)["messages"] for line in f if line.strip()]
 
 
 def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequence, workdir: str, *, steps: int,
@@ -144,11 +139,11 @@ def sft(plan: SFTPlan, run: setup.Run, init_params, workdir: str, *, steps: int,
   after a curriculum reads the first stage's and adds the other levels'."""
   warm, first = os.path.join(run.workdir, "sft"), os.path.join(run.workdir, CURRICULUM_DIR)
   if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
-    train, dev = map(read_jsonl, _saved(workdir))
+    train, dev = map(data_lib.read_transcripts, _saved(workdir))
   elif keep is None and os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
-    train, dev = map(read_jsonl, _saved(warm))
+    train, dev = map(data_lib.read_transcripts, _saved(warm))
   elif keep is None and plan.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
-    first_train, first_dev = map(read_jsonl, _saved(first))
+    first_train, first_dev = map(data_lib.read_transcripts, _saved(first))
     more, more_dev = sft_transcripts(plan, run, lambda level: level not in plan.sft.curriculum_levels)
     train, dev = first_train + more, first_dev + more_dev
   else:
