@@ -321,7 +321,8 @@ def _child(args) -> None:
   n = jax.device_count()
   for name in args.stages:
     axes = args.mesh or PLANS[args.variant][name][n]
-    stage = dataclasses.replace(STAGES[name], seq=args.seq or STAGES[name].seq)
+    stage = dataclasses.replace(STAGES[name], seq=args.seq or STAGES[name].seq,
+                                remat_policy=args.remat_policy or STAGES[name].remat_policy)
     fig = compile_case(args.variant, stage, axes, args.moe_layers or None, args.dump_dir)
     print("CASE " + json.dumps({"stage": name, "devices": n, "axes": axes, "seq": stage.seq,
                                 "remat_policy": stage.remat_policy, **fig}), flush=True)
@@ -427,6 +428,8 @@ def run_children(args) -> list[dict]:
       env = child_env(n, args.platform, dump)
       cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", args.variant, "--dump_dir", dump,
              "--stages", *stages, "--seq", str(args.seq or 0), "--moe_layers", str(args.moe_layers or 0)]
+      if args.remat_policy:
+        cmd += ["--remat_policy", args.remat_policy]
       if args.mesh:
         cmd += ["--mesh", ",".join(f"{k}={v}" for k, v in args.mesh.items())]
       with tempfile.TemporaryFile("w+") as err:
@@ -480,6 +483,7 @@ def main():
   ap.add_argument("--markdown", action="store_true", help="with --combine: print the README's markdown table")
   ap.add_argument("--mesh", type=_parse_mesh, help="one mesh for every stage, e.g. data=2,expert=4 (experiments)")
   ap.add_argument("--seq", type=int, default=0, help="override the stages' row length (experiments)")
+  ap.add_argument("--remat_policy", help="one remat policy for every stage (experiments; model.remat.REMAT_POLICIES)")
   ap.add_argument("--moe_layers", type=int, default=0, help="fewer MoE layers than published (experiments)")
   ap.add_argument("--platform", default="cpu", choices=["cpu", "gpu"],
                   help="gpu: compile with the GPU compiler on a mocked topology (one real GPU; gpu_check.sh)")
