@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import hlo_collectives as hc
 from benchmarks import hlo_costs, hlo_module
-from benchmarks import scale_plan as sp
+from benchmarks import scale_plan_cases as sp
+from benchmarks import scale_plan_roofline as spr
 from composer_jax.parallel import make_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -76,7 +77,7 @@ def test_roofline_by_hand():
   c["all-gather"]["nvlink_bytes"] = 45e9
   row = {"tokens": 4096, "argument": 50e9, "output": 50e9, "temp": 30e9, "alias": 50e9, "collectives": c,
          "hlo_flops": 1.5e15, "model_flops": 1e15, "peak": {"cpu_only_bytes": 10e9}}
-  r = sp.summarize_case(row)
+  r = spr.summarize_case(row)
   assert r["temp_gpu"] == 20e9 and r["total_gpu"] == 50e9 + 20e9 and r["fits"]
   assert r["t"]["compute"] == pytest.approx(1.5e15 / 989e12)
   assert r["t"]["memory"] == pytest.approx(140e9 / 4.8e12)
@@ -210,7 +211,7 @@ def test_scanned_temp_grows_only_by_each_layers_own_bytes():
 RUN_STEP = """
 import ctypes, json, os, threading, time
 import jax
-from benchmarks import scale_plan as sp
+from benchmarks import scale_plan_cases as sp
 
 def rss():
   with open("/proc/self/statm") as f:
