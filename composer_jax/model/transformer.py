@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from composer_jax.model import context_parallel as cp_lib
-from composer_jax.model import head
+from composer_jax.model import embedding, head
 from composer_jax.model.attention import KVCache, attention, segment_causal_mask
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
@@ -156,7 +156,7 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
   for j in range(cfg.num_nextn_predict_layers):
     p = take_layer(params["mtp"], j)
     shifted_BxL = jnp.pad(tokens_BxL[:, j + 1:], ((0, 0), (0, min(j + 1, L))))[:, :L]
-    e_BxLxD = embed_VxD[cp_lib.to_zigzag(shifted_BxL, cp_size)].astype(dt)
+    e_BxLxD = embedding.lookup(embed_VxD, cp_lib.to_zigzag(shifted_BxL, cp_size)).astype(dt)
     h, aux, _ = mtp_block(p, h, e_BxLxD, rope, mask, valid, cfg)
     hiddens.append(cp_lib.from_zigzag(rms_norm(h, p["norm"], cfg.rms_norm_eps), cp_size))
     loads.append(aux["expert_load"])
@@ -221,9 +221,7 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_
   rope = rope_cos_sin(cp_lib.to_zigzag(positions, n), cfg)
   if routing is not None:
     routing = cp_lib.to_zigzag(routing, n, axis=2)
-  # Pinned to the token layout: otherwise the partitioner replicated the lookup's output to re-shard it from the
-  # table's FSDP layout.
-  x = constrain(params["embed"][cp_lib.to_zigzag(tokens, n)].astype(dt), TOKENS)
+  x = embedding.lookup(params["embed"], cp_lib.to_zigzag(tokens, n)).astype(dt)   # per device, token layout
   if n_dense:
     x, _, _ = run_stack(params["dense_layers"], x, rope, mask, valid_BxL, cfg)
   if n_moe:
