@@ -181,20 +181,24 @@ def render(result: dict, prefix: str) -> None:
   levels = sorted(result["levels"])
   arms = [a for a in ARMS if a in result["levels"][levels[0]]]
   figures = [f for f in FIGURES if f[0] in result["levels"][levels[0]]["flat"]]   # older results lack some
-  lines = [f"| level | arm | {' | '.join(name for _, name in figures)} | distinct leaves | mean branch turn | "
-           "solved |", "|---|---|" + "---|" * (len(figures) + 3)]
+  # Generated tokens per episode: a leaf that stands for several (it ended before a branch point) counts once, so
+  # a tree that saves tokens by collapsing its leaves into fewer distinct samples shows it here.
+  per_episode = {lv: {arm: result["levels"][lv][arm]["generated"] / result["levels"][lv][arm]["distinct_leaves"]
+                      for arm in arms} for lv in levels}
+  lines = [f"| level | arm | {' | '.join(name for _, name in figures)} | generated tokens / episode | "
+           "distinct leaves | mean branch turn | solved |", "|---|---|" + "---|" * (len(figures) + 4)]
   for lv in levels:
     row = result["levels"][lv]
     for arm in arms:
       r = row[arm]
       turn = "" if r["branch_turn"] is None else f"{r['branch_turn']:.2f}"
       lines.append(f"| {lv} | {arm} | " + " | ".join(f"{r[k]:.3g}" for k, _ in figures)
-                   + f" | {r['distinct_leaves']:.2f} | {turn} | {r['solved']:.3f} |")
+                   + f" | {per_episode[lv][arm]:.3g} | {r['distinct_leaves']:.2f} | {turn} | {r['solved']:.3f} |")
     for arm in arms[1:]:
       q = row[f"flat_over_{arm}"]
       lines.append(f"| {lv} | flat / {arm} | " + " | ".join(
           f"{q[k]:.2f}x" + (f" (paired median {q['wall_s_paired_median']:.2f}x)" if k == "wall_s" else "")
-          for k, _ in figures) + " | | | |")
+          for k, _ in figures) + f" | {per_episode[lv]['flat'] / per_episode[lv][arm]:.2f}x | | | |")
   with open(prefix + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.2))
