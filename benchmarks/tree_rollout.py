@@ -8,6 +8,10 @@ harness, engine and sandbox settings, each training task of each level is rolled
 from the prompt) and as a tree of the same G leaves (`rollout.tree_harness`), the two arms alternating which goes
 first, with the engine's prefix cache emptied before every group (no arm reuses the other's prefixes). Per leaf:
   * generated tokens: what the engine decoded (a shared opening counts once);
+  * unrolled tokens: the generated tokens of every leaf's whole stream (multiplicity included), as if each leaf had
+    been sampled on its own. Each leaf is marginally an episode of the policy, so per leaf this estimates a flat
+    group's generated tokens from the same group: `unrolled_over_generated` is the tree's saving measured within
+    each group (paired), without the episode-to-episode spread that the flat arm's comparison carries;
   * prefilled tokens: prompt tokens the engine ran (those its prefix cache did not hold);
   * sandbox-seconds: wall-clock inside workspace calls (tool calls, forks, snapshots, grading, closing);
   * rollout seconds: the group's wall-clock, and engine seconds, the part spent in `generate`;
@@ -150,6 +154,7 @@ def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task, length: in
   return {"wall_s": time.perf_counter() - t, "engine_s": engine.clock.seconds - e0,
           "sandbox_s": sandbox.seconds - s0, "generated": engine.generated - g0, "prefilled": engine.prefilled - p0,
           "leaves": sum((t.tree or {}).get("multiplicity", 1) for t in trajs), "episodes": len(trajs),
+          "unrolled": sum((t.tree or {}).get("multiplicity", 1) * t.n_generated for t in trajs),
           "trainer_tokens": trainer_tokens(trajs, length, True),
           "trainer_tokens_dup": trainer_tokens(trajs, length, False),
           "solved": float(np.mean([t.metrics["solved"] for t in trajs])),
@@ -158,8 +163,11 @@ def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task, length: in
 
 def per_leaf(rows: list[dict]) -> dict:
   leaves = sum(r["leaves"] for r in rows)
-  keys = ("generated", "prefilled", "sandbox_s", "wall_s", "engine_s", "trainer_tokens", "trainer_tokens_dup")
+  keys = ("generated", "unrolled", "prefilled", "sandbox_s", "wall_s", "engine_s", "trainer_tokens",
+          "trainer_tokens_dup")
   out = {k: sum(r[k] for r in rows) / leaves for k in keys if k in rows[0]}
+  if "unrolled" in out:
+    out["unrolled_over_generated"] = out["unrolled"] / max(out["generated"], 1e-9)
   turns = [b for r in rows for b in r["branch_turns"]]
   out.update(groups=len(rows), leaves=leaves, distinct_leaves=sum(r["episodes"] for r in rows) / leaves,
              branch_turn=float(np.mean(turns)) if turns else None,
@@ -168,7 +176,8 @@ def per_leaf(rows: list[dict]) -> dict:
 
 
 ARMS = ("flat", "tree", "tree_entropy")
-FIGURES = (("generated", "generated tokens / leaf"), ("prefilled", "prefilled tokens / leaf"),
+FIGURES = (("generated", "generated tokens / leaf"), ("unrolled", "unrolled tokens / leaf"),
+           ("prefilled", "prefilled tokens / leaf"),
            ("sandbox_s", "sandbox-seconds / leaf"), ("wall_s", "rollout seconds / leaf"),
            ("trainer_tokens", "trainer tokens / leaf"))
 
@@ -185,20 +194,25 @@ def render(result: dict, prefix: str) -> None:
   # a tree that saves tokens by collapsing its leaves into fewer distinct samples shows it here.
   per_episode = {lv: {arm: result["levels"][lv][arm]["generated"] / result["levels"][lv][arm]["distinct_leaves"]
                       for arm in arms} for lv in levels}
+  paired = "unrolled_over_generated" in result["levels"][levels[0]]["flat"]
   lines = [f"| level | arm | {' | '.join(name for _, name in figures)} | generated tokens / episode | "
-           "distinct leaves | mean branch turn | solved |", "|---|---|" + "---|" * (len(figures) + 4)]
+           + ("unrolled / generated | " if paired else "") + "distinct leaves | mean branch turn | solved |",
+           "|---|---|" + "---|" * (len(figures) + 4 + paired)]
   for lv in levels:
     row = result["levels"][lv]
     for arm in arms:
       r = row[arm]
       turn = "" if r["branch_turn"] is None else f"{r['branch_turn']:.2f}"
       lines.append(f"| {lv} | {arm} | " + " | ".join(f"{r[k]:.3g}" for k, _ in figures)
-                   + f" | {per_episode[lv][arm]:.3g} | {r['distinct_leaves']:.2f} | {turn} | {r['solved']:.3f} |")
+                   + f" | {per_episode[lv][arm]:.3g} | "
+                   + (f"{r['unrolled_over_generated']:.2f}x | " if paired else "")
+                   + f"{r['distinct_leaves']:.2f} | {turn} | {r['solved']:.3f} |")
     for arm in arms[1:]:
       q = row[f"flat_over_{arm}"]
       lines.append(f"| {lv} | flat / {arm} | " + " | ".join(
           f"{q[k]:.2f}x" + (f" (paired median {q['wall_s_paired_median']:.2f}x)" if k == "wall_s" else "")
-          for k, _ in figures) + f" | {per_episode[lv]['flat'] / per_episode[lv][arm]:.2f}x | | | |")
+          for k, _ in figures) + f" | {per_episode[lv]['flat'] / per_episode[lv][arm]:.2f}x | | | |"
+          + (" |" if paired else ""))
   with open(prefix + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.2))
