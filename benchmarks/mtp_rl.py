@@ -63,8 +63,8 @@ def run_config(workdir: str, arm: str, steps: int, workspaces: str = "sandbox", 
 def train(workdir: str, arm: str, steps: int, workspaces: str, sft_tasks: int, sft_steps: int) -> None:
   from composer_jax.rl import loop
   # sft.steps and rl.steps may change in a resumed run (the SFT continues from its last checkpoint).
-  loop.train_rl(run_config(workdir, arm, steps, workspaces, sft_tasks, sft_steps),
-                allow_changes=("sft.steps", "rl.steps"))
+  loop.run_rl(run_config(workdir, arm, steps, workspaces, sft_tasks, sft_steps),
+              allow_changes=("sft.steps", "rl.steps"))
 
 
 def _timed(engine):

@@ -20,7 +20,7 @@ from composer_jax import configs, model
 from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.rl import setup, sources
 from composer_jax.rl.config import RunConfig
-from composer_jax.rl.trainer import Trainer
+from composer_jax.rl.trainer import Trainer, build_rl_step
 from experiments.configs import rl as rl_configs
 from rollout.queue import QueueProducer
 
@@ -40,7 +40,7 @@ def run_config(workdir: str, steps: int) -> RunConfig:
 def fill_queue(cfg: RunConfig, steps: int) -> None:
   """Each step's groups, versioned for that step (never stale), routing recorded for every token."""
   rng = np.random.default_rng(0)
-  producer = QueueProducer(setup.queue_url(cfg), "fixed")
+  producer = QueueProducer(setup.queue_url(cfg.workdir), "fixed")
   n_layers = cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace
   for step in range(steps):
     for g in range(cfg.rl.groups_per_step):
@@ -58,7 +58,8 @@ def train(workdir: str, steps: int, mesh, rules, kill_at: int = 0) -> Trainer:
   """Trains (or resumes) to `steps`; process 0 appends each step's metrics to `workdir/steps.jsonl`."""
   cfg = run_config(workdir, steps)
   ref = model.init(jax.random.key(0), cfg.model, mesh, rules)   # the warm start, as the run loads it: on the mesh
-  trainer = Trainer(cfg, ref, log_fn=lambda s: None, mesh=mesh, rules=rules)
+  trainer = Trainer(build_rl_step(cfg, mesh, rules), setup.batch_config(cfg), ref, cfg.workdir, cfg.rollout.staleness,
+                    log_fn=lambda s: None)
   for step_no in range(trainer.start + 1, steps + 1):
     groups = sources.take_groups(trainer.consumer, cfg, step_no - 1) if trainer.primary else None
     m = trainer.step(step_no, groups)

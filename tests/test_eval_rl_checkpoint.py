@@ -30,7 +30,7 @@ def _colab_run(workdir: str) -> None:
   workdir_lib.save_config(cfg)
   tok = setup.fit_tokenizer(procedural.generate(64, seed=1, split="train", level=1), cfg.harness.system_prompt,
                                 cfg.tokenizer)
-  tokenizer_lib.save_tokenizer(tok, setup.tokenizer_dir(cfg))
+  tokenizer_lib.save_tokenizer(tok, setup.tokenizer_dir(cfg.workdir))
   rng = np.random.default_rng(0)   # host-side random weights: no initialiser compile
   params = jax.tree.map(lambda a: (0.02 * rng.standard_normal(a.shape)).astype(a.dtype),
                         params_lib.abstract_params(cfg.model))

@@ -41,7 +41,7 @@ def test_a_sync_run_through_faults_applies_every_group_once(tmp_path, monkeypatc
   def next_after_bad_records(self, policy_version):
     armed.set()
     if policy_version == 1:   # before step 2: another producer's records, one torn and one from a newer codec version
-      intruder = QueueProducer(setup.queue_url(cfg), "intruder")
+      intruder = QueueProducer(setup.queue_url(cfg.workdir), "intruder")
       for damage in (lambda b: b[:len(b) // 2], lambda b: b"CJQ2" + b[4:-4] + struct.pack("<I", zlib.crc32(
           b"CJQ2" + b[4:-4]))):
         key = intruder.append({"x": np.zeros(8)}, {"bad": True}, policy_version=policy_version, n_rows=1)

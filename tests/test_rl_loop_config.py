@@ -133,8 +133,8 @@ def test_colab_level1_is_todays_colab_recipe():
 
 def test_sft_demo_accuracy_sets_the_share_of_near_miss_demonstrations():
   pool = procedural.generate(400, seed=1, level=1)
-  assert not any(t.metadata.get("near_miss") for t in warmstart.sft_tasks(_cfg(**{"sft.tasks": 300}), pool))
-  tasks = warmstart.sft_tasks(_cfg(**{"sft.tasks": 300, "sft.demo_accuracy": 0.5}), pool)
+  assert not any(t.metadata.get("near_miss") for t in warmstart.sft_tasks(_cfg(**{"sft.tasks": 300}).sft_plan, pool))
+  tasks = warmstart.sft_tasks(_cfg(**{"sft.tasks": 300, "sft.demo_accuracy": 0.5}).sft_plan, pool)
   assert [t.id for t in tasks] == [t.id for t in pool[-300:]]
   misses = sum(bool(t.metadata.get("near_miss")) for t in tasks)
   assert 120 <= misses <= 180, misses   # binomial(300, 0.5): ±3.5 sd
@@ -267,13 +267,13 @@ def test_the_sft_control_reuses_the_warm_starts_transcripts(tmp_path, monkeypatc
   seen = {}
   monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: seen.setdefault("args", a) and (None, {}))
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: (train, dev))
-  run = setup.Run(None, [], [], None)
-  warmstart.sft(cfg, run, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
+  run = setup.Run(None, [], [], [], None, str(tmp_path), False)
+  warmstart.sft(cfg.sft_plan, run, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
   assert seen.pop("args")[2:4] == (train, dev)
   warmstart.write_jsonl(str(tmp_path / "sft" / "sft_train.jsonl"), [[{"role": "user", "content": "saved"}]])
   warmstart.write_jsonl(str(tmp_path / "sft" / "sft_eval.jsonl"), dev)
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: pytest.fail("the control re-ran the oracle"))
-  warmstart.sft(cfg, run, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
+  warmstart.sft(cfg.sft_plan, run, None, str(tmp_path / "sft_control"), steps=1, learning_rate=1.0, seed=0)
   assert seen["args"][2:4] == ([[{"role": "user", "content": "saved"}]], dev)
 
 
@@ -295,15 +295,36 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
     trained.append((os.path.basename(workdir), steps, init_params, [m[0]["content"] for m in train],
                     [m[0]["content"] for m in heldout]))
     return f"params of {os.path.basename(workdir)}", {}
-  monkeypatch.setattr(warmstart.setup, "heldout_tasks", lambda c, envs, n=None: dev)
   monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, *a, **k: oracle.extend(t.id for t in tasks)
                       or [[{"role": "user", "content": t.id}] for t in tasks])
   monkeypatch.setattr(warmstart, "run_sft", run_sft)
-  assert warmstart.warm_start(cfg, setup.Run(None, pool, [], None), log_fn=lambda s: None) == "params of sft"
+  run = setup.Run(None, pool, [], dev, None, str(tmp_path), False)
+  assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == "params of sft"
   level1, level2 = ["t0", "t2", "t4"], ["t1", "t3", "t5"]
   assert trained == [("sft_curriculum", 7, None, level1, ["d0", "d2"]),
                      ("sft", 5, "params of sft_curriculum", level1 + level2, ["d0", "d2", "d1", "d3"])]
   assert sorted(oracle) == sorted(t.id for t in pool + dev)   # each demonstration made once
+
+
+def test_a_warm_start_resumes_after_its_last_finished_stage(tmp_path, monkeypatch):
+  """A finished stage is loaded, not redone: after the curriculum's first stage the SFT on every level continues from
+  its params (the init checkpoint is not loaded again); after the last stage the start is its params."""
+  d = rl_configs.get_config("colab")
+  d.tasks.levels, d.sft.demo_accuracy = (1, 2), 1.0
+  d.sft.update(curriculum_levels=(1,), curriculum_steps=7, steps=5, init_checkpoint="/init")
+  cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
+  loaded, trained = [], []
+  monkeypatch.setattr(warmstart.stages, "load_params", lambda path, model_cfg: loaded.append(path) or f"loaded {path}")
+  monkeypatch.setattr(warmstart, "sft", lambda plan, run, init, stage, **k: trained.append((stage, init)) or
+                      (f"params of {os.path.basename(stage)}", {}))
+  run = setup.Run(None, [], [], [], None, str(tmp_path), False)
+  os.makedirs(tmp_path / "sft_curriculum" / "params")
+  assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == "params of sft"
+  assert loaded == [str(tmp_path / "sft_curriculum")]
+  assert trained == [(str(tmp_path / "sft"), f"loaded {tmp_path / 'sft_curriculum'}")]
+  os.makedirs(tmp_path / "sft" / "params")
+  assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == f"loaded {tmp_path / 'sft'}"
+  assert len(trained) == 1
 
 
 @pytest.mark.parametrize("curriculum", [True, False])

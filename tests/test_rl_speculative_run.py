@@ -20,7 +20,7 @@ def test_speculative_rollouts_log_acceptance_per_version_and_train_the_drafter(t
   cfg = _cfg(tmp_path, **{"rl.steps": 3, "rollout.draft_tokens": 2, "rl.mtp_weight": 0.3,
                           "rl.mtp_start_metrics": True})
   logged = []
-  loop.train_rl(cfg, log_fn=logged.append)
+  loop.run_rl(cfg, log_fn=logged.append)
   m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in m] == [1, 2, 3]
   for r in m:

@@ -101,7 +101,7 @@ def _no_tmp_dirs(root):
 
 def _warm_start(cfg, log_fn):
   with setup.open_run(cfg) as run:
-    return warmstart.warm_start(cfg, run, log_fn)
+    return warmstart.warm_start(cfg.sft_plan, run, log_fn)
 
 
 def test_ctrl_c_in_sft_checkpoints_and_the_rerun_reaches_the_same_params(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from composer_jax.rl import losses
 from composer_jax.train.config import OptimConfig
 from composer_jax.train.tokenizer import TokenizerConfig
 from rollout.harness import HarnessConfig
+from rollout.staleness import StalenessConfig
 from rollout.tasks.registry import SetSpec
 from rollout.tree_harness import TreeConfig
 
@@ -127,6 +128,16 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SFTPlan:
+  """What SFT of the run's model reads from its config (`RunConfig.sft_plan`): the `sft` section, the model, the
+  harness the oracle's demonstrations run through, and the run's seed (it picks the near-miss demonstrations)."""
+  sft: SFTConfig
+  model: ModelConfig
+  harness: HarnessConfig
+  seed: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SGLangConfig:
   """engine='sglang': the fleet the trainer starts and updates (`rl/fleet.py`)."""
   servers: int = 1
@@ -203,6 +214,11 @@ class RolloutConfig:
     if not self.tree_branch_turns and not self.tree_fanouts:
       return None
     return TreeConfig(tuple(self.tree_branch_turns), tuple(self.tree_fanouts), self.tree_branch_entropy)
+
+  @property
+  def staleness(self) -> StalenessConfig:
+    """The trainer's filter on the groups it takes from the queue."""
+    return StalenessConfig(self.max_staleness, self.staleness_policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +298,10 @@ class RunConfig:
                        f"{self.model.vocab_size}")
     from composer_jax.rl import placement  # (it imports this module)
     placement.check_run_mesh(self)   # a mesh that cannot hold the model or a step fails here, before any work
+
+  @property
+  def sft_plan(self) -> SFTPlan:
+    return SFTPlan(self.sft, self.model, self.harness, self.seed)
 
   @property
   def batch_rows(self) -> int:

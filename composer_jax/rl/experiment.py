@@ -77,7 +77,7 @@ def sft_control(cfg: RunConfig, run: setup.Run, start_params, seconds: float, lo
       json.dump(size, f)
   log_fn(f"SFT control: {size['steps']} more steps (~{size['seconds']:.0f} s at {size['seconds_per_step']:.2f} "
          "s/step)")
-  params, last = warmstart.sft(cfg, run, start_params, out_dir, steps=size["steps"],
+  params, last = warmstart.sft(cfg.sft_plan, run, start_params, out_dir, steps=size["steps"],
                                learning_rate=cfg.sft.learning_rate / 3, seed=cfg.seed + 1, log_fn=log_fn)
   log_fn(f"SFT control done: loss {(last or {}).get('loss', float('nan')):.3f}")
   return params
@@ -146,42 +146,38 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_
   fields named in `allow_changes`, and the run's tokenizer, tasks and workspaces built once, which checks the run's
   input before any work); every phase then shares them."""
   with workdir_lib.claim(cfg, allow_changes) as run:
-    return _run_experiment(cfg, run, log_fn)
+    t0 = time.perf_counter()
+    start = warmstart.warm_start(cfg.sft_plan, run, log_fn)
+    phases = {"sft_start": time.perf_counter() - t0}   # wall-clock seconds of each phase (a resumed one: its rest)
+    out = None
+    if not cfg.eval.start_only:
+      t1 = time.perf_counter()
+      out = loop.train_rl(cfg, start, run, log_fn)
+      phases["rl"] = time.perf_counter() - t1
+      rl_seconds = phases["rl"] + earlier_rl_seconds(cfg.workdir, out["resumed_at"])   # a resumed run: all of it
 
-
-def _run_experiment(cfg: RunConfig, run: setup.Run, log_fn: Callable[[str], None]) -> dict:
-  t0 = time.perf_counter()
-  start = warmstart.warm_start(cfg, run, log_fn)
-  phases = {"sft_start": time.perf_counter() - t0}   # wall-clock seconds of each phase (a resumed one: its rest)
-  out = None
-  if not cfg.eval.start_only:
-    t1 = time.perf_counter()
-    out = loop.train_rl(cfg, start, run, log_fn)
-    phases["rl"] = time.perf_counter() - t1
-    rl_seconds = phases["rl"] + earlier_rl_seconds(cfg.workdir, out["resumed_at"])   # a resumed run: all of it
-
-  def timed(name, fn, *args, **kwargs):
-    t = time.perf_counter()
-    value = fn(*args, **kwargs)
-    phases[name] = time.perf_counter() - t
-    return value
-  result = {"sft": timed("eval_sft", evaluate_at_temperatures, cfg, start, run, run.heldout, "sft")}
-  if out is not None:
-    result.update(_trained_rows(cfg, start, out["params"], rl_seconds, run, timed, log_fn))
-  phases["total"] = time.perf_counter() - t0
-  result.update(eval_tasks=len(run.heldout), phase_seconds=phases)
-  if out is None:
-    result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks,
-                  sft_curriculum_steps=cfg.sft.curriculum_steps)
-  else:
-    result.update(rl_seconds=rl_seconds, rl_steps=cfg.rl.steps, reward_terms=reward_terms_by_quarter(cfg.workdir),
-                  last={k: v for k, v in out["last"].items() if isinstance(v, float)})
-  earlier = earlier_phase_seconds(cfg.workdir)
-  if earlier:
-    result.update(earlier_phase_seconds=earlier)
-  with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+    def timed(name, fn, *args, **kwargs):
+      t = time.perf_counter()
+      value = fn(*args, **kwargs)
+      phases[name] = time.perf_counter() - t
+      return value
+    result = {"sft": timed("eval_sft", evaluate_at_temperatures, cfg, start, run, run.heldout, "sft")}
+    if out is not None:
+      result.update(_trained_rows(cfg, start, out["params"], rl_seconds, run, timed, log_fn))
+    phases["total"] = time.perf_counter() - t0
+    result.update(eval_tasks=len(run.heldout), phase_seconds=phases)
+    if out is None:
+      result.update(start_only=True, sft_steps=cfg.sft.steps, sft_tasks=cfg.sft.tasks,
+                    sft_curriculum_steps=cfg.sft.curriculum_steps)
+    else:
+      result.update(rl_seconds=rl_seconds, rl_steps=cfg.rl.steps, reward_terms=reward_terms_by_quarter(cfg.workdir),
+                    last={k: v for k, v in out["last"].items() if isinstance(v, float)})
+    earlier = earlier_phase_seconds(cfg.workdir)
+    if earlier:
+      result.update(earlier_phase_seconds=earlier)
+    with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
+      json.dump(result, f, indent=2)
+    return result
 
 
 def earlier_phase_seconds(workdir: str) -> list[dict]:

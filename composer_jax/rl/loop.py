@@ -3,7 +3,7 @@
 `train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
 also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  trainer = Trainer(cfg, start)                 # state restored from workdir/checkpoints or initialised (`trainer.py`)
+  trainer = Trainer(build_rl_step(cfg), ...)    # state restored from workdir/checkpoints or initialised (`trainer.py`)
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
   source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(policy_version); trainer.step(groups); publisher.publish(params, step); checkpoint
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from composer_jax.rl import publishers, setup, sources, warmstart, weight_files
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
-from composer_jax.rl.trainer import Trainer
+from composer_jax.rl.trainer import Trainer, build_rl_step
 from composer_jax.sampling.spec_log import VersionLogReader
 from composer_jax.train import interrupt
 from composer_jax.train import metrics as metrics_lib
@@ -33,14 +33,14 @@ def run_rl(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_changes=
   resume only with the stored config but for the fields named in `allow_changes`), computes the warm start and runs
   `train_rl` from it."""
   with workdir_lib.claim(cfg, allow_changes) as run:
-    return train_rl(cfg, warmstart.warm_start(cfg, run, log_fn), run, log_fn)
+    return train_rl(cfg, warmstart.warm_start(cfg.sft_plan, run, log_fn), run, log_fn)
 
 
 def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None] = print) -> dict:
   """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps` from `start`; returns the final params, the last
   metrics and the step it resumed at (0 for a fresh run). The caller holds the workdir (`rl.workdir.claim`).
   Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`)."""
-  trainer = Trainer(cfg, start, log_fn)
+  trainer = Trainer(build_rl_step(cfg), setup.batch_config(cfg), start, cfg.workdir, cfg.rollout.staleness, log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
     stack.callback(trainer.close)
@@ -52,12 +52,6 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
     engine_stats = VersionLogReader(publishers.engine_stats_dir(cfg))   # speculative decoding per policy version
     stop = stack.enter_context(interrupt.StopAtStep("RL"))
     for step_no in range(trainer.start + 1, cfg.rl.steps + 1):
-      if stop.requested:
-        done = step_no - 1
-        if done > trainer.start and trainer.ckpts.latest_step() != done:
-          trainer.checkpoint(done)
-        raise interrupt.Interrupted(f"RL stopped at step {done} of {cfg.rl.steps}, checkpointed in "
-                                    f"{trainer.ckpts.directory}: rerun the same command to resume")
       t0 = time.perf_counter()
       groups, rollout_s = source.next(step_no - 1)   # the policy version the trainer is at
       idle_s = time.perf_counter() - t0
@@ -68,9 +62,13 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
       m.update(trainer.queue_stats(), step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
                trainer_idle_fraction=idle_s / max(step_s, 1e-9), publish_s=publish_s, **engine_stats.metrics())
       last = progress.log(step_no, m)
-      if step_no % cfg.rl.ckpt_every == 0 or step_no == cfg.rl.steps:
+      if stop.requested or step_no % cfg.rl.ckpt_every == 0 or step_no == cfg.rl.steps:
         trainer.checkpoint(step_no)
-  _export_final(cfg, trainer)
+      if stop.requested and step_no < cfg.rl.steps:
+        raise interrupt.Interrupted(f"RL stopped at step {step_no} of {cfg.rl.steps}, checkpointed in "
+                                    f"{trainer.ckpts.directory}: rerun the same command to resume")
+  # The final policy in workdir/weights whatever the publisher, so every RL workdir can be evaluated as one.
+  weight_files.publish_unless_latest(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
   _plot(cfg.workdir)
   return {"params": trainer.params, "ref_params": trainer.ref_params, "last": last, "resumed_at": trainer.start}
 
@@ -101,13 +99,6 @@ class _Progress:
     self.writer.close()
     if self.bar is not None:
       self.bar.close()
-
-
-def _export_final(cfg: RunConfig, trainer: Trainer) -> None:
-  """The final policy in `workdir/weights` whatever the publisher, so every RL workdir can be evaluated as one."""
-  got = weight_files.latest(publishers.weights_dir(cfg))
-  if got is None or got[0] != int(trainer.state.step):
-    weight_files.publish(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
 
 
 def penalty_terms(rows: list[dict]) -> list[str]:

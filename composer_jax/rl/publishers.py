@@ -87,9 +87,7 @@ class WeightFiles:
     withdrawn = weight_files.recover(self.dir, version)
     if withdrawn:
       log_fn(f"withdrew weights v{withdrawn} published after the checkpoint at step {version}: those steps are redone")
-    got = weight_files.latest(self.dir)
-    if got is None or got[0] != version:
-      weight_files.publish(self.dir, params, version)
+    weight_files.publish_unless_latest(self.dir, params, version)
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()

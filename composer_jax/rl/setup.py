@@ -38,11 +38,15 @@ DEV_TASKS = 32   # held-out tasks whose oracle transcripts measure the SFT dev l
 
 @dataclasses.dataclass
 class Run:
-  """The pieces of one RL run, built once (`open_run`) and handed to every phase."""
+  """The pieces of one RL run, built once (`open_run`) and handed to every phase, with where the run writes and
+  whether it shows progress bars."""
   tokenizer: object
   pool: list[Task]          # the training tasks
   heldout: list[Task]       # the held-out tasks (`eval.tasks` of them)
+  dev: list[Task]           # up to `DEV_TASKS` held-out tasks: the SFT dev loss (none: a small set has no spare)
   envs: EnvironmentCache    # the tasks' workspaces
+  workdir: str
+  progress_bar: bool
 
 
 @contextlib.contextmanager
@@ -50,23 +54,24 @@ def open_run(cfg: RunConfig) -> Iterator[Run]:
   """The run's `Run`, its workspaces closed when the block ends; raises `RunInputError` on bad input first."""
   envs = EnvironmentCache(make_factory(cfg.rollout.workspaces))
   try:
-    pool, heldout = _checked_tasks(cfg, envs)
+    pool, heldout, dev = _checked_tasks(cfg, envs)
     tok = run_tokenizer(cfg, pool)
     check_budgets(cfg, tok, pool)
-    yield Run(tok, pool, heldout, envs)
+    yield Run(tok, pool, heldout, dev, envs, cfg.workdir, cfg.progress_bar)
   finally:
     envs.factory.close()
 
 
-def _checked_tasks(cfg: RunConfig, envs: EnvironmentCache) -> tuple[list[Task], list[Task]]:
-  """The training pool and the held-out tasks; raises `RunInputError` when either cannot load or is empty, leaving
-  no frozen pool behind (a rerun with the set or `tasks.heldout_percent` fixed must not find the refused one
-  frozen)."""
+def _checked_tasks(cfg: RunConfig, envs: EnvironmentCache) -> tuple[list[Task], list[Task], list[Task]]:
+  """The training pool, the held-out tasks and the dev tasks; raises `RunInputError` when a side cannot load or
+  is empty, leaving no frozen pool behind (a rerun with the set or `tasks.heldout_percent` fixed must not find the
+  refused one frozen)."""
   frozen = set(glob.glob(os.path.join(cfg.workdir, "tasks_*.json")))
   try:
     try:
       pool = train_pool(cfg, envs)
       heldout = heldout_tasks(cfg, envs)
+      dev = heldout_tasks(cfg, envs, DEV_TASKS)
     except _LOAD_ERRORS as e:
       raise RunInputError(f"cannot load the {cfg.tasks.kind!r} task source: {e}") from None
     if not pool:
@@ -81,7 +86,7 @@ def _checked_tasks(cfg: RunConfig, envs: EnvironmentCache) -> tuple[list[Task], 
     for path in set(glob.glob(os.path.join(cfg.workdir, "tasks_*.json"))) - frozen:
       os.remove(path)
     raise
-  return pool, heldout
+  return pool, heldout, dev
 
 
 def train_pool(cfg: RunConfig, envs: EnvironmentCache) -> list[Task]:
@@ -144,17 +149,20 @@ def run_tokenizer(cfg: RunConfig, pool: list[Task]):
   """The run's tokenizer: already in the workdir, else the init checkpoint's, else fitted to training tasks (with a
   curriculum, to those of its first levels: measured, a BPE fitted to the mix left the level-2 start at 17-22%
   greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md)."""
-  tok_dir = tokenizer_dir(cfg)
+  tok_dir = tokenizer_dir(cfg.workdir)
   if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-    return tokenizer_lib.load_tokenizer(tok_dir)
-  if cfg.sft.init_checkpoint:
-    tok = tokenizer_lib.load_tokenizer(os.path.join(cfg.sft.init_checkpoint, "tokenizer"))
+    source = tok_dir
   else:
+    source = os.path.join(cfg.sft.init_checkpoint, "tokenizer") if cfg.sft.init_checkpoint else None
+  if source is None:
     fit = pool[:max(cfg.sft.tasks, 256)]
     if cfg.sft.curriculum_levels:
       fit = of_levels(fit, cfg.sft.curriculum_levels)
     tok = fit_tokenizer(fit, cfg.harness.system_prompt, cfg.tokenizer)
-  tokenizer_lib.save_tokenizer(tok, tok_dir)
+  else:
+    tok = tokenizer_lib.load_tokenizer(source)
+  if source != tok_dir:
+    tokenizer_lib.save_tokenizer(tok, tok_dir)
   return tok
 
 
@@ -188,9 +196,9 @@ def batch_config(cfg: RunConfig) -> rl_batch.BatchConfig:
                               top_k=cfg.model.num_experts_per_tok)
 
 
-def queue_url(cfg: RunConfig) -> str:
-  return f"file://{os.path.join(os.path.abspath(cfg.workdir), 'queue')}"
+def queue_url(workdir: str) -> str:
+  return f"file://{os.path.join(os.path.abspath(workdir), 'queue')}"
 
 
-def tokenizer_dir(cfg: RunConfig) -> str:
-  return os.path.join(cfg.workdir, "tokenizer")
+def tokenizer_dir(workdir: str) -> str:
+  return os.path.join(workdir, "tokenizer")

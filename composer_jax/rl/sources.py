@@ -52,7 +52,7 @@ def take_groups(consumer: QueueConsumer, cfg: RunConfig, policy_version: int, wa
   def packs(g) -> bool:
     if packed["alone"]:
       return False
-    if packer.add(rl_batch.segment_lengths(g.trajectories())) is not None:
+    if packer.add(rl_batch.segment_lengths(g.trajectories(), bcfg)) is not None:
       packed["groups"] += 1
       return True
     packed["alone"] = packed["groups"] == 0   # make_batch gives it batch_rows rows, a row per segment
@@ -78,7 +78,7 @@ class InProcess:
     if engine is None:
       raise ValueError(f"rollout.mode='sync' needs an in-process engine; engine {cfg.rollout.engine!r} has none")
     self.cfg, self.engine, self.run, self.consumer = cfg, engine, run, consumer
-    self.producer = QueueProducer(setup.queue_url(cfg), "sync0")
+    self.producer = QueueProducer(setup.queue_url(cfg.workdir), "sync0")
     self.wcfg = workers.WorkerConfig(samples_per_prompt=cfg.rollout.samples_per_prompt,
                                      max_groups=cfg.rl.groups_per_step, tree=cfg.rollout.tree)
 
@@ -113,7 +113,7 @@ class WorkerPool:
     stop = os.path.join(self.logs, "STOP")
     if os.path.exists(stop):
       os.remove(stop)
-    self.counts = QueueProducer(setup.queue_url(cfg), "supervisor")   # appends nothing: only `count`s
+    self.counts = QueueProducer(setup.queue_url(cfg.workdir), "supervisor")   # appends nothing: only `count`s
     self.started: dict[int, float] = {}
     self.procs = [self._start(i) for i in range(cfg.rollout.workers)]
     self.restarts = 0

@@ -79,35 +79,32 @@ def build_rl_step(cfg: RunConfig, mesh=None, rules: ShardingRules | None = None)
 
 
 class Trainer:
-  """The jitted RL step on the run's state; `ref_params` (the warm start) is the frozen KL reference.
+  """The jitted RL step (`rl_step`, `build_rl_step`: placed on its mesh) on the run's state in `workdir`, on batches
+  of `batch_cfg`'s shape; `ref_params` (the warm start) is the frozen KL reference. Groups come from the queue in
+  `workdir`, filtered by `staleness`."""
 
-  `mesh` and `rules` (`build_rl_step`) place the state, the reference and each batch (`rl.placement`).
-  """
-
-  def __init__(self, cfg: RunConfig, ref_params, log_fn=print, mesh=None, rules: ShardingRules | None = None):
-    self.cfg = cfg
-    self.batch_cfg = setup.batch_config(cfg)
-    self.rl_step = build_rl_step(cfg, mesh, rules)
-    self.ref_params = placement.place_tree(ref_params, self.rl_step.params)
+  def __init__(self, rl_step: placement.RLStep, batch_cfg: rl_batch.BatchConfig, ref_params, workdir: str,
+               staleness: StalenessConfig, log_fn=print):
+    self.rl_step, self.batch_cfg = rl_step, batch_cfg
+    self.ref_params = placement.place_tree(ref_params, rl_step.params)
     # Processes get here at different times, and a gloo (CPU) collective, as orbax's first sync, waits for a late
     # peer only 30 s: meet in the coordination service first.
     distributed.barrier("rl_trainer_start")
-    self.ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
+    self.ckpts = ckpt_lib.Checkpointer(workdir, keep=2, async_save=False)
     qstate = None
     if self.ckpts.latest_step() is not None:
-      self.state = self.ckpts.restore(self.rl_step.abstract_state())
+      self.state = self.ckpts.restore(rl_step.abstract_state())
       qstate = self.ckpts.restore_meta()
       log_fn(f"Resumed RL at step {int(self.state.step)}")
     else:
-      self.state = self.rl_step.init_state(self.ref_params)
+      self.state = rl_step.init_state(self.ref_params)
     self.start = int(self.state.step)
     self.cursor = None   # the queue cursor after the last trained step
-    self.applied_path = os.path.join(cfg.workdir, "applied.jsonl")
+    self.applied_path = os.path.join(workdir, "applied.jsonl")
     self.primary = distributed.is_primary()   # the one process that polls, logs and commits (`rl/processes.py`)
     if self.primary:
       _truncate_applied(self.applied_path, self.start)
-    self.consumer = QueueConsumer(setup.queue_url(cfg), StalenessConfig(cfg.rollout.max_staleness,
-                                                                       cfg.rollout.staleness_policy), state=qstate)
+    self.consumer = QueueConsumer(setup.queue_url(workdir), staleness, state=qstate)
     self._compiled: dict[tuple[int, int], object] = {}   # per batch shape (packed, or a group alone unpacked)
 
   @property

@@ -1,6 +1,6 @@
 """The RL starting point: SFT on oracle trajectories, in the run's tokenizer (`setup.run_tokenizer`).
 
-`warm_start(cfg, run)` is the whole step: SFT from random init or from `sft.init_checkpoint` (`sft.steps=0`: the
+`warm_start(plan, run)` is the whole step: SFT from random init or from `sft.init_checkpoint` (`sft.steps=0`: the
 checkpoint as it is). The start is also RL's frozen KL reference.
 
 Oracle transcripts are produced by running the scripted oracle through the real harness (same prompts, tool
@@ -22,7 +22,7 @@ import tqdm
 
 from composer_jax.model.config import ModelConfig
 from composer_jax.rl import setup
-from composer_jax.rl.config import RunConfig
+from composer_jax.rl.config import SFTPlan
 from composer_jax.train import data as data_lib
 from composer_jax.train import loop as train_loop
 from composer_jax.train import stages
@@ -102,29 +102,29 @@ def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequenc
   return params, last
 
 
-def sft_tasks(cfg: RunConfig, pool: list) -> list:
+def sft_tasks(plan: SFTPlan, pool: list) -> list:
   """The SFT tasks: the end of the pool (the workers' streams start at its beginning), a `1 - sft.demo_accuracy`
-  share of them (chosen by seed) with near-miss demonstrations (`procedural.near_miss`)."""
-  rng = random.Random(f"near-miss/{cfg.seed}")
-  return [procedural.near_miss(t, rng) if rng.random() >= cfg.sft.demo_accuracy else t
-          for t in pool[-cfg.sft.tasks:]]
+  share of them (chosen by the run's seed) with near-miss demonstrations (`procedural.near_miss`)."""
+  rng = random.Random(f"near-miss/{plan.seed}")
+  return [procedural.near_miss(t, rng) if rng.random() >= plan.sft.demo_accuracy else t
+          for t in pool[-plan.sft.tasks:]]
 
 
-def sft_transcripts(cfg: RunConfig, run: setup.Run, levels: Sequence[int] | None = None) -> tuple[list, list]:
-  """Demonstration transcripts for SFT (`sft_tasks`) and up to 32 held-out dev transcripts (right fixes); with
-  `levels`, only the tasks of those procedural levels (a curriculum's part).
+def sft_transcripts(plan: SFTPlan, run: setup.Run, keep: Callable[[object], bool] | None = None) -> tuple[list, list]:
+  """Demonstration transcripts for SFT (`sft_tasks`) and the dev transcripts of `run.dev` (right fixes); with
+  `keep` (a procedural level -> bool), only the tasks of the levels it keeps (a curriculum's part).
 
   A small finite set may have no held-out side; then the dev loss is measured on two training demonstrations
   (it only monitors SFT, and says so in the log).
   """
-  keep = (lambda ts: ts) if levels is None else (lambda ts: setup.of_levels(ts, levels))
-  train = oracle_transcripts(run.tokenizer, keep(sft_tasks(cfg, run.pool)), run.envs, cfg.harness,
-                             progress=cfg.progress_bar)
-  dev_tasks = keep(setup.heldout_tasks(cfg, run.envs, setup.DEV_TASKS))
+  pick = (lambda ts: ts) if keep is None else (lambda ts: [t for t in ts if keep(t.metadata.get("level"))])
+  tasks = pick(sft_tasks(plan, run.pool))
+  train = oracle_transcripts(run.tokenizer, tasks, run.envs, plan.harness, progress=run.progress_bar)
+  dev_tasks = pick(run.dev)
   if not dev_tasks:
-    print(f"(no held-out {cfg.tasks.kind} tasks: SFT dev loss on 2 training demonstrations)")
+    print("(no held-out tasks: SFT dev loss on 2 training demonstrations)")
     return train, train[:2]
-  return train, oracle_transcripts(run.tokenizer, dev_tasks, run.envs, cfg.harness)
+  return train, oracle_transcripts(run.tokenizer, dev_tasks, run.envs, plan.harness)
 
 
 CURRICULUM_DIR = "sft_curriculum"   # a curriculum's first stage, beside the warm start's `sft`
@@ -134,39 +134,41 @@ def _saved(workdir: str) -> list[str]:
   return [os.path.join(workdir, f) for f in ("sft_train.jsonl", "sft_eval.jsonl")]
 
 
-def sft(cfg: RunConfig, run: setup.Run, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
-        log_fn: Callable[[str], None] = print):
-  """SFT of the run's model on its demonstrations (the warm start, and the equal-time SFT control). The control
-  reads the warm start's transcripts from `workdir/sft`, and the warm start those of a curriculum's first stage
-  (the same tasks through the same oracle: re-running thousands of sandboxed episodes would only cost time)."""
-  warm, first = os.path.join(cfg.workdir, "sft"), os.path.join(cfg.workdir, CURRICULUM_DIR)
+def sft(plan: SFTPlan, run: setup.Run, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
+        keep: Callable[[object], bool] | None = None, log_fn: Callable[[str], None] = print):
+  """SFT of the run's model on its demonstrations in `workdir` (a warm start's stage, or the equal-time control);
+  with `keep`, on those of the procedural levels it keeps (a curriculum's first stage).
+
+  Demonstrations are made once per task (re-running thousands of sandboxed episodes would only cost time): a
+  resumed stage reads its own back, the control reads the warm start's (`run.workdir/sft`), and the warm start
+  after a curriculum reads the first stage's and adds the other levels'."""
+  warm, first = os.path.join(run.workdir, "sft"), os.path.join(run.workdir, CURRICULUM_DIR)
   if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
     train, dev = map(read_jsonl, _saved(workdir))
-  elif os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
+  elif keep is None and os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
     train, dev = map(read_jsonl, _saved(warm))
-  elif cfg.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
-    rest = tuple(lv for lv in cfg.tasks.levels if lv not in cfg.sft.curriculum_levels)
+  elif keep is None and plan.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
     first_train, first_dev = map(read_jsonl, _saved(first))
-    more, more_dev = sft_transcripts(cfg, run, rest)
+    more, more_dev = sft_transcripts(plan, run, lambda level: level not in plan.sft.curriculum_levels)
     train, dev = first_train + more, first_dev + more_dev
   else:
-    train, dev = sft_transcripts(cfg, run)
-  return _train(cfg, run.tokenizer, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
+    train, dev = sft_transcripts(plan, run, keep)
+  return _train(plan, run, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
 
 
 TRAIN_SECONDS = "train_seconds.json"   # in each SFT dir: its steps and their wall-clock, demonstrations excluded
 
 
-def _train(cfg: RunConfig, tok, train, dev, workdir: str, steps: int, learning_rate: float, seed: int, init_params,
-           log_fn: Callable[[str], None]):
+def _train(plan: SFTPlan, run: setup.Run, train, dev, workdir: str, steps: int, learning_rate: float, seed: int,
+           init_params, log_fn: Callable[[str], None]):
   """`run_sft` with the run's SFT shapes, logging what it trains on and recording how long its steps took
   (workdir/train_seconds.json; a resumed SFT records the steps it ran itself and their time)."""
   log_fn(f"SFT in {workdir}: {len(train)} oracle transcripts, {steps} steps")
   before = _checkpointed_step(workdir)
   t = time.perf_counter()
-  out = run_sft(cfg.model, tok, train, dev, workdir, steps=steps, seq_len=cfg.sft.seq_len, batch_size=cfg.sft.batch,
-                learning_rate=learning_rate, seed=seed, init_params=init_params, progress_bar=cfg.progress_bar,
-                log_fn=log_fn)
+  out = run_sft(plan.model, run.tokenizer, train, dev, workdir, steps=steps, seq_len=plan.sft.seq_len,
+                batch_size=plan.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
+                progress_bar=run.progress_bar, log_fn=log_fn)
   os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
   with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
     json.dump({"steps": steps - before, "seconds": time.perf_counter() - t}, f)
@@ -197,35 +199,35 @@ def seconds_per_step(workdir: str) -> float:
   return sum(r["seconds"] for r in records) / sum(r["steps"] for r in records)
 
 
-def curriculum(cfg: RunConfig, run: setup.Run, init_params, log_fn: Callable[[str], None] = print):
-  """A curriculum's first stage: `sft.curriculum_steps` SFT steps on the demonstrations of `sft.curriculum_levels`
-  only (in workdir/sft_curriculum; a finished stage is loaded, not redone). The warm start's SFT continues from it
-  on every level. Measured (experiments/results/curriculum.md): with level 1 first and a BPE fitted to level 1,
-  level 2's start reached 56-78% greedy, where the same steps on the mix from the start left it at ~15%."""
-  stage = os.path.join(cfg.workdir, CURRICULUM_DIR)
-  if os.path.isdir(os.path.join(stage, "params")):
-    return stages.load_params(stage, cfg.model)
-  if all(map(os.path.isfile, _saved(stage))):   # resumed: its demonstrations are already made
-    train, dev = map(read_jsonl, _saved(stage))
-  else:
-    train, dev = sft_transcripts(cfg, run, cfg.sft.curriculum_levels)
-  log_fn(f"SFT curriculum: levels {list(cfg.sft.curriculum_levels)} first")
-  params, _ = _train(cfg, run.tokenizer, train, dev, stage, cfg.sft.curriculum_steps, cfg.sft.learning_rate, cfg.seed,
-                     init_params, log_fn)
-  return params
+def sft_stages(plan: SFTPlan, workdir: str) -> list[tuple[str, int, Callable[[object], bool] | None]]:
+  """The warm start's SFT stages in order, as (dir, steps, the levels it keeps or None for all): with a curriculum,
+  first `sft.curriculum_steps` steps on the demonstrations of `sft.curriculum_levels` only (workdir/sft_curriculum),
+  then `sft.steps` on every level's (workdir/sft). Measured (experiments/results/curriculum.md): with level 1 first
+  and a BPE fitted to level 1, level 2's start reached 56-78% greedy, where the same steps on the mix from the start
+  left it at ~15%."""
+  last = (os.path.join(workdir, "sft"), plan.sft.steps, None)
+  levels = plan.sft.curriculum_levels
+  if not levels:
+    return [last]
+  return [(os.path.join(workdir, CURRICULUM_DIR), plan.sft.curriculum_steps, lambda level: level in levels), last]
 
 
-def warm_start(cfg: RunConfig, run: setup.Run, log_fn: Callable[[str], None] = print):
-  """The starting params (resumable: a finished SFT in `workdir/sft` is loaded, not redone); see the docstring."""
-  sft_dir = os.path.join(cfg.workdir, "sft")
-  if cfg.sft.steps and os.path.isdir(os.path.join(sft_dir, "params")):
-    return stages.load_params(sft_dir, cfg.model)
-  init_params = stages.load_params(cfg.sft.init_checkpoint, cfg.model) if cfg.sft.init_checkpoint else None
-  if not cfg.sft.steps:
-    return init_params
-  if cfg.sft.curriculum_levels:
-    init_params = curriculum(cfg, run, init_params, log_fn)
-  params, last = sft(cfg, run, init_params, sft_dir, steps=cfg.sft.steps, learning_rate=cfg.sft.learning_rate,
-                     seed=cfg.seed, log_fn=log_fn)
-  log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
+def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = print):
+  """The starting params: `sft.init_checkpoint`'s (or a random init) trained through each SFT stage in turn; a
+  finished stage is loaded, not redone, and with `sft.steps=0` the checkpoint is the start as it is."""
+  todo = sft_stages(plan, run.workdir) if plan.sft.steps else []
+  finished = [i for i, (stage, _, _) in enumerate(todo) if os.path.isdir(os.path.join(stage, "params"))]
+  params, last = None, None
+  if finished:
+    params = stages.load_params(todo[finished[-1]][0], plan.model)
+    todo = todo[finished[-1] + 1:]
+  elif plan.sft.init_checkpoint:
+    params = stages.load_params(plan.sft.init_checkpoint, plan.model)
+  for stage, steps, keep in todo:
+    if keep is not None:
+      log_fn(f"SFT curriculum: levels {list(plan.sft.curriculum_levels)} first")
+    params, last = sft(plan, run, params, stage, steps=steps, learning_rate=plan.sft.learning_rate, seed=plan.seed,
+                       keep=keep, log_fn=log_fn)
+  if last is not None:
+    log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
   return params

@@ -39,6 +39,14 @@ def publish(directory: str, params, version: int, keep: int = 3) -> str:
   return path
 
 
+def publish_unless_latest(directory: str, params, version: int) -> None:
+  """`publish` unless `version` is already the one `latest.json` names (a resumed trainer's first version, the
+  final policy a publisher has already written)."""
+  got = latest(directory)
+  if got is None or got[0] != version:
+    publish(directory, params, version)
+
+
 def recover(directory: str, version: int) -> list[int]:
   """Deletes temp files of a killed publish and versions newer than `version` (the checkpoint the trainer resumes
   from); re-points `latest.json` at `version` if it named a deleted one. Returns the deleted versions."""

@@ -84,7 +84,7 @@ def main(workdir: str, worker_index: int) -> None:
     f.write(str(os.getpid()))
   with setup.open_run(cfg) as run:   # the trainer's tokenizer and pool, workspaces of this worker's own
     workers.run_worker(follower.engine, run.tokenizer, run.pool, run.envs, cfg.harness,
-                       QueueProducer(setup.queue_url(cfg), wcfg.producer_id), wcfg,
+                       QueueProducer(setup.queue_url(cfg.workdir), wcfg.producer_id), wcfg,
                        os.path.join(sdir, f"{wcfg.producer_id}.json"),
                        refresh=throttle(follower, per_version, stopping,
                                         lambda: beat(beat_path(workdir, worker_index))), should_stop=stopping,
