@@ -12,6 +12,11 @@ Used by `scale_plan.py`.
   **XLA:CPU-only** when a GPU compile would not hold it: f32 copies that XLA:CPU makes of bf16 values
   (a `convert` from bf16, possibly followed by relayout `copy`s: it has no bf16 arithmetic), and the widened half of
   an f32 collective result whose operand was bf16 (`hlo_collectives.program_elements`).
+  A copy is wholly CPU-only only while its bf16 original is live too: a GPU reads the original instead. Where the
+  original is *not* live at the peak (XLA:CPU converts a stack the forward scan saved for the backward and frees
+  the bf16 stack), a GPU would hold a bf16 value of the copy's shape in its place (that stack, or the broadcast of
+  a bf16 scalar a scatter-add starts from), so the copies of one original count as CPU-only less half the largest
+  copy (`peak_buffers`: `holds_instead` names the original).
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from benchmarks.hlo_module import Module, element_types
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$")
 _LIVE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
+_PARAM_NUMBER = re.compile(r"\bparameter\((\d+)\)")
+_GTE_INDEX = re.compile(r"\bindex=(\d+)")
 
 
 def dump_flags(directory: str) -> str:
@@ -114,6 +121,13 @@ def cpu_only_bytes(module: Module, name: str, index: tuple[int, ...], size: int)
 def _narrow_convert(module: Module, ins) -> str | None:
   """"copy" if the (fused) instruction converts an existing bf16 buffer (its operand) to f32, "round_trip" if it
   widens a bf16 value it computed itself (f32 -> bf16 -> f32), else None."""
+  converted = _converted(module, ins)
+  return None if converted is None else "round_trip" if converted[1] else "copy"
+
+
+def _converted(module: Module, ins) -> tuple[str, bool] | None:
+  """(the name of the bf16 value a (fused) instruction converts to f32 — in the enclosing computation when it is
+  the fusion's operand —, whether the fusion computed that value itself), or None if it converts none."""
   body = module.computations[ins.callees[0]] if ins.opcode == "fusion" and ins.callees else [ins]
   local = {i.name: i for i in body}
   for i in body:
@@ -122,9 +136,38 @@ def _narrow_convert(module: Module, ins) -> str | None:
     src = local.get(i.operands[0]) or module.instrs.get(i.operands[0])
     if src is None or element_types(src.type)[0][0] not in NARROW:
       continue
-    computed_here = src.name in local and src.opcode != "parameter" and ins.opcode == "fusion"
-    return "round_trip" if computed_here else "copy"
+    if src.name in local and src.opcode != "parameter" and ins.opcode == "fusion":
+      return src.name, True
+    if src.opcode == "parameter" and ins.opcode == "fusion":
+      return ins.operands[int(_PARAM_NUMBER.search(src.line).group(1))], False
+    return src.name, False
   return None
+
+
+def _buffer(module: Module, name: str) -> tuple[str, tuple[int, ...]]:
+  """The buffer a value lives in, as the live-range dump names it: (defining instruction, tuple index), looking
+  through `bitcast`s and `get-tuple-element`s (which name an existing buffer)."""
+  index: tuple[int, ...] = ()
+  for _ in range(64):
+    ins = module.instrs.get(name)
+    if ins is None or ins.opcode not in ("bitcast", "get-tuple-element") or not ins.operands:
+      break
+    if ins.opcode == "get-tuple-element":
+      index = (int(_GTE_INDEX.search(ins.attrs).group(1)),) + index
+    name = ins.operands[0]
+  return name, index
+
+
+def bf16_original(module: Module, name: str, depth: int = 0) -> tuple[str, tuple[int, ...]] | None:
+  """For an f32 copy of a bf16 value (a converting fusion, or a relayout copy of such a copy): the buffer of the bf16
+  original (`_buffer`), else None."""
+  ins = module.instrs.get(name)
+  if ins is None or depth > 20 or not _only_layout_and_converts(module, ins):
+    return None
+  converted = _converted(module, ins)
+  if converted is not None:
+    return None if converted[1] else _buffer(module, converted[0])
+  return bf16_original(module, ins.operands[0], depth + 1) if ins.operands else None
 
 
 def live_range_text(directory: str, module_name: str) -> str:
@@ -135,6 +178,21 @@ def live_range_text(directory: str, module_name: str) -> str:
                             f"{dump_flags(directory)!r} set before jax was imported?")
   with open(max(files, key=os.path.getmtime)) as f:
     return f.read()
+
+
+def _hold_originals_not_live(module: Module, buffers: list[dict]) -> None:
+  """The copies of a bf16 original that is not live at the peak: a GPU holds a bf16 value of their shape in their
+  place, so the largest copy's CPU-only bytes drop by half and it names the original."""
+  live = {(b["name"], b["index"]) for b in buffers}
+  copies: dict[tuple, list[dict]] = {}
+  for b in buffers:
+    if b["cpu_only"] == b["bytes"] > 0 and (original := bf16_original(module, b["name"])) is not None:
+      copies.setdefault(original, []).append(b)
+  for (name, index), group in copies.items():
+    if (name, index) not in live:
+      largest = max(group, key=lambda b: b["bytes"])
+      largest["cpu_only"] -= largest["bytes"] // 2
+      largest["holds_instead"] = name + "{" + ",".join(map(str, index)) + "}"
 
 
 def peak_buffers(module: Module, live_range: str, top: int = 12) -> dict:
@@ -150,8 +208,9 @@ def peak_buffers(module: Module, live_range: str, top: int = 12) -> dict:
       break
     name, index, size = m.group(1), tuple(int(x) for x in m.group(2).split(",") if x), int(m.group(3))
     ins = module.instrs.get(name)
-    buffers.append({"name": name, "bytes": size, "type": ins.type if ins else "",
+    buffers.append({"name": name, "index": index, "bytes": size, "type": ins.type if ins else "",
                     "source": _source(module, name), "cpu_only": cpu_only_bytes(module, name, index, size)})
+  _hold_originals_not_live(module, buffers)
   by_source: dict[str, dict] = {}
   for b in buffers:
     s = by_source.setdefault(b["source"], {"bytes": 0, "cpu_only": 0, "buffers": 0})

@@ -146,7 +146,7 @@ def plan_child(n_moe_layers: int | None) -> None:
   """In a process with the plan's device count: the run's RL step vs the plan's, lowered on the plan's mesh."""
   import jax
 
-  from benchmarks import scale_plan as sp
+  from benchmarks import scale_plan_cases as sp
   from composer_jax.rl.trainer import build_rl_step
   stage = sp.STAGES["rl"]
   axes = sp.PLANS["kimi_k2"]["rl"][jax.device_count()]

@@ -8,12 +8,18 @@ harness, engine and sandbox settings, each training task of each level is rolled
 from the prompt) and as a tree of the same G leaves (`rollout.tree_harness`), the two arms alternating which goes
 first, with the engine's prefix cache emptied before every group (no arm reuses the other's prefixes). Per leaf:
   * generated tokens: what the engine decoded (a shared opening counts once);
+  * unrolled tokens: the generated tokens of every leaf's whole stream (multiplicity included), as if each leaf had
+    been sampled on its own. Each leaf is marginally an episode of the policy, so per leaf this estimates a flat
+    group's generated tokens from the same group: `unrolled_over_generated` is the tree's saving measured within
+    each group (paired), without the episode-to-episode spread that the flat arm's comparison carries;
   * prefilled tokens: prompt tokens the engine ran (those its prefix cache did not hold);
   * sandbox-seconds: wall-clock inside workspace calls (tool calls, forks, snapshots, grading, closing);
   * rollout seconds: the group's wall-clock, and engine seconds, the part spent in `generate`;
   * solved: the leaves' success rate (the same policy in both arms, so it should agree within noise);
   * distinct leaves: the share of leaves that are episodes of their own (a tree episode that ends before a branch
-    point stands for all the leaves below it, `multiplicity`: fewer distinct samples for the same G).
+    point stands for all the leaves below it, `multiplicity`: fewer distinct samples for the same G);
+  * trainer tokens: what the trainer's batch stores of the group (`rl.batch.segment_lengths`), with each shared
+    prefix once (`BatchConfig.share_prefix`) and, as `trainer_tokens_dup`, with it repeated in each branch's row.
 One flat and one tree group on another task run first, untimed, so compiling is not in any figure.
 Environment snapshots are built before timing. The last line printed is one JSON object with these per arm and
 level and the flat/tree ratios (`flat_over_tree`: flat's figures per leaf over the tree's); the load average
@@ -34,6 +40,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import numpy as np  # noqa: E402
 
+from composer_jax.rl import batch as rl_batch  # noqa: E402
 from composer_jax.rl import publishers, setup  # noqa: E402
 from composer_jax.rl import workdir as workdir_lib  # noqa: E402
 from composer_jax.sampling.engine import JaxEngine  # noqa: E402
@@ -131,8 +138,15 @@ def branch_turn(traj) -> int | None:
              for s, segment in enumerate(traj.segments[:seg + 1]) for t in segment.turns)
 
 
-def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task) -> dict:
-  """Runs `group(task)` (one group's rollout) and returns what it cost and its leaves' success."""
+def trainer_tokens(trajs, length: int, share_prefix: bool) -> int:
+  """Tokens the trainer's batch stores of a group (its rows, or packed sequences, laid end to end)."""
+  cfg = rl_batch.BatchConfig(rows=1, length=length, n_moe_layers=0, top_k=1, share_prefix=share_prefix)
+  return sum(rl_batch.segment_lengths([t.to_dict() for t in trajs], cfg))
+
+
+def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task, length: int) -> dict:
+  """Runs `group(task)` (one group's rollout) and returns what it cost and its leaves' success (`length`: the
+  trainer's row length)."""
   engine.engine.prefix_cache.clear()
   g0, p0, e0, s0 = engine.generated, engine.prefilled, engine.clock.seconds, sandbox.seconds
   t = time.perf_counter()
@@ -140,13 +154,20 @@ def rollout_cost(engine: CountingEngine, sandbox: Clock, group, task) -> dict:
   return {"wall_s": time.perf_counter() - t, "engine_s": engine.clock.seconds - e0,
           "sandbox_s": sandbox.seconds - s0, "generated": engine.generated - g0, "prefilled": engine.prefilled - p0,
           "leaves": sum((t.tree or {}).get("multiplicity", 1) for t in trajs), "episodes": len(trajs),
+          "unrolled": sum((t.tree or {}).get("multiplicity", 1) * t.n_generated for t in trajs),
+          "trainer_tokens": trainer_tokens(trajs, length, True),
+          "trainer_tokens_dup": trainer_tokens(trajs, length, False),
           "solved": float(np.mean([t.metrics["solved"] for t in trajs])),
           "branch_turns": [b for b in map(branch_turn, trajs) if b is not None]}
 
 
 def per_leaf(rows: list[dict]) -> dict:
   leaves = sum(r["leaves"] for r in rows)
-  out = {k: sum(r[k] for r in rows) / leaves for k in ("generated", "prefilled", "sandbox_s", "wall_s", "engine_s")}
+  keys = ("generated", "unrolled", "prefilled", "sandbox_s", "wall_s", "engine_s", "trainer_tokens",
+          "trainer_tokens_dup")
+  out = {k: sum(r[k] for r in rows) / leaves for k in keys if k in rows[0]}
+  if "unrolled" in out:
+    out["unrolled_over_generated"] = out["unrolled"] / max(out["generated"], 1e-9)
   turns = [b for r in rows for b in r["branch_turns"]]
   out.update(groups=len(rows), leaves=leaves, distinct_leaves=sum(r["episodes"] for r in rows) / leaves,
              branch_turn=float(np.mean(turns)) if turns else None,
@@ -155,8 +176,10 @@ def per_leaf(rows: list[dict]) -> dict:
 
 
 ARMS = ("flat", "tree", "tree_entropy")
-FIGURES = (("generated", "generated tokens / leaf"), ("prefilled", "prefilled tokens / leaf"),
-           ("sandbox_s", "sandbox-seconds / leaf"), ("wall_s", "rollout seconds / leaf"))
+FIGURES = (("generated", "generated tokens / leaf"), ("unrolled", "unrolled tokens / leaf"),
+           ("prefilled", "prefilled tokens / leaf"),
+           ("sandbox_s", "sandbox-seconds / leaf"), ("wall_s", "rollout seconds / leaf"),
+           ("trainer_tokens", "trainer tokens / leaf"))
 
 
 def render(result: dict, prefix: str) -> None:
@@ -166,24 +189,35 @@ def render(result: dict, prefix: str) -> None:
   import matplotlib.pyplot as plt
   levels = sorted(result["levels"])
   arms = [a for a in ARMS if a in result["levels"][levels[0]]]
-  lines = [f"| level | arm | {' | '.join(name for _, name in FIGURES)} | distinct leaves | mean branch turn | "
-           "solved |", "|---|---|" + "---|" * (len(FIGURES) + 3)]
+  figures = [f for f in FIGURES if f[0] in result["levels"][levels[0]]["flat"]]   # older results lack some
+  # Generated tokens per episode: a leaf that stands for several (it ended before a branch point) counts once, so
+  # a tree that saves tokens by collapsing its leaves into fewer distinct samples shows it here.
+  per_episode = {lv: {arm: result["levels"][lv][arm]["generated"] / result["levels"][lv][arm]["distinct_leaves"]
+                      for arm in arms} for lv in levels}
+  paired = "unrolled_over_generated" in result["levels"][levels[0]]["flat"]
+  lines = [f"| level | arm | {' | '.join(name for _, name in figures)} | generated tokens / episode | "
+           + ("unrolled / generated | " if paired else "") + "distinct leaves | mean branch turn | solved |",
+           "|---|---|" + "---|" * (len(figures) + 4 + paired)]
   for lv in levels:
     row = result["levels"][lv]
     for arm in arms:
       r = row[arm]
       turn = "" if r["branch_turn"] is None else f"{r['branch_turn']:.2f}"
-      lines.append(f"| {lv} | {arm} | " + " | ".join(f"{r[k]:.3g}" for k, _ in FIGURES)
-                   + f" | {r['distinct_leaves']:.2f} | {turn} | {r['solved']:.3f} |")
+      lines.append(f"| {lv} | {arm} | " + " | ".join(f"{r[k]:.3g}" for k, _ in figures)
+                   + f" | {per_episode[lv][arm]:.3g} | "
+                   + (f"{r['unrolled_over_generated']:.2f}x | " if paired else "")
+                   + f"{r['distinct_leaves']:.2f} | {turn} | {r['solved']:.3f} |")
     for arm in arms[1:]:
       q = row[f"flat_over_{arm}"]
-      lines.append(f"| {lv} | flat / {arm} | " + " | ".join(f"{q[k]:.2f}x" for k, _ in FIGURES)
-                   + f" (paired median {q['wall_s_paired_median']:.2f}x) | | | |")
+      lines.append(f"| {lv} | flat / {arm} | " + " | ".join(
+          f"{q[k]:.2f}x" + (f" (paired median {q['wall_s_paired_median']:.2f}x)" if k == "wall_s" else "")
+          for k, _ in figures) + f" | {per_episode[lv]['flat'] / per_episode[lv][arm]:.2f}x | | | |"
+          + (" |" if paired else ""))
   with open(prefix + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
-  fig, axes = plt.subplots(1, len(FIGURES), figsize=(4 * len(FIGURES), 3.2))
+  fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.2))
   x = np.arange(len(levels))
-  for ax, (key, name) in zip(axes, FIGURES, strict=True):
+  for ax, (key, name) in zip(axes, figures, strict=True):
     width = 0.8 / len(arms)
     for j, arm in enumerate(arms):
       ax.bar(x + (j - (len(arms) - 1) / 2) * width, [result["levels"][lv][arm][key] for lv in levels], width,
@@ -226,16 +260,17 @@ def measure(args, cfg, tree: tree_harness.TreeConfig, tok, pool: list, envs) -> 
       envs.snapshot(task.environment)   # built (and cached) before timing
     arms = {arm: [] for arm in runs}
     for group in runs.values():   # compiles the engine's programs outside the timed groups
-      rollout_cost(engine, sandbox, group, warm)
+      rollout_cost(engine, sandbox, group, warm, hcfg.context_budget)
     for i, task in enumerate(tasks):
       order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]   # each arm goes first as often
       for arm in order:
-        arms[arm].append(rollout_cost(engine, sandbox, runs[arm], task))
+        arms[arm].append(rollout_cost(engine, sandbox, runs[arm], task, hcfg.context_budget))
       print(f"level {level} task {i}: " + ", ".join(f"{a} {r[-1]['generated'] / G:.0f} tok/leaf "
                                                     f"{r[-1]['wall_s']:.1f}s" for a, r in arms.items()), flush=True)
     row = {arm: per_leaf(rows) for arm, rows in arms.items()}
     for arm in list(runs)[1:]:
       q = {k: row["flat"][k] / max(row[arm][k], 1e-9) for k, _ in FIGURES}
+      q["trainer_tokens_dup"] = row["flat"]["trainer_tokens_dup"] / max(row[arm]["trainer_tokens_dup"], 1e-9)
       # Per task (paired), the median of flat/tree wall-clock: robust to a load spike in one group.
       q["wall_s_paired_median"] = float(np.median([f["wall_s"] / t["wall_s"]
                                                     for f, t in zip(arms["flat"], arms[arm], strict=True)]))

@@ -63,8 +63,8 @@ def test_per_device_head_matches_one_device(axes):
 
 def test_per_device_head_gathers_the_weight_and_reduce_scatters_its_gradient():
   """No collective runs per chunk (the old head all-reduced each chunk's [Tc, V] logits inside its loop): the region
-  gathers the weight and reduce-scatters its gradient over the FSDP axes (data x context) once per call, and sums
-  the gradient over `expert` (a token axis the weight is not split on) once."""
+  gathers the weight and reduce-scatters its gradient over the FSDP axes (data x context) once per call, and then
+  sums the reduce-scattered shard over `expert` (a token axis the weight is not split on) once."""
   mesh = make_mesh(AXES)
   _, text = _run(mesh, RULES)
   region = [c for c in hc.parse(text, 8, program_dtypes=False) if "lm_head" in c.op_name]
@@ -76,6 +76,9 @@ def test_per_device_head_gathers_the_weight_and_reduce_scatters_its_gradient():
   for c in region:
     if c.kind != "all-gather":
       assert c.group_size == (4 if c.kind == "reduce-scatter" else 2), (c.kind, c.group_size)
+  # The sum over `expert` runs on the reduce-scattered quarter of each gradient (two losses, two weight gradients),
+  # not on the full [D, V] f32 gradient (before: 2 x D x V x 4 bytes, the whole gradient across `expert`).
+  assert sum(c.buffer_bytes for c in region if c.kind == "all-reduce") == 2 * D * V * 4 // 4
 
 
 def test_no_mesh_runs_the_plain_head():

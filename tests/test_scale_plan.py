@@ -1,6 +1,7 @@
-"""The scale plan's method, checked where it can be: hand-computed collectives (bf16 tuples included), FLOPs and
-peak buffers of hand-built programs, the roofline, temp flat in depth under scan, and on 8 fake devices the compiled
-figures against `benchmarks/ep_bytes.py`, `benchmarks/cp_memory.py` and a real run of the same step."""
+"""The scale plan's method, checked where it can be: hand-computed collectives (bf16 tuples included), FLOPs of
+hand-built programs (peak buffers: test_scale_plan_memory.py), the roofline, temp flat in depth under scan, and on
+8 fake devices the compiled figures against `benchmarks/ep_bytes.py`, `benchmarks/cp_memory.py` and a real run of
+the same step."""
 import dataclasses
 import importlib.util
 import json
@@ -15,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import hlo_collectives as hc
 from benchmarks import hlo_costs, hlo_module
-from benchmarks import scale_plan as sp
+from benchmarks import scale_plan_cases as sp
+from benchmarks import scale_plan_roofline as spr
 from composer_jax.parallel import make_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -75,7 +77,7 @@ def test_roofline_by_hand():
   c["all-gather"]["nvlink_bytes"] = 45e9
   row = {"tokens": 4096, "argument": 50e9, "output": 50e9, "temp": 30e9, "alias": 50e9, "collectives": c,
          "hlo_flops": 1.5e15, "model_flops": 1e15, "peak": {"cpu_only_bytes": 10e9}}
-  r = sp.summarize_case(row)
+  r = spr.summarize_case(row)
   assert r["temp_gpu"] == 20e9 and r["total_gpu"] == 50e9 + 20e9 and r["fits"]
   assert r["t"]["compute"] == pytest.approx(1.5e15 / 989e12)
   assert r["t"]["memory"] == pytest.approx(140e9 / 4.8e12)
@@ -128,43 +130,6 @@ def test_a_conditional_counts_only_its_heaviest_branch():
   text = jax.jit(f).lower(jnp.ones((128, 256)), jnp.ones((5, 256, 256)), jnp.ones(5, jnp.int32)).compile().as_text()
   assert " conditional(" in text
   assert hlo_costs.dot_flops(hlo_module.parse_module(text))["total"] == 5 * 2 * (2 * 128 * 256 * 256)
-
-PEAK_PROGRAM = """
-import json, sys
-import jax, jax.numpy as jnp
-from benchmarks import hlo_costs, hlo_module
-
-def f(w_bf16, x_bf16):
-  y = jnp.einsum("erd,edf->erf", x_bf16, w_bf16, preferred_element_type=jnp.float32)
-  with jax.named_scope("second_product"):
-    z = jnp.einsum("erf,edf->erd", y.astype(jnp.bfloat16), w_bf16)
-  return z, jnp.sum(y, axis=1)
-args = (jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16))
-compiled = jax.jit(f).lower(*args).compile()
-module = hlo_module.parse_module(compiled.as_text())
-print(json.dumps(hlo_costs.peak_buffers(module, hlo_costs.live_range_text(sys.argv[1], "jit_f"))))
-"""
-
-
-def test_peak_buffers_are_attributed_and_cpu_only_copies_shown_apart(tmp_path):
-  """XLA's live-range dump of a hand-built program (batched bf16 matmuls, which XLA:CPU runs in f32): the output is
-  named by its scope; XLA:CPU's f32 copy of the bf16 weight w is all CPU-only (a GPU reads w itself); its widened
-  y.astype(bf16) is half CPU-only (the program holds that value in bf16); the bf16 arguments are not."""
-  env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-         "XLA_FLAGS": hlo_costs.dump_flags(str(tmp_path))}
-  out = subprocess.run([sys.executable, "-c", PEAK_PROGRAM, str(tmp_path)], capture_output=True, text=True, env=env,
-                       timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  peak = json.loads(out.stdout.strip().splitlines()[-1])
-  by_type = {b["type"].split("{")[0]: b for b in peak["largest"]}
-  z, w_copy, y_bf16 = by_type["f32[8,1024,256]"], by_type["f32[8,256,512]"], by_type["f32[8,1024,512]"]
-  assert "second_product" in z["source"] and "second_product" in y_bf16["source"]
-  assert w_copy["source"] == "w_bf16" and w_copy["cpu_only"] == w_copy["bytes"] == 8 * 256 * 512 * 4
-  assert y_bf16["cpu_only"] == y_bf16["bytes"] // 2 == 8 * 1024 * 512 * 2
-  assert by_type["bf16[8,256,512]"]["cpu_only"] == 0
-  assert peak["cpu_only_bytes"] == sum(b["cpu_only"] for b in peak["largest"])
-  assert peak["bytes"] == sum(b["bytes"] for b in peak["largest"])
-
 
 def test_moonlight_16b_is_the_published_size():
   """~16B total / ~3B active (Moonlight-16B-A3B: 15.96B / 2.58B without the embedding lookup)."""
@@ -246,7 +211,7 @@ def test_scanned_temp_grows_only_by_each_layers_own_bytes():
 RUN_STEP = """
 import ctypes, json, os, threading, time
 import jax
-from benchmarks import scale_plan as sp
+from benchmarks import scale_plan_cases as sp
 
 def rss():
   with open("/proc/self/statm") as f:

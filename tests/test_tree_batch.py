@@ -153,19 +153,22 @@ def test_tree_group_round_trips_the_queue():
     np.testing.assert_array_equal(direct[k], via_queue[k], err_msg=k)
 
 
-@pytest.mark.slow   # ~95 s here: two compiles of the step, one on 8 fake devices
-def test_sharded_tree_step_equals_unsharded(params):
-  """The tree fields shard like the other per-token fields (rows over the 8 fake devices): same loss and grads."""
+@pytest.mark.slow   # ~95 s here each: two compiles of the step, one on 8 fake devices
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_sharded_tree_step_equals_unsharded(params, share_prefix):
+  """The tree fields shard like the other per-token fields (rows over the 8 fake devices): same loss and grads.
+  With the shared prefix stored once (`branch`, `branch_end`, `prev` too) the tree's four leaves take two rows."""
   p, ref = params
-  cfg = dataclasses.replace(BCFG, rows=8)
+  cfg = dataclasses.replace(BCFG, rows=8, share_prefix=share_prefix)
   batch = {k: jnp.asarray(v) for k, v in rl_batch.make_batch([tl.tree_group(NODES, REWARDS, n_layers=LM)],
                                                              cfg).items()}
   fn = jax.value_and_grad(functools.partial(rl_step_lib.rl_loss_fn, model_cfg=CFG, rl_cfg=rl_step_lib.RLConfig()),
                           has_aux=True)
   (want, _), g_want = jax.jit(fn)(p, batch, ref)
   mesh = mesh_lib.make_mesh({"data": -1})
-  bsh, psh = rl_step_lib.batch_shardings(mesh, trees=True), model.shardings(CFG, mesh)
+  bsh, psh = rl_step_lib.batch_shardings(mesh, trees=True, share_prefix=share_prefix), model.shardings(CFG, mesh)
   assert bsh["token_adv"] == bsh["loss_weight"] == bsh["gen_mask"]
+  assert set(bsh) == set(batch) and (share_prefix == ("prev" in batch))
   (got, _), g_got = jax.jit(fn, in_shardings=(psh, bsh, psh))(jax.device_put(p, psh), jax.device_put(batch, bsh),
                                                              jax.device_put(ref, psh))
   np.testing.assert_allclose(got, want, rtol=1e-5)    # f32 sums split across devices

@@ -66,6 +66,14 @@ def segment_causal_mask(q_segment_ids_BxL: jax.Array, kv_segment_ids_BxS: jax.Ar
   return same_BxLxS & causal_LxS[None]
 
 
+def branch_mask(branch_BxL: jax.Array, branch_end_BxL: jax.Array) -> jax.Array:
+  """[B, L, L] bool for rows that hold a tree's branches after their shared prefix (`rl.batch`, share_prefix):
+  key s is visible to query l iff branch[l] < branch_end[s] — the key's token is in the stream of l's branch (its
+  own tokens, or a prefix that branch shares). AND it with `segment_causal_mask`; 0 and 1 everywhere is no
+  restriction."""
+  return branch_BxL[:, :, None] < branch_end_BxL[:, None, :]
+
+
 def attend_reference(q_BxLxHxQ: jax.Array, k_BxSxHxQ: jax.Array, v_BxSxHxDv: jax.Array, mask_BxLxS: jax.Array,
                      scale: float) -> jax.Array:
   """The plain formula `attend` computes: masked softmax attention (float32 softmax) → [B, L, H, Dv]; a fully

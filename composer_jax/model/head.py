@@ -12,13 +12,15 @@ or an MTP module's own `shared_head.norm`), as `model.hidden_states` returns it;
 The norm has few FLOPs and a per-module weight, so keeping it out lets the trunk and every MTP module share this
 one head.
 
-On a mesh (`jax.set_mesh`), every loss runs **per device** (`_per_device`): a `jax.shard_map` over the mesh axes
-the tokens are split over (`ShardingRules.batch` and `seq`, from `parallel.rules.current_rules()`), each device
-running the chunked head on its own tokens only. The weight enters the region in its own (FSDP / vocab) layout and
-is all-gathered once inside, so its gradient leaves through the transposed collective, a reduce-scatter (plus a sum
-over token axes the weight is not split on). Without it, the partitioner ran every global chunk on every device and
-all-reduced each chunk's f32 [Tc, V] logits (forward and backward) over the FSDP axes. With no mesh, or a mesh whose
-axes are all of size 1, the plain functions run.
+On a mesh (`jax.set_mesh`), every loss runs **per device** (`_per_device`, `per_device.py`): a `jax.shard_map`
+over the mesh axes the tokens are split over (`ShardingRules.batch` and `seq`, from `parallel.rules.current_rules()`),
+each device running the chunked head on its own tokens only. The weight enters the region in its own (FSDP / vocab)
+layout and is all-gathered once inside, so its gradient leaves through the transposed collective, a reduce-scatter,
+and only then is summed over the token axes the weight is not split on, on the reduce-scattered shard (on the
+256-device Kimi K2 plan that sum crosses nodes: 1/8 of the full gradient instead of all of it). Both reductions run
+in the weight's dtype (bf16 in the plan), as the gradient leaves the head in it. Without the region, the partitioner
+ran every global chunk on every device and all-reduced each chunk's f32 [Tc, V] logits (forward and backward) over
+the FSDP axes. With no mesh, or a mesh whose axes are all of size 1, the plain functions run.
 
 Numerics: logits are accumulated in float32 (`preferred_element_type`) whatever the dtype of h and w; gradients
 come back in h's and w's dtypes. `*_reference` beside each function is the plain formula on full logits (tested
@@ -34,8 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.model import per_device
 from composer_jax.model.config import ModelConfig
-from composer_jax.parallel.rules import current_rules, mesh_axes_dividing
+from composer_jax.parallel.rules import current_rules
 
 DEFAULT_CHUNK = 512   # tokens per chunk: [512, V] float32 blocks (8 MiB at V = 4096); measured on the colab step
 
@@ -94,11 +97,38 @@ def _chunk_logits(h_TcxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
   return jnp.dot(h_TcxD, w_DxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
 
 
+def _backward_chunks(dz_fn, xs, h_TxD: jax.Array, w_DxV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(dh [T, D] in h's dtype, dw [D, V] in w's dtype) from the logits' gradient `dz_fn(chunk) -> dz [Tc, V]`
+  (float32), chunk by chunk over `xs` (whose first entry is h's chunks); dz enters both products in h's dtype.
+
+  dw is either accumulated over the chunks in a float32 [D, V] scan carry or, when the token count is small
+  beside D (the stacked dz [T, V] in h's dtype takes no more bytes than one float32 [D, V]), computed as one
+  product of h with the stacked dz: the carry costs three [D, V] float32 buffers in the loop (carry, product,
+  sum; on the 256-device Kimi K2 plan 14 GB of the peak) where the stack and one product cost less than two.
+  """
+  T, D = h_TxD.shape
+  V = w_DxV.shape[1]
+  dt = h_TxD.dtype
+  w_c = w_DxV.astype(dt)
+
+  def dh_of(dz_TcxV):
+    return jnp.dot(dz_TcxV, w_c.T, preferred_element_type=jnp.float32).astype(dt)
+
+  if T * V * dt.itemsize <= D * V * 4:
+    def one(args):
+      dz_TcxV = dz_fn(args).astype(dt)
+      return dh_of(dz_TcxV), dz_TcxV
+    dh, dz = jax.lax.map(one, xs)
+    dw_DxV = jnp.dot(h_TxD.T, _unchunk(dz, T), preferred_element_type=jnp.float32)
+  else:
+    def acc(dw_DxV, args):
+      dz_TcxV = dz_fn(args).astype(dt)
+      return dw_DxV + jnp.dot(args[0].T, dz_TcxV, preferred_element_type=jnp.float32), dh_of(dz_TcxV)
+    dw_DxV, dh = jax.lax.scan(acc, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
+  return _unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype)
+
+
 # ------------------------------------------------------------------------------------------ per device on a mesh
-
-def _spec_entry(axes: tuple[str, ...]):
-  return None if not axes else axes[0] if len(axes) == 1 else axes
-
 
 def _per_device(local_fn, h_BxLxD: jax.Array, ws: tuple[jax.Array, ...], tokens: tuple[jax.Array, ...], n_out: int):
   """`local_fn(h, ws, tokens) -> n_out [B, L] arrays` on each device's own tokens (see the module docstring).
@@ -106,31 +136,18 @@ def _per_device(local_fn, h_BxLxD: jax.Array, ws: tuple[jax.Array, ...], tokens:
   Every w in `ws` is [D, V] in the head weight's layout (logical ("embed", "vocab")); `tokens` are [B, L] (or
   [B, L, D] like h) arrays split like h.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or all(n == 1 for n in mesh.shape.values()):
+  mesh = per_device.active_mesh()
+  if mesh is None:
     return local_fn(h_BxLxD, ws, tokens)
-  rules = current_rules()
   B, L, D = h_BxLxD.shape
-  V = ws[0].shape[1]
-  b_axes = mesh_axes_dividing("batch", B, mesh, rules)
-  l_axes = tuple(a for a in mesh_axes_dividing("seq", L, mesh, rules) if a not in b_axes)
-  # The weight is gathered in the region over the token axes it is split on; over any other axis the partitioner
-  # gathers it at the boundary (every device there holds the same tokens, so that gradient is a local slice).
-  d_axes = tuple(a for a in mesh_axes_dividing("embed", D, mesh, rules) if a in b_axes + l_axes)
-  v_axes = tuple(a for a in mesh_axes_dividing("vocab", V, mesh, rules) if a in b_axes + l_axes and a not in d_axes)
-  tok = P(_spec_entry(b_axes), _spec_entry(l_axes))
-  w_spec = P(_spec_entry(d_axes), _spec_entry(v_axes))
+  b_axes, l_axes = per_device.token_axes(B, L, mesh, current_rules())
+  w_spec, gathers, rest = per_device.weight_layout(ws[0].shape, ("embed", "vocab"), b_axes + l_axes, mesh,
+                                                   current_rules())
+  tok = P(per_device.spec_entry(b_axes), per_device.spec_entry(l_axes))
 
   def body(h_bxlxD, ws_local, tokens_local):
-    # One gather of each weight per call; its transpose reduce-scatters the weight's gradient.
-    full = []
-    for w in ws_local:
-      if d_axes:
-        w = jax.lax.all_gather(w, d_axes, axis=0, tiled=True)
-      if v_axes:
-        w = jax.lax.all_gather(w, v_axes, axis=1, tiled=True)
-      full.append(w)
-    return local_fn(h_bxlxD, tuple(full), tokens_local)
+    # One gather of each weight per call; its transpose reduce-scatters the weight's gradient, then sums the shard.
+    return local_fn(h_bxlxD, tuple(per_device.gather(w, gathers, rest) for w in ws_local), tokens_local)
 
   tok_specs = tuple(P(*tok, *([None] * (t.ndim - 2))) for t in tokens)
   region = jax.shard_map(body, mesh=mesh, in_specs=(P(*tok, None), (w_spec,) * len(ws), tok_specs),
@@ -182,10 +199,9 @@ def _token_stats_bwd(Tc, with_entropy, res, g):
   g_logp_T, g_ent_T = (jnp.zeros(ent_T.shape, jnp.float32) if isinstance(x, jax.custom_derivatives.SymbolicZero)
                        else x for x in g)
   with_entropy = with_entropy and not isinstance(g[1], jax.custom_derivatives.SymbolicZero)
-  T, V = h_TxD.shape[0], w_DxV.shape[1]
-  w_c = w_DxV.astype(h_TxD.dtype)
+  V = w_DxV.shape[1]
 
-  def one(dw_DxV, args):
+  def dz(args):
     h_TcxD, t_Tc, lse_Tc, ent_Tc, gl_Tc, ge_Tc = args
     logp_TcxV = _chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None]
     p_TcxV = jnp.exp(logp_TcxV)
@@ -193,14 +209,12 @@ def _token_stats_bwd(Tc, with_entropy, res, g):
     dz_TcxV = gl_Tc[:, None] * (onehot_TcxV - p_TcxV)
     if with_entropy:
       dz_TcxV = dz_TcxV - ge_Tc[:, None] * p_TcxV * (logp_TcxV + ent_Tc[:, None])
-    dh_TcxD = jnp.dot(dz_TcxV.astype(h_TcxD.dtype), w_c.T, preferred_element_type=jnp.float32)
-    dw_DxV = dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
-    return dw_DxV, dh_TcxD.astype(h_TcxD.dtype)
+    return dz_TcxV
 
   xs = tuple(_chunks(a, Tc) for a in (h_TxD, t_T, lse_T, ent_T, g_logp_T.astype(jnp.float32),
                                      g_ent_T.astype(jnp.float32)))
-  dw_DxV, dh = jax.lax.scan(one, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
-  return _unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype), None
+  dh_TxD, dw_DxV = _backward_chunks(dz, xs, h_TxD, w_DxV)
+  return dh_TxD, dw_DxV, None
 
 
 _token_stats.defvjp(_token_stats_fwd, _token_stats_bwd, symbolic_zeros=True)
@@ -294,21 +308,16 @@ def _distill_bwd(Tc, res, g):
   """d(−Σ q log p)/dz = p − q; the teacher (q) gets no gradient."""
   h_TxD, w_DxV, th_TxD, tw_DxV, lse_T = res
   g_ce_T = g[0]
-  T = h_TxD.shape[0]
-  w_c = w_DxV.astype(h_TxD.dtype)
 
-  def one(dw_DxV, args):
+  def dz(args):
     h_TcxD, th_TcxD, lse_Tc, g_Tc = args
     p_TcxV = jnp.exp(_chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None])
     q_TcxV = jax.nn.softmax(_chunk_logits(th_TcxD, tw_DxV), axis=-1)
-    dz_TcxV = (g_Tc[:, None] * (p_TcxV - q_TcxV)).astype(h_TcxD.dtype)
-    dh_TcxD = jnp.dot(dz_TcxV, w_c.T, preferred_element_type=jnp.float32)
-    return dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV, preferred_element_type=jnp.float32), dh_TcxD.astype(h_TcxD.dtype)
+    return g_Tc[:, None] * (p_TcxV - q_TcxV)
 
   xs = tuple(_chunks(a, Tc) for a in (h_TxD, th_TxD, lse_T, g_ce_T.astype(jnp.float32)))
-  dw_DxV, dh = jax.lax.scan(one, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
-  return (_unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype), jnp.zeros_like(th_TxD),
-          jnp.zeros_like(tw_DxV))
+  dh_TxD, dw_DxV = _backward_chunks(dz, xs, h_TxD, w_DxV)
+  return dh_TxD, dw_DxV, jnp.zeros_like(th_TxD), jnp.zeros_like(tw_DxV)
 
 
 _distill.defvjp(_distill_fwd, _distill_bwd)

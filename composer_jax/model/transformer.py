@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from composer_jax.model import context_parallel as cp_lib
-from composer_jax.model import head
-from composer_jax.model.attention import KVCache, attention, segment_causal_mask
+from composer_jax.model import embedding, head
+from composer_jax.model.attention import KVCache, attention, branch_mask, resolve_kernel, segment_causal_mask
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.layers import mlp, rms_norm
 from composer_jax.model.moe import moe_block
@@ -156,7 +156,7 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
   for j in range(cfg.num_nextn_predict_layers):
     p = take_layer(params["mtp"], j)
     shifted_BxL = jnp.pad(tokens_BxL[:, j + 1:], ((0, 0), (0, min(j + 1, L))))[:, :L]
-    e_BxLxD = embed_VxD[cp_lib.to_zigzag(shifted_BxL, cp_size)].astype(dt)
+    e_BxLxD = embedding.lookup(embed_VxD, cp_lib.to_zigzag(shifted_BxL, cp_size)).astype(dt)
     h, aux, _ = mtp_block(p, h, e_BxLxD, rope, mask, valid, cfg)
     hiddens.append(cp_lib.from_zigzag(rms_norm(h, p["norm"], cfg.rms_norm_eps), cp_size))
     loads.append(aux["expert_load"])
@@ -167,7 +167,8 @@ def mtp_forward(params: dict, h_BxLxD: jax.Array, tokens_BxL: jax.Array, rope, m
 
 def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
                   positions: jax.Array | None = None, routing: jax.Array | None = None,
-                  mtp_detach_trunk: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+                  mtp_detach_trunk: bool = False,
+                  branches: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict[str, Any]]:
   """Runs the model up to (not including) the LM head: what every loss takes (`model.head`).
 
   Args:
@@ -181,6 +182,9 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_
       are recomputed from the current router scores at those indices, so the router still gets gradients.
     mtp_detach_trunk: stop gradients from the MTP modules into the trunk hidden states and the embedding (detach
       the LM head for `aux["mtp_hidden"]` too: `head.lm_head(params, cfg, detach=True)`).
+    branches: (branch, branch_end) int [B, L] for rows holding a tree's branches after their shared prefix
+      (`attention.branch_mask`); dense attention with the "whole" or "tiled" kernel only (the others take
+      segment ids, not a mask).
 
   With `cfg.attention_impl` "ring" or "allgather" (context parallelism; call under `jax.set_mesh(mesh)`), the
   sequence is sharded on the mesh's `context` axis and L must be divisible by 2 * its size. Inputs and outputs keep
@@ -212,8 +216,14 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_
   # Context parallelism: run the whole stack in the zig-zag layout (context_parallel.py); the mask becomes each
   # token's segment id and original index, and outputs are put back in natural order below.
   n = 1 if cfg.attention_impl == "dense" else cp_lib.context_size()
+  if branches is not None and (cfg.attention_impl != "dense" or resolve_kernel(cfg) == "pallas"):
+    raise ValueError(f"rows with a tree's shared prefix stored once need dense attention with the 'whole' or "
+                     f"'tiled' kernel, got attention_impl={cfg.attention_impl!r} kernel={resolve_kernel(cfg)!r}: "
+                     "set share_prefix=False in the batch config")
   if cfg.attention_impl == "dense":
     mask = segment_causal_mask(segment_ids, segment_ids)
+    if branches is not None:
+      mask = mask & branch_mask(*branches)
   else:
     index = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
     mask = (cp_lib.to_zigzag(segment_ids, n), cp_lib.to_zigzag(index, n))
@@ -221,9 +231,7 @@ def hidden_states(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_
   rope = rope_cos_sin(cp_lib.to_zigzag(positions, n), cfg)
   if routing is not None:
     routing = cp_lib.to_zigzag(routing, n, axis=2)
-  # Pinned to the token layout: otherwise the partitioner replicated the lookup's output to re-shard it from the
-  # table's FSDP layout.
-  x = constrain(params["embed"][cp_lib.to_zigzag(tokens, n)].astype(dt), TOKENS)
+  x = embedding.lookup(params["embed"], cp_lib.to_zigzag(tokens, n)).astype(dt)   # per device, token layout
   if n_dense:
     x, _, _ = run_stack(params["dense_layers"], x, rope, mask, valid_BxL, cfg)
   if n_moe:

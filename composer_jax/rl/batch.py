@@ -30,10 +30,30 @@ uses them instead of its group advantages:
 and `gen_mask` is 1 only on the tokens a row trains: a node shared by several leaves is trained once, on its first
 leaf's row, with its leaf count as weight (the other rows hold it as context). A leaf's segment that trains nothing
 is left out (e.g. a whole segment before the branch point; only its last segment, which carries its reward, is
-always kept), so a prefix shared across a self-summary boundary is not stored twice. A prefix inside the segment
-where the branches start is repeated in each branch's row as context: attention only separates whole sequences
-(`segment_ids`), so each row needs its full context. Flat groups in such a batch get reward − group mean (the same
-numbers; `adv_std` is not available for trees). A batch of flat groups only is unchanged.
+always kept), so a prefix shared across a self-summary boundary is not stored twice. Flat groups in such a batch
+get reward − group mean (the same numbers; `adv_std` is not available for trees). A batch of flat groups only is
+unchanged.
+
+A prefix inside the segment where the branches start is, by default, repeated in each branch's row as context
+(attention separates whole sequences, `segment_ids`). With `share_prefix` it is stored once: a tree group's rows of
+one segment index are laid out as one packed sequence (`rollout.tree.row_pieces`: in path order, each leaf's row
+after the prefix it shares with the one before; cut into several where it would pass L), and three more fields
+say what each token sees and follows:
+
+  branch         int32 [R, L]   which member of its packed sequence stored the token (0 elsewhere)
+  branch_end     int32 [R, L]   one past the last member whose stream holds it (1 elsewhere): a query of member b
+                                sees key k iff b < branch_end[k], besides the causal and segment conditions
+                                (`model.attention.branch_mask`)
+  prev           int32 [R, L]   the row position of the token's predecessor in its own stream (the logprob of a
+                                branch's first token is read off the prefix's last hidden state); itself if none
+
+Positions continue the stream (a branch's first token has its offset in the leaf's segment), a shared token's
+routing and engine logprob are those of the copy stored, and its training flag is set if any member that holds
+it owns it, so the loss, its gradients and every statistic of the step equal the duplicated rows' (the routing
+mismatch rate counts each stored position once; `tests/test_tree_shared_prefix.py`). `seq` of a shared token is
+the member that stored it. It needs the "whole" or "tiled" attention kernel on one device or data/expert axes (the
+ring and the Pallas kernel take segment ids, not a mask); the MTP drafter's self-distillation skips the tokens
+whose row predecessors are not their stream predecessors (`rl.step.mtp_gen_mask`).
 
 Routing convention: `routing[:, i, p]` are the experts the engine used when token p was *input* at position p
 (what `model.hidden_states(routing=...)` replays, and SGLang's `routed_experts` layout). Engines that report prefill
@@ -62,6 +82,7 @@ class BatchConfig:
   pack_rows: int = 0                 # R: pack the sequences into this many rows (0: a row each, R = S)
   is_cap: float = 2.0                # importance-ratio truncation for groups within the staleness bound
   stale_is_cap: float | None = None  # for groups kept beyond it (policy 'keep'); None: same as is_cap
+  share_prefix: bool = False         # a tree group's shared prefixes stored once (`branch`, `branch_end`, `prev`)
 
   def __post_init__(self):
     if self.rows < 1 or self.length < 2 or not 0 <= self.pack_rows <= self.rows:
@@ -69,9 +90,45 @@ class BatchConfig:
                        f"{self.length=} {self.pack_rows=}")
 
 
-def segment_lengths(trajectories: Sequence[dict]) -> list[int]:
-  """Tokens of each row (segment) a group contributes, in batch order."""
-  return [len(trajectories[ti]["segments"][si]["tokens_T"]) for ti, si in tree_lib.group_rows(trajectories)]
+# The batch's fields, described once (`make_batch` fills them, `rl.step.batch_shardings` places them, the scale plan
+# builds abstract batches of them): per token [R, L], per sequence [S], a tree group's per-token credit [R, L], and
+# `routing` [Lm, R, L, K].
+PER_TOKEN = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32, "seq": np.int32,
+             "gen_mask": np.float32, "inf_logprobs": np.float32}
+PER_SEQUENCE = {"reward": np.float32, "passed": np.float32, "group": np.int32, "first": np.float32,
+                "valid": np.float32, "is_cap": np.float32, "staleness": np.int32, "traj_gen_tokens": np.float32}
+TREE_PER_TOKEN = {"token_adv": np.float32, "loss_weight": np.float32}
+SHARED_PREFIX_PER_TOKEN = {"branch": np.int32, "branch_end": np.int32, "prev": np.int32}   # `share_prefix` trees
+
+
+def per_token_fields(trees: bool = False, share_prefix: bool = False) -> dict[str, Any]:
+  """{field: dtype} of a batch's [R, L] fields: with tree groups, and with their shared prefixes stored once."""
+  return PER_TOKEN | (TREE_PER_TOKEN if trees else {}) | (SHARED_PREFIX_PER_TOKEN if share_prefix else {})
+
+
+def field_shapes(rows: int, length: int, sequences: int, n_moe_layers: int, top_k: int, trees: bool = False,
+                 share_prefix: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """{field: (shape, dtype)} of a batch of `rows` x `length` tokens holding `sequences` sequences."""
+  out = {k: ((rows, length), d) for k, d in per_token_fields(trees, share_prefix).items()}
+  out |= {k: ((sequences,), d) for k, d in PER_SEQUENCE.items()}
+  out["routing"] = ((n_moe_layers, rows, length, top_k), np.int32)
+  return out
+
+
+def pieces(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[list[tuple[int, int]]]:
+  """The packed sequences a group's rows are stored as: a sequence each, or with `cfg.share_prefix` a tree
+  group's `rollout.tree.row_pieces` (members: (index into `group_rows`, first token offset stored))."""
+  rows = tree_lib.group_rows(trajectories)
+  if cfg is not None and cfg.share_prefix and tree_lib.is_tree_group(trajectories):
+    return tree_lib.row_pieces(trajectories, rows, cfg.length)
+  return [[(k, 0)] for k in range(len(rows))]
+
+
+def segment_lengths(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[int]:
+  """Tokens of each packed sequence a group contributes (`pieces`), in batch order."""
+  rows = tree_lib.group_rows(trajectories)
+  seg_len = lambda k: len(trajectories[rows[k][0]]["segments"][rows[k][1]]["tokens_T"])  # noqa: E731
+  return [sum(seg_len(k) - start for k, start in piece) for piece in pieces(trajectories, cfg)]
 
 
 class Packer:
@@ -132,52 +189,29 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
         if len(seg["tokens_T"]) > L:
           raise ValueError(f"task {traj.get('task_id')!r} segment {si} has {len(seg['tokens_T'])} tokens, more "
                            f"than the batch length {L}: raise the length or cap rollout contexts")
-  places = _place(groups, cfg)
+  group_pieces = [pieces(g, cfg) for g in groups]
+  places = _place(groups, cfg)   # (row, offset) of each piece, in batch order
   # R rows: pack_rows, or S for a lone group too large for them (the step's second compiled shape)
   R = cfg.pack_rows if cfg.pack_rows and all(r < cfg.pack_rows for r, _ in places) else S
-  out = {"tokens": np.zeros((R, L), np.int32), "segment_ids": np.zeros((R, L), np.int32),
-         "positions": np.zeros((R, L), np.int32), "seq": np.zeros((R, L), np.int32),
-         "gen_mask": np.zeros((R, L), np.float32), "inf_logprobs": np.zeros((R, L), np.float32),
-         "routing": np.full((Lm, R, L, K), -1, np.int32),
-         "reward": np.zeros(S, np.float32), "passed": np.zeros(S, np.float32), "group": np.zeros(S, np.int32),
-         "first": np.zeros(S, np.float32), "valid": np.zeros(S, np.float32),
-         "is_cap": np.full(S, cfg.is_cap, np.float32), "staleness": np.zeros(S, np.int32),
-         "traj_gen_tokens": np.zeros(S, np.float32)}
-  if trees:
-    out |= {"token_adv": np.zeros((R, L), np.float32), "loss_weight": np.zeros((R, L), np.float32)}
+  share = trees and cfg.share_prefix
+  out = {k: np.zeros(shape, dtype) for k, (shape, dtype) in field_shapes(R, L, S, Lm, K, trees, share).items()}
+  out["routing"][:] = -1
+  out["is_cap"][:] = cfg.is_cap
+  if share:
+    out["branch_end"][:] = 1
+    out["prev"][:] = np.arange(L, dtype=np.int32)
   stale_cap = cfg.is_cap if cfg.stale_is_cap is None else cfg.stale_is_cap
   seg_id = {place: n + 1 for r in range(R)   # a row's sequences are numbered left to right from 1
             for n, place in enumerate(sorted(p for p in places if p[0] == r))}
-  i = 0
-  for gi, (group, group_rows_) in enumerate(zip(groups, rows, strict=True)):
+  i = p = 0
+  for gi, (group, group_rows_, pieces_) in enumerate(zip(groups, rows, group_pieces, strict=True)):
     credit = tree_lib.token_credit(group) if trees else None
+    for piece in pieces_:
+      _write_piece(out, group, group_rows_, piece, places[p], seg_id[places[p]], i, credit, cfg)
+      p += 1
     seen = set()
-    for ti, si in group_rows_:
-      traj, seg = group[ti], group[ti]["segments"][si]
-      n_gen = sum(int(np.sum(s["gen_mask_T"])) for s in traj["segments"])
-      T = len(seg["tokens_T"])
-      r, o = places[i]
-      span = slice(o, o + T)
-      out["tokens"][r, span] = seg["tokens_T"]
-      out["segment_ids"][r, span] = seg_id[(r, o)]
-      out["positions"][r, span] = np.arange(T)
-      out["seq"][r, span] = i
-      if credit is None:
-        out["gen_mask"][r, span] = seg["gen_mask_T"]
-      else:
-        c = credit[ti][si]
-        out["gen_mask"][r, span] = c["train_T"]
-        out["token_adv"][r, span] = c["advantage_T"]
-        out["loss_weight"][r, span] = c["weight_T"]
-      out["gen_mask"][r, o] = 0.0
-      out["inf_logprobs"][r, span] = seg["logprobs_T"]
-      routed = seg.get("routed_TxNxK")
-      if routed is not None and Lm:
-        routed = np.asarray(routed)
-        if routed.shape[1:] != (Lm, K):
-          raise ValueError(f"task {traj.get('task_id')!r} routing has {routed.shape[1:]} (layers, top_k) per "
-                           f"token, the model has {(Lm, K)}")
-        out["routing"][:, r, span] = routed.transpose(1, 0, 2)
+    for ti, _ in group_rows_:
+      traj = group[ti]
       out["reward"][i] = traj["reward"]
       out["passed"][i] = passed(traj)
       out["group"][i] = gi
@@ -187,20 +221,73 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
       if over_stale is not None and over_stale[gi]:
         out["is_cap"][i] = stale_cap
       out["staleness"][i] = 0 if staleness is None else staleness[gi]
-      out["traj_gen_tokens"][i] = n_gen
+      out["traj_gen_tokens"][i] = sum(int(np.sum(s["gen_mask_T"])) for s in traj["segments"])
       i += 1
   if not math.isfinite(float(out["reward"].sum())):
     raise ValueError("non-finite reward in the batch")
   return out
 
 
+def _write_piece(out: dict, group: Sequence[dict], rows: Sequence[tuple[int, int]], piece: Sequence[tuple[int, int]],
+                 place: tuple[int, int], seg_id: int, base: int, credit, cfg: BatchConfig) -> None:
+  """Writes one packed sequence: its members' tokens after their shared prefixes, from `place` on.
+
+  Member m's segment is stored from its `start` on; its tokens before that are member m − 1's (the prefix they
+  share), so `where[j]` (the row position of member m's token j) continues member m − 1's map. The shared tokens'
+  training flags are OR-ed over the members that hold them (a node is trained on its owner's row, which may be
+  any of them); `branch_end` of a token is one past the last member whose stream holds it, so member m's tokens
+  see exactly their own stream (`model.attention.branch_mask`).
+  """
+  r, o = place
+  where_prev = None
+  for m, (k, start) in enumerate(piece):
+    ti, si = rows[k]
+    seg = group[ti]["segments"][si]
+    T = len(seg["tokens_T"])
+    where = np.empty(T, np.int64)
+    if start:
+      where[:start] = where_prev[:start]
+    where[start:] = o + np.arange(T - start)
+    new = where[start:]
+    out["tokens"][r, new] = seg["tokens_T"][start:]
+    out["segment_ids"][r, new] = seg_id
+    out["positions"][r, new] = np.arange(start, T)
+    out["seq"][r, new] = base + k
+    out["inf_logprobs"][r, new] = seg["logprobs_T"][start:]
+    if credit is None:
+      out["gen_mask"][r, new] = seg["gen_mask_T"][start:]
+    else:
+      c = credit[ti][si]
+      trained = c["train_T"] > 0
+      out["gen_mask"][r, where] = np.maximum(out["gen_mask"][r, where], c["train_T"])
+      for name, src in (("token_adv", "advantage_T"), ("loss_weight", "weight_T")):
+        out[name][r, new] = c[src][start:]
+        out[name][r, where[trained]] = c[src][trained]
+    if start == 0:
+      out["gen_mask"][r, o] = 0.0   # a sequence's first token is never trained (nothing before it)
+    if "branch" in out:
+      out["branch"][r, new] = m
+      out["branch_end"][r, where] = m + 1
+      out["prev"][r, new] = where[np.maximum(np.arange(start, T) - 1, 0)]
+      out["prev"][r, where[0]] = where[0]
+    routed = seg.get("routed_TxNxK")
+    Lm, K = cfg.n_moe_layers, cfg.top_k
+    if routed is not None and Lm:
+      routed = np.asarray(routed)
+      if routed.shape[1:] != (Lm, K):
+        raise ValueError(f"task {group[ti].get('task_id')!r} routing has {routed.shape[1:]} (layers, top_k) per "
+                         f"token, the model has {(Lm, K)}")
+      out["routing"][:, r, new] = routed[start:].transpose(1, 0, 2)
+    where_prev, o = where, o + T - start
+
+
 def _place(groups: Sequence[Sequence[dict]], cfg: BatchConfig) -> list[tuple[int, int]]:
   """(row, offset) of every sequence: a row each unpacked; packed, `Packer` into `pack_rows` rows, or into S rows
   when the step is one group too large for them (`take_groups` gives such a group a step of its own)."""
-  lengths = [segment_lengths(g) for g in groups]   # the rows of `make_batch`, in its order
-  n_seq = sum(map(len, lengths))
+  lengths = [segment_lengths(g, cfg) for g in groups]   # the pieces of `make_batch`, in its order
+  n_pieces = sum(map(len, lengths))
   if not cfg.pack_rows:
-    return [(i, 0) for i in range(n_seq)]
+    return [(i, 0) for i in range(n_pieces)]
   for n_rows in (cfg.pack_rows, cfg.rows):
     packer, places = Packer(n_rows, cfg.length, cfg.rows), []
     for ls in lengths:

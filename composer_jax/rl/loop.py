@@ -63,7 +63,7 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
       train_s = time.perf_counter() - t0 - idle_s
       publish_s = publisher.publish(trainer.params, step_no) if step_no % cfg.rollout.publish_every == 0 else 0.0
       step_s = time.perf_counter() - t0
-      m.update(trainer.queue_stats(), step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
+      m.update(step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
                trainer_idle_fraction=idle_s / max(step_s, 1e-9), publish_s=publish_s, **engine_stats.metrics())
       last = progress.log(step_no, m)
       if stop.requested or step_no % cfg.rl.ckpt_every == 0 or step_no == cfg.rl.steps:

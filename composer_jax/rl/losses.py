@@ -78,13 +78,21 @@ class LossConfig:
       raise ValueError(f"need is_cap > 0 and kl_coef >= 0, got {self.is_cap=} {self.kl_coef=}")
 
 
-def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, tokens_BxL: jax.Array, *, with_entropy: bool = False):
+def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, tokens_BxL: jax.Array, *, with_entropy: bool = False,
+                   prev_BxL: jax.Array | None = None):
   """log p(token_t | tokens_<t) aligned to token positions, [B, L]; position 0 (no context) is 0.
 
   Through the chunked head (`model.head.token_logprobs`, no [B, L, V] logits): `h_BxLxD` is the hidden after the
   final norm (`model.hidden_states`), `w_DxV` the head (`model.lm_head`). With `with_entropy` also the entropy of
   the distribution each token was drawn from, aligned the same way: (logp_BxL, entropy_BxL).
+
+  `prev_BxL`: the row position of each token's predecessor in its own stream (rows holding a tree's branches after
+  their shared prefix, `rl.batch`: a branch's first token follows the prefix's last, not the row's previous token);
+  a token that has none points at itself (a meaningless value, never trained). None: position t − 1.
   """
+  if prev_BxL is not None:
+    h_prev_BxLxD = jnp.take_along_axis(h_BxLxD, prev_BxL[..., None], axis=1)
+    return head.token_logprobs(h_prev_BxLxD, w_DxV, tokens_BxL, with_entropy=with_entropy)
   out = head.token_logprobs(h_BxLxD[:, :-1], w_DxV, tokens_BxL[:, 1:], with_entropy=with_entropy)
   align = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (1, 0)))
   return tuple(map(align, out)) if with_entropy else align(out)

@@ -52,7 +52,7 @@ def take_groups(consumer: QueueConsumer, cfg: RunConfig, policy_version: int, wa
   def packs(g) -> bool:
     if packed["alone"]:
       return False
-    if packer.add(rl_batch.segment_lengths(g.trajectories())) is not None:
+    if packer.add(rl_batch.segment_lengths(g.trajectories(), bcfg)) is not None:
       packed["groups"] += 1
       return True
     packed["alone"] = packed["groups"] == 0   # make_batch gives it batch_rows rows, a row per segment

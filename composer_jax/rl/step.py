@@ -36,6 +36,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.moe import select_experts
 from composer_jax.parallel import layout
 from composer_jax.parallel.rules import ShardingRules, current_rules, use_rules
+from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import losses
 from composer_jax.rl.config import RLConfig
 from composer_jax.train import losses as lm_losses
@@ -65,8 +66,10 @@ def routing_mismatch(own_LmxBxLxK: jax.Array, replayed_LmxBxLxK: jax.Array, reco
 
 
 def _hidden(params, batch, cfg: ModelConfig, routing, detach_mtp=False):
+  branches = (batch["branch"], batch["branch_end"]) if "branch" in batch else None   # shared tree prefixes
   return model.hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"],
-                             positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp)
+                             positions=batch["positions"], routing=routing, mtp_detach_trunk=detach_mtp,
+                             branches=branches)
 
 
 def _tempered(w_DxV: jax.Array, temperature: float) -> jax.Array:
@@ -78,7 +81,8 @@ def _frozen_logprobs(params, batch, cfg: ModelConfig, routing, temperature: floa
   """Token logprobs at `temperature` of frozen `params` (no gradient) and the forward's aux."""
   params = jax.lax.stop_gradient(params)
   h, aux = _hidden(params, batch, cfg, routing)
-  return losses.token_logprobs(h, _tempered(model.lm_head(params, cfg), temperature), batch["tokens"]), aux
+  return losses.token_logprobs(h, _tempered(model.lm_head(params, cfg), temperature), batch["tokens"],
+                               prev_BxL=batch.get("prev")), aux
 
 
 def sequence_index(batch: dict) -> tuple[jax.Array, int]:
@@ -97,12 +101,31 @@ def routing_needed(batch: dict) -> jax.Array:
   Causal attention within a sequence: the logprob of the token at p is computed at p − 1 from positions ≤ p − 1
   of the same sequence, so routing after its last generated token (an engine's never-fed final token, trailing
   tool output) changes no loss term. A sequence is contiguous in its row, so "before" is a flat-index compare.
+  Rows with shared tree prefixes (`branch`): a prefix serves every branch after it in its packed sequence, so
+  there "sequence" is the packed one (row, segment id).
   """
   B, L = batch["tokens"].shape
   seq, S = sequence_index(batch)
+  if "branch" in batch:
+    seq, S = jnp.arange(B, dtype=jnp.int32)[:, None] * (L + 1) + batch["segment_ids"], B * (L + 1)
   flat = jnp.arange(B * L, dtype=jnp.int32).reshape(B, L)
   last_S = jax.ops.segment_max(jnp.where(batch["gen_mask"] > 0, flat, -1).ravel(), seq.ravel(), num_segments=S)
   return (flat < last_S[seq]) & (batch["segment_ids"] > 0)
+
+
+def mtp_gen_mask(batch: dict, n_modules: int) -> jax.Array:
+  """The generated tokens the MTP modules are scored on: all of them, except in rows with shared tree prefixes,
+  where a token is dropped unless it and its `n_modules` row predecessors follow their stream predecessors (the
+  modules read the next tokens of the row, which after a branch point are another branch's)."""
+  mask = batch["gen_mask"]
+  if "prev" not in batch:
+    return mask
+  L = mask.shape[1]
+  linear_BxL = batch["prev"] == jnp.arange(L, dtype=jnp.int32)[None] - 1
+  ok_BxL = linear_BxL
+  for i in range(1, n_modules + 1):
+    ok_BxL = ok_BxL & jnp.pad(linear_BxL, ((0, 0), (i, 0)), constant_values=True)[:, :L]
+  return mask * ok_BxL
 
 
 def replay_routing(params, batch: dict, cfg: ModelConfig, measure_unreplayed, temperature: float = 1.0
@@ -147,7 +170,8 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
 
   h, aux = _hidden(params, batch, model_cfg, replay, detach_mtp=detach_mtp)
   w = model.lm_head(params, model_cfg)
-  logp, entropy = losses.token_logprobs(h, _tempered(w, rl_cfg.temperature), tokens, with_entropy=True)
+  logp, entropy = losses.token_logprobs(h, _tempered(w, rl_cfg.temperature), tokens, with_entropy=True,
+                                        prev_BxL=batch.get("prev"))
   ref_logp, _ = _frozen_logprobs(ref_params, batch, cfg_no_mtp, replay if rl_cfg.ref_router_replay else None,
                                  rl_cfg.temperature)
 
@@ -167,7 +191,9 @@ def rl_loss_fn(params, batch, ref_params, *, model_cfg: ModelConfig, rl_cfg: RLC
   if model_cfg.num_nextn_predict_layers:
     mtp_h = aux["mtp_hidden"] if trains_mtp else jax.lax.stop_gradient(aux["mtp_hidden"])
     mtp_loss, mtp_metrics = losses.mtp_self_distill(h, mtp_h, w, model.lm_head(params, model_cfg, detach=detach_mtp),
-                                                    tokens, batch["segment_ids"], mask, rl_cfg.temperature)
+                                                    tokens, batch["segment_ids"],
+                                                    mtp_gen_mask(batch, model_cfg.num_nextn_predict_layers),
+                                                    rl_cfg.temperature)
     metrics.update(mtp_metrics)
     if trains_mtp:
       loss = loss + rl_cfg.mtp_weight * mtp_loss
@@ -198,7 +224,7 @@ def start_drafter_metrics(params, ref_params, batch, cfg: ModelConfig, routing, 
   h, aux = _hidden(mixed, batch, cfg, routing)
   w = model.lm_head(mixed, cfg)
   _, m = losses.mtp_self_distill(h, aux["mtp_hidden"], w, w, batch["tokens"], batch["segment_ids"],
-                                 batch["gen_mask"], temperature)
+                                 mtp_gen_mask(batch, cfg.num_nextn_predict_layers), temperature)
   return {"mtp_start_agreement": m["mtp_agreement"], "mtp_start_acceptance": m["mtp_acceptance"]}
 
 
@@ -242,17 +268,16 @@ def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shar
                  out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
-def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = False) -> dict:
+def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = False, share_prefix: bool = False) -> dict:
   """NamedShardings for `make_batch`'s fields, laid out as the LM trainer's batch (`parallel.layout.batch_spec`):
   rows over the `batch` mesh axes, length over the `seq` ones; routing [Lm, B, L, K] likewise on its B and L axes.
   The per-sequence [S] fields are replicated: they are small, and a packed row's tokens index any of them.
-  `trees`: the batches hold tree groups (their `token_adv` and `loss_weight` fields)."""
+  `trees`: the batches hold tree groups (their `token_adv` and `loss_weight` fields); `share_prefix`: and are
+  built with `BatchConfig.share_prefix` (their `branch`, `branch_end` and `prev` fields)."""
   rows_spec, seq_spec = layout.batch_spec(mesh, rules if rules is not None else ShardingRules())
-  per_token = ("tokens", "segment_ids", "positions", "seq", "gen_mask", "inf_logprobs")
-  per_token += ("token_adv", "loss_weight") if trees else ()
-  per_seq = ("reward", "passed", "group", "first", "valid", "is_cap", "staleness", "traj_gen_tokens")
+  per_token = rl_batch.per_token_fields(trees, share_prefix)
   out = {k: NamedSharding(mesh, P(rows_spec, seq_spec)) for k in per_token}
-  out |= {k: NamedSharding(mesh, P()) for k in per_seq}
+  out |= {k: NamedSharding(mesh, P()) for k in rl_batch.PER_SEQUENCE}
   out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
   return out
 

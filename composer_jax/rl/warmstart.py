@@ -65,17 +65,12 @@ def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessCo
 
 
 def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:
-  """Writes atomically: a resumed SFT reads back its demonstrations only when they were written whole."""
+  """Writes atomically: a resumed SFT reads back its demonstrations (`train.data.read_transcripts`) only when they
+  were written whole."""
   with open(path + ".tmp", "w") as f:
     for m in transcripts:
       f.write(json.dumps({"messages": list(m)}) + "\n")
   os.replace(path + ".tmp", path)
-
-
-def read_jsonl(path: str) -> list[list[dict]]:
-  """The transcripts `write_jsonl` wrote."""
-  with open(path) as f:
-    return [json.loads(line)["messages"] for line in f if line.strip()]
 
 
 def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequence, workdir: str, *, steps: int,
@@ -170,11 +165,11 @@ def sft(plan: SFTPlan, run: setup.Run, init_params, workdir: str, *, steps: int,
 
   def make():
     if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
-      return tuple(map(read_jsonl, _saved(workdir)))
+      return tuple(map(data_lib.read_transcripts, _saved(workdir)))
     if keep is None and os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
-      return tuple(map(read_jsonl, _saved(warm)))
+      return tuple(map(data_lib.read_transcripts, _saved(warm)))
     if keep is None and plan.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
-      first_train, first_dev = map(read_jsonl, _saved(first))
+      first_train, first_dev = map(data_lib.read_transcripts, _saved(first))
       more, more_dev = sft_transcripts(plan, run, lambda level: level not in plan.sft.curriculum_levels)
       return first_train + more, first_dev + more_dev
     return sft_transcripts(plan, run, keep)
@@ -193,7 +188,7 @@ def _demonstrations(workdir: str, make: Callable[[], tuple[list, list]]) -> tupl
         write_jsonl(path, transcripts)
     return train, dev
   got = processes.on_primary("demonstrations", made)
-  return got if distributed.is_primary() else tuple(map(read_jsonl, _saved(workdir)))
+  return got if distributed.is_primary() else tuple(map(data_lib.read_transcripts, _saved(workdir)))
 
 
 TRAIN_SECONDS = "train_seconds.json"   # in each SFT dir: its steps and their wall-clock, demonstrations excluded
