@@ -68,11 +68,15 @@ PLANS = {
 
 def rules_for(axes: dict[str, int], n_experts: int = 384):
   """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), expert
-  weights' D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves)."""
+  weights' D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves).
+  The dense weights' AdamW moments are split over `expert` as well (ZeRO-1, `optimizer_state`): the weights are
+  replicated there and their gradients summed over it anyway, so the step only adds one all-gather of the updated
+  weights over `expert`, and each device holds 1/|expert| of those moments."""
   from composer_jax.parallel.rules import ShardingRules
   fsdp = tuple(a for a in ("data", "context") if axes.get(a, 1) > 1) or None
   few_experts = n_experts // axes.get("expert", 1) <= 8
-  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp)
+  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp,
+                       optimizer_state="expert" if axes.get("expert", 1) > 1 else None)
 
 
 # Expert parallelism by the compiling platform: XLA:CPU has no ragged-all-to-all, so the CPU-compiled rows use
@@ -165,7 +169,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
   abstract_params = model.abstract_params(cfg)
   optimizer = optim.make_optimizer(OptimConfig(), abstract_params)
   abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer))
-  s_shard = step_lib.state_shardings(optimizer, abstract_params, p_shard)
+  s_shard = step_lib.state_shardings(optimizer, abstract_params, p_shard, rules.mesh_axes("optimizer_state"))
   rows = stage.rows_per_shard * axes.get("data", 1) * axes.get("expert", 1)
   case = {"cfg": cfg, "mesh": mesh, "rules": rules, "optimizer": optimizer, "p_shard": p_shard, "s_shard": s_shard,
           "rows": rows, "stage": stage, "state": _sds(abstract_state, s_shard)}

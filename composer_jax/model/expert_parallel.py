@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.model.experts import capacity, capacity_combine, capacity_dispatch, expert_matmul
+from composer_jax.model.experts import capacity, capacity_dispatch, combine_rows, expert_matmul, slot_rows
 from composer_jax.parallel.rules import ShardingRules, current_rules
 
 EP_IMPLS = ("ep_capacity", "ep_ragged")
@@ -196,13 +196,9 @@ fp8_all_to_all.defvjp(_fp8_all_to_all_fwd, _fp8_all_to_all_bwd)
 
 
 def return_to_sources(y_NxXxCexD):
-  """The inverse all-to-all: each source device gets its [E, Ce, D] slots back.
-
-  The result is named "ep_return": a remat policy that keeps it (remat.REMAT_POLICIES) spares a
-  rematerialised layer this exchange and the down projection before it, which the backward re-ran only to have
-  these values for the gate weights' gradient."""
+  """The inverse all-to-all: each source device gets its [E, Ce, D] slots back."""
   N, X, Ce, D = y_NxXxCexD.shape
-  return checkpoint_name(jax.lax.all_to_all(y_NxXxCexD, AXIS, 0, 0, tiled=True).reshape(N * X, Ce, D), "ep_return")
+  return jax.lax.all_to_all(y_NxXxCexD, AXIS, 0, 0, tiled=True).reshape(N * X, Ce, D)
 
 
 def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_bxlxK, valid_bxl, *, cap_factor,
@@ -221,7 +217,12 @@ def _capacity_body(gate_XxDxF, up_XxDxF, down_XxFxD, x_bxlxD, experts_bxlxK, w_b
   mm = functools.partial(jnp.einsum, "erd,edf->erf")
   y_XxRxD = _ffn(rows_XxRxD, gate_XxDxF, up_XxDxF, down_XxFxD, mm, ffw_axes)
   y_ExCexD = return_to_sources(y_XxRxD.reshape(X, N, Ce, D).transpose(1, 0, 2, 3))
-  out_txD = capacity_combine(y_ExCexD, slot_m, keep_m, w_bxlxK.reshape(-1), t)
+  # Named "ep_return": a remat policy that keeps it (remat.REMAT_POLICIES) spares a rematerialised layer the return
+  # exchange and the down projection before it, which the backward re-ran only to have these values for the gate
+  # weights' gradient. Named per assignment ([t·K, D], the slots' rows) rather than as the exchange's [E, Ce, D]
+  # result: the saved stack then holds no capacity padding (1/1.25 of the bytes at capacity factor 1.25).
+  y_mxD = checkpoint_name(slot_rows(y_ExCexD, slot_m), "ep_return")
+  out_txD = combine_rows(y_mxD, keep_m, w_bxlxK.reshape(-1), t)
   counts = jnp.stack([(valid_m & ~keep_m).sum(), valid_m.sum()]).astype(jnp.float32)
   n_dropped, n_valid = jax.lax.psum(counts, token_axes)
   return out_txD.reshape(b, l, D), n_dropped / jnp.maximum(n_valid, 1.0)

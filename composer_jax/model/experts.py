@@ -5,7 +5,7 @@
 and dropless; the training path on XLA:CPU), `experts_ragged` (sort assignments by expert, grouped matmuls via
 `expert_matmul`, unsort; dropless; the GPU path), and
 `experts_capacity` (fixed [E, Ce, D] buffers; assignments past an expert's capacity are dropped). The
-expert-parallel paths (`expert_parallel.py`) reuse `capacity_dispatch` / `capacity_combine` / `expert_matmul`.
+expert-parallel paths (`expert_parallel.py`) reuse `capacity_dispatch` / `slot_rows` + `combine_rows` / `expert_matmul`.
 
 Letters: T tokens, D hidden, E routed experts, K experts per token, F expert ffw, Ce capacity per expert,
 M = T·K assignments, b rows per block, N blocks, R = N·b padded rows.
@@ -188,12 +188,22 @@ def capacity_dispatch(x_TxD: jax.Array, expert_M: jax.Array, valid_M: jax.Array,
 def capacity_combine(y_ExCexD: jax.Array, slot_M: jax.Array, keep_M: jax.Array, w_M: jax.Array,
                      n_tokens: int) -> jax.Array:
   """Gathers each kept assignment's expert output from its slot, weights it by its gate and sums per token."""
+  return combine_rows(slot_rows(y_ExCexD, slot_M), keep_M, w_M, n_tokens)
+
+
+def slot_rows(y_ExCexD: jax.Array, slot_M: jax.Array) -> jax.Array:
+  """Each assignment's expert output [M, D] from its slot (zeros for a dropped one, whose slot is E·Ce)."""
   E, Ce, D = y_ExCexD.shape
-  K = slot_M.shape[0] // n_tokens
   y_flat = jnp.concatenate([y_ExCexD.reshape(E * Ce, D), jnp.zeros((1, D), y_ExCexD.dtype)], axis=0)
-  gate_M = jnp.where(keep_M, w_M, 0.0).astype(y_ExCexD.dtype)
+  return y_flat[slot_M]
+
+
+def combine_rows(y_MxD: jax.Array, keep_M: jax.Array, w_M: jax.Array, n_tokens: int) -> jax.Array:
+  """Σ_k gate · output per token, over the assignments' rows [M = T·K, D] in token order."""
+  K = y_MxD.shape[0] // n_tokens
+  gate_M = jnp.where(keep_M, w_M, 0.0).astype(y_MxD.dtype)
   token_M = jnp.arange(n_tokens * K) // K
-  return jnp.zeros((n_tokens, D), y_ExCexD.dtype).at[token_M].add(y_flat[slot_M] * gate_M[:, None])
+  return jnp.zeros((n_tokens, y_MxD.shape[1]), y_MxD.dtype).at[token_M].add(y_MxD * gate_M[:, None])
 
 
 def experts_capacity(p: dict, x_TxD: jax.Array, experts_TxK: jax.Array, w_TxK: jax.Array, valid_T: jax.Array,

@@ -97,6 +97,37 @@ def _chunk_logits(h_TcxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
   return jnp.dot(h_TcxD, w_DxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
 
 
+def _backward_chunks(dz_fn, xs, h_TxD: jax.Array, w_DxV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(dh [T, D] in h's dtype, dw [D, V] in w's dtype) from the logits' gradient `dz_fn(chunk) -> dz [Tc, V]`
+  (float32), chunk by chunk over `xs` (whose first entry is h's chunks); dz enters both products in h's dtype.
+
+  dw is either accumulated over the chunks in a float32 [D, V] scan carry or, when the token count is small
+  beside D (the stacked dz [T, V] in h's dtype takes no more bytes than one float32 [D, V]), computed as one
+  product of h with the stacked dz: the carry costs three [D, V] float32 buffers in the loop (carry, product,
+  sum; on the 256-device Kimi K2 plan 14 GB of the peak) where the stack and one product cost less than two.
+  """
+  T, D = h_TxD.shape
+  V = w_DxV.shape[1]
+  dt = h_TxD.dtype
+  w_c = w_DxV.astype(dt)
+
+  def dh_of(dz_TcxV):
+    return jnp.dot(dz_TcxV, w_c.T, preferred_element_type=jnp.float32).astype(dt)
+
+  if T * V * dt.itemsize <= D * V * 4:
+    def one(args):
+      dz_TcxV = dz_fn(args).astype(dt)
+      return dh_of(dz_TcxV), dz_TcxV
+    dh, dz = jax.lax.map(one, xs)
+    dw_DxV = jnp.dot(h_TxD.T, _unchunk(dz, T), preferred_element_type=jnp.float32)
+  else:
+    def acc(dw_DxV, args):
+      dz_TcxV = dz_fn(args).astype(dt)
+      return dw_DxV + jnp.dot(args[0].T, dz_TcxV, preferred_element_type=jnp.float32), dh_of(dz_TcxV)
+    dw_DxV, dh = jax.lax.scan(acc, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
+  return _unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype)
+
+
 # ------------------------------------------------------------------------------------------ per device on a mesh
 
 def _per_device(local_fn, h_BxLxD: jax.Array, ws: tuple[jax.Array, ...], tokens: tuple[jax.Array, ...], n_out: int):
@@ -168,10 +199,9 @@ def _token_stats_bwd(Tc, with_entropy, res, g):
   g_logp_T, g_ent_T = (jnp.zeros(ent_T.shape, jnp.float32) if isinstance(x, jax.custom_derivatives.SymbolicZero)
                        else x for x in g)
   with_entropy = with_entropy and not isinstance(g[1], jax.custom_derivatives.SymbolicZero)
-  T, V = h_TxD.shape[0], w_DxV.shape[1]
-  w_c = w_DxV.astype(h_TxD.dtype)
+  V = w_DxV.shape[1]
 
-  def one(dw_DxV, args):
+  def dz(args):
     h_TcxD, t_Tc, lse_Tc, ent_Tc, gl_Tc, ge_Tc = args
     logp_TcxV = _chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None]
     p_TcxV = jnp.exp(logp_TcxV)
@@ -179,14 +209,12 @@ def _token_stats_bwd(Tc, with_entropy, res, g):
     dz_TcxV = gl_Tc[:, None] * (onehot_TcxV - p_TcxV)
     if with_entropy:
       dz_TcxV = dz_TcxV - ge_Tc[:, None] * p_TcxV * (logp_TcxV + ent_Tc[:, None])
-    dh_TcxD = jnp.dot(dz_TcxV.astype(h_TcxD.dtype), w_c.T, preferred_element_type=jnp.float32)
-    dw_DxV = dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV.astype(h_TcxD.dtype), preferred_element_type=jnp.float32)
-    return dw_DxV, dh_TcxD.astype(h_TcxD.dtype)
+    return dz_TcxV
 
   xs = tuple(_chunks(a, Tc) for a in (h_TxD, t_T, lse_T, ent_T, g_logp_T.astype(jnp.float32),
                                      g_ent_T.astype(jnp.float32)))
-  dw_DxV, dh = jax.lax.scan(one, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
-  return _unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype), None
+  dh_TxD, dw_DxV = _backward_chunks(dz, xs, h_TxD, w_DxV)
+  return dh_TxD, dw_DxV, None
 
 
 _token_stats.defvjp(_token_stats_fwd, _token_stats_bwd, symbolic_zeros=True)
@@ -280,21 +308,16 @@ def _distill_bwd(Tc, res, g):
   """d(−Σ q log p)/dz = p − q; the teacher (q) gets no gradient."""
   h_TxD, w_DxV, th_TxD, tw_DxV, lse_T = res
   g_ce_T = g[0]
-  T = h_TxD.shape[0]
-  w_c = w_DxV.astype(h_TxD.dtype)
 
-  def one(dw_DxV, args):
+  def dz(args):
     h_TcxD, th_TcxD, lse_Tc, g_Tc = args
     p_TcxV = jnp.exp(_chunk_logits(h_TcxD, w_DxV) - lse_Tc[:, None])
     q_TcxV = jax.nn.softmax(_chunk_logits(th_TcxD, tw_DxV), axis=-1)
-    dz_TcxV = (g_Tc[:, None] * (p_TcxV - q_TcxV)).astype(h_TcxD.dtype)
-    dh_TcxD = jnp.dot(dz_TcxV, w_c.T, preferred_element_type=jnp.float32)
-    return dw_DxV + jnp.dot(h_TcxD.T, dz_TcxV, preferred_element_type=jnp.float32), dh_TcxD.astype(h_TcxD.dtype)
+    return g_Tc[:, None] * (p_TcxV - q_TcxV)
 
   xs = tuple(_chunks(a, Tc) for a in (h_TxD, th_TxD, lse_T, g_ce_T.astype(jnp.float32)))
-  dw_DxV, dh = jax.lax.scan(one, _zeros_varying_like(w_DxV.shape, (xs, w_DxV)), xs)
-  return (_unchunk(dh, T), _sum_to_match(dw_DxV, w_DxV).astype(w_DxV.dtype), jnp.zeros_like(th_TxD),
-          jnp.zeros_like(tw_DxV))
+  dh_TxD, dw_DxV = _backward_chunks(dz, xs, h_TxD, w_DxV)
+  return dh_TxD, dw_DxV, jnp.zeros_like(th_TxD), jnp.zeros_like(tw_DxV)
 
 
 _distill.defvjp(_distill_fwd, _distill_bwd)

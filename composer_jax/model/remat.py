@@ -6,7 +6,8 @@ its `remat_policy` trade-offs; `transformer.run_stack` wraps each layer in `jax.
 - "save_attention": keep the context-parallel attention's output and log-sum-exp (ring_attention.py names them),
   so the ring does not run again in the backward: per layer [B, L, H, Dv] plus [B, H, L] float32 per device.
 - "save_attention_ep_return": also keep the expert-parallel return exchange's result (expert_parallel.py names it;
-  [E, Ce, D] per device per layer), so the backward re-runs only the dispatch exchange.
+  [t x K, D] per device per layer: each token's chosen experts' output rows), so the backward re-runs only the
+  dispatch exchange.
 - "offload_layer_input": the layer's input (`LAYER_INPUT`, named by `run_stack`) is moved to pinned host memory
   after the forward and back before the backward; everything else is recomputed. Device memory then holds no
   per-layer activations at all. Only where host memory is a separate space (GPU, TPU): on XLA:CPU jax emits no
