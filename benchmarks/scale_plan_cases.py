@@ -67,8 +67,9 @@ PLANS = {
 
 
 def rules_for(axes: dict[str, int], n_experts: int = 384, zero1: bool = True):
-  """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), expert
-  weights' D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves).
+  """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), and q_b's
+  input dim (`q_lora_in`; q_b has no D, and replicated it was the largest dense weight per device), expert weights'
+  D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves).
   With `zero1`, the dense weights' AdamW moments are split over `expert` as well (`optimizer_state`): the weights
   are replicated there and their gradients summed over it anyway, so the step only adds one all-gather of the
   updated weights over `expert`, and each device holds 1/|expert| of those moments. (LM steps only: they pin the
@@ -77,7 +78,7 @@ def rules_for(axes: dict[str, int], n_experts: int = 384, zero1: bool = True):
   from composer_jax.parallel.rules import ShardingRules
   fsdp = tuple(a for a in ("data", "context") if axes.get(a, 1) > 1) or None
   few_experts = n_experts // axes.get("expert", 1) <= 8
-  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp,
+  return ShardingRules(batch=("data", "expert"), embed=fsdp, q_lora_in=fsdp, expert_embed=None if few_experts else fsdp,
                        optimizer_state="expert" if zero1 and axes.get("expert", 1) > 1 else None)
 
 
