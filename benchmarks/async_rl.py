@@ -14,10 +14,7 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _step_stats(workdir: str, warmup: int) -> dict:

@@ -15,18 +15,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from composer_jax import configs, model  # noqa: E402
-from composer_jax.model.attention import attend, segment_causal_mask  # noqa: E402
-from composer_jax.model.tiled_attention import Tiling, tiled_attend  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
+from composer_jax import configs, model
+from composer_jax.model.attention import attend, segment_causal_mask
+from composer_jax.model.tiled_attention import Tiling, tiled_attend
+from experiments.configs import model as model_configs
 
 jax.config.update("jax_enable_compilation_cache", False)
 

@@ -14,21 +14,17 @@ time (its host blocks, then onto the devices). The last line is JSON.
 import argparse
 import json
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AbstractMesh  # noqa: E402
-
-from composer_jax import configs  # noqa: E402
-from composer_jax.interop import fp8 as fp8_lib  # noqa: E402
-from composer_jax.interop.hf_names import leaf_paths, sources  # noqa: E402
-from composer_jax.model import ModelConfig, abstract_params, count_params, shardings  # noqa: E402
-from composer_jax.parallel.mesh import MESH_AXES, MeshConfig  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
+from composer_jax import configs
+from composer_jax.interop import fp8 as fp8_lib
+from composer_jax.interop.hf_names import leaf_paths, sources
+from composer_jax.model import ModelConfig, abstract_params, count_params, shardings
+from composer_jax.parallel.mesh import MESH_AXES, MeshConfig
+from experiments.configs import model as model_configs
 
 GB = 1e9
 

@@ -29,26 +29,20 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import dataclasses
+import json
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from composer_jax import (
-  configs,  # noqa: E402
-  model,  # noqa: E402
-)
-from composer_jax.parallel import make_mesh  # noqa: E402
-from composer_jax.train.config import TrainConfig  # noqa: E402
-from composer_jax.train.step import loss_fn  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
+from composer_jax import configs, model
+from composer_jax.parallel import make_mesh
+from composer_jax.train.config import TrainConfig
+from composer_jax.train.step import loss_fn
+from experiments.configs import model as model_configs
 
 
 def step_memory(cfg: model.ModelConfig, cp: int, batch: int, seq: int) -> dict:

@@ -21,18 +21,16 @@ import json
 import math
 import os
 import re
-import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from composer_jax.model import ModelConfig  # noqa: E402
-from composer_jax.model.expert_parallel import expert_parallel  # noqa: E402
-from composer_jax.parallel import make_mesh  # noqa: E402
+from composer_jax.model import ModelConfig
+from composer_jax.model.expert_parallel import expert_parallel
+from composer_jax.parallel import make_mesh
 
 _HLO_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")   # f32, f8e4m3fn, ...
 _MLIR_SHAPE = re.compile(r"tensor<([\dx]+)x([a-z]+\d+[A-Za-z0-9]*)>")  # f32, f8E4M3FN, ...

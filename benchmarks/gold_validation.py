@@ -14,16 +14,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from rollout.evaluation import gold  # noqa: E402
-from rollout.evaluation.gold_cache import GoldCache  # noqa: E402
-from rollout.tasks import environment, miner  # noqa: E402
-from rollout.workspace import make_factory  # noqa: E402
+from rollout.evaluation import gold
+from rollout.evaluation.gold_cache import GoldCache
+from rollout.tasks import environment, miner
+from rollout.workspace import make_factory
 
 
 def _git(repo: str, *args: str) -> None:

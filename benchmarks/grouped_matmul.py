@@ -12,19 +12,15 @@ epilogue in a fused pipeline); FLOPs count 2*T*K*N (the useful work, not the til
 """
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from kernels_pallas import formats  # noqa: E402
-from kernels_pallas.grouped_matmul import BlockSizes, grouped_matmul, grouped_matmul_reference  # noqa: E402
+from kernels_pallas import formats
+from kernels_pallas.grouped_matmul import BlockSizes, grouped_matmul, grouped_matmul_reference
 
 GPU_SHAPES = [(16384, k, n, e) for k, n in ((2048, 2048), (4096, 4096), (7168, 2048), (2048, 7168)) for e in (8, 64)]
 

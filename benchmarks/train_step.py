@@ -31,25 +31,22 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from composer_jax import configs, model  # noqa: E402
-from composer_jax.interop import hf  # noqa: E402
-from composer_jax.model import attention  # noqa: E402
-from composer_jax.parallel import layout  # noqa: E402
-from composer_jax.parallel import mesh as mesh_lib  # noqa: E402
-from composer_jax.parallel.rules import ShardingRules  # noqa: E402
-from composer_jax.train import loop, optim, step  # noqa: E402
-from composer_jax.train.config import OptimConfig, TrainConfig  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
+from composer_jax import configs, model
+from composer_jax.interop import hf
+from composer_jax.model import attention
+from composer_jax.parallel import layout
+from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.parallel.rules import ShardingRules
+from composer_jax.train import loop, optim, step
+from composer_jax.train.config import OptimConfig, TrainConfig
+from experiments.configs import model as model_configs
 
 jax.config.update("jax_enable_compilation_cache", False)
 

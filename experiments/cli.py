@@ -146,3 +146,26 @@ def run(main, *, example: str, input_errors: tuple[type[BaseException], ...] = (
       print(f"\ninterrupted: {e or 'rerun the same command to resume from what finished'}", file=sys.stderr)
       sys.exit(130)
   app.run(guarded, flags_parser=_parser(example))
+
+
+def define_distributed():
+  """The multi-process flags every training main shares; returns `start()`, which joins the run they describe
+  (`composer_jax.parallel.distributed`; a no-op for one process) and must run before anything touches a device.
+
+  Each of the N processes gets --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or
+  JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or --distributed_auto on SLURM/Open MPI)."""
+  coordinator = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
+  num_processes = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
+  process_id = flags.DEFINE_integer("process_id", None, "This process's rank in [0, num_processes).")
+  auto = flags.DEFINE_bool("distributed_auto", False, "Let jax.distributed.initialize() read the cluster environment.")
+
+  def start() -> None:
+    from composer_jax.parallel import distributed
+    try:
+      cfg = distributed.DistributedConfig.from_env(coordinator_address=coordinator.value,
+                                                   num_processes=num_processes.value, process_id=process_id.value,
+                                                   auto=auto.value or None)
+    except ValueError as e:
+      fail(e)
+    distributed.initialize(cfg)
+  return start

@@ -13,10 +13,7 @@ from experiments import cli
 
 _CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the tokenizer.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's rank in [0, num_processes).")
-_AUTO = flags.DEFINE_bool("distributed_auto", False, "Let jax.distributed.initialize() read the cluster environment.")
+_START_DISTRIBUTED = cli.define_distributed()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -32,10 +29,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO, jax its cache set-up
   from composer_jax.compile_cache import enable_compilation_cache
   enable_compilation_cache()   # a second run skips its compiles
+  _START_DISTRIBUTED()
   from composer_jax.parallel import distributed
-  distributed.initialize(distributed.DistributedConfig.from_env(
-      coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
-      auto=_AUTO.value or None))
   last = stages.run(cfg, _WORKDIR.value)
   if distributed.is_primary():
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()})

@@ -90,6 +90,31 @@ class BatchConfig:
                        f"{self.length=} {self.pack_rows=}")
 
 
+# The batch's fields, described once (`make_batch` fills them, `rl.step.batch_shardings` places them, the scale plan
+# builds abstract batches of them): per token [R, L], per sequence [S], a tree group's per-token credit [R, L], and
+# `routing` [Lm, R, L, K].
+PER_TOKEN = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32, "seq": np.int32,
+             "gen_mask": np.float32, "inf_logprobs": np.float32}
+PER_SEQUENCE = {"reward": np.float32, "passed": np.float32, "group": np.int32, "first": np.float32,
+                "valid": np.float32, "is_cap": np.float32, "staleness": np.int32, "traj_gen_tokens": np.float32}
+TREE_PER_TOKEN = {"token_adv": np.float32, "loss_weight": np.float32}
+SHARED_PREFIX_PER_TOKEN = {"branch": np.int32, "branch_end": np.int32, "prev": np.int32}   # `share_prefix` trees
+
+
+def per_token_fields(trees: bool = False, share_prefix: bool = False) -> dict[str, Any]:
+  """{field: dtype} of a batch's [R, L] fields: with tree groups, and with their shared prefixes stored once."""
+  return PER_TOKEN | (TREE_PER_TOKEN if trees else {}) | (SHARED_PREFIX_PER_TOKEN if share_prefix else {})
+
+
+def field_shapes(rows: int, length: int, sequences: int, n_moe_layers: int, top_k: int, trees: bool = False,
+                 share_prefix: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """{field: (shape, dtype)} of a batch of `rows` x `length` tokens holding `sequences` sequences."""
+  out = {k: ((rows, length), d) for k, d in per_token_fields(trees, share_prefix).items()}
+  out |= {k: ((sequences,), d) for k, d in PER_SEQUENCE.items()}
+  out["routing"] = ((n_moe_layers, rows, length, top_k), np.int32)
+  return out
+
+
 def pieces(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[list[tuple[int, int]]]:
   """The packed sequences a group's rows are stored as: a sequence each, or with `cfg.share_prefix` a tree
   group's `rollout.tree.row_pieces` (members: (index into `group_rows`, first token offset stored))."""
@@ -168,19 +193,13 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
   places = _place(groups, cfg)   # (row, offset) of each piece, in batch order
   # R rows: pack_rows, or S for a lone group too large for them (the step's second compiled shape)
   R = cfg.pack_rows if cfg.pack_rows and all(r < cfg.pack_rows for r, _ in places) else S
-  out = {"tokens": np.zeros((R, L), np.int32), "segment_ids": np.zeros((R, L), np.int32),
-         "positions": np.zeros((R, L), np.int32), "seq": np.zeros((R, L), np.int32),
-         "gen_mask": np.zeros((R, L), np.float32), "inf_logprobs": np.zeros((R, L), np.float32),
-         "routing": np.full((Lm, R, L, K), -1, np.int32),
-         "reward": np.zeros(S, np.float32), "passed": np.zeros(S, np.float32), "group": np.zeros(S, np.int32),
-         "first": np.zeros(S, np.float32), "valid": np.zeros(S, np.float32),
-         "is_cap": np.full(S, cfg.is_cap, np.float32), "staleness": np.zeros(S, np.int32),
-         "traj_gen_tokens": np.zeros(S, np.float32)}
-  if trees:
-    out |= {"token_adv": np.zeros((R, L), np.float32), "loss_weight": np.zeros((R, L), np.float32)}
-    if cfg.share_prefix:
-      out |= {"branch": np.zeros((R, L), np.int32), "branch_end": np.ones((R, L), np.int32),
-              "prev": np.broadcast_to(np.arange(L, dtype=np.int32), (R, L)).copy()}
+  share = trees and cfg.share_prefix
+  out = {k: np.zeros(shape, dtype) for k, (shape, dtype) in field_shapes(R, L, S, Lm, K, trees, share).items()}
+  out["routing"][:] = -1
+  out["is_cap"][:] = cfg.is_cap
+  if share:
+    out["branch_end"][:] = 1
+    out["prev"][:] = np.arange(L, dtype=np.int32)
   stale_cap = cfg.is_cap if cfg.stale_is_cap is None else cfg.stale_is_cap
   seg_id = {place: n + 1 for r in range(R)   # a row's sequences are numbered left to right from 1
             for n, place in enumerate(sorted(p for p in places if p[0] == r))}

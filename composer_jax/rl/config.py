@@ -130,11 +130,13 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True)
 class SFTPlan:
   """What SFT of the run's model reads from its config (`RunConfig.sft_plan`): the `sft` section, the model, the
-  harness the oracle's demonstrations run through, and the run's seed (it picks the near-miss demonstrations)."""
+  harness the oracle's demonstrations run through, the run's seed (it picks the near-miss demonstrations) and the
+  mesh SFT trains on (the run's: the warm start is RL's reference, placed as the trainer places it)."""
   sft: SFTConfig
   model: ModelConfig
   harness: HarnessConfig
   seed: int
+  mesh: MeshConfig = MeshConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +303,7 @@ class RunConfig:
 
   @property
   def sft_plan(self) -> SFTPlan:
-    return SFTPlan(self.sft, self.model, self.harness, self.seed)
+    return SFTPlan(self.sft, self.model, self.harness, self.seed, self.mesh)
 
   @property
   def batch_rows(self) -> int:

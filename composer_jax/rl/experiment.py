@@ -18,7 +18,8 @@ import os
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import evaluate, loop, publishers, setup, warmstart
+from composer_jax.parallel import distributed
+from composer_jax.rl import evaluate, loop, processes, publishers, setup, warmstart
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.sampling.engine import JaxEngine
@@ -27,21 +28,31 @@ from rollout import chat_format
 from rollout.engines import split
 
 
-def _engine(cfg: RunConfig, params) -> JaxEngine:
+def _engine(cfg: RunConfig, params, mesh=None) -> JaxEngine:
+  """An evaluation engine: where `params` are, or a replica on each device of `mesh` (`processes.for_local_engine`)."""
   return JaxEngine(params, cfg.model, dataclasses.replace(publishers.engine_config(cfg), min_batch_bucket=64,
-                                                          max_batch=64))
+                                                          max_batch=64), mesh=mesh, placement="replicas")
 
 
 def evaluate_at_temperatures(cfg: RunConfig, params, run: setup.Run, tasks, name: str, summarizer_params=None) -> dict:
   """Success of policy `name` on `tasks` at each of `eval.temperatures` (0 = greedy); results in workdir/eval.
-  With `summarizer_params`, those params write the self-summaries (`rollout.engines.split.SummariesFrom`)."""
-  eng, tok = _engine(cfg, params), run.tokenizer
+  With `summarizer_params`, those params write the self-summaries (`rollout.engines.split.SummariesFrom`).
+  Across processes, process 0 evaluates on its own devices (every process calls this: the params are gathered to
+  it) and returns the figures; the others return None."""
+  params, mesh = processes.for_local_engine(params)
   if summarizer_params is not None:
-    eng = split.SummariesFrom(eng, _engine(cfg, summarizer_params), chat_format.special_id(tok, chat_format.SUMMARY))
-  return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, run.envs, cfg.harness, t,
-                                           evaluate.out_dir(cfg.workdir, name, t), policy=name,
-                                           progress=cfg.progress_bar)
-          for t in cfg.eval.temperatures}
+    summarizer_params, _ = processes.for_local_engine(summarizer_params)
+
+  def run_all() -> dict:
+    eng, tok = _engine(cfg, params, mesh), run.tokenizer
+    if summarizer_params is not None:
+      eng = split.SummariesFrom(eng, _engine(cfg, summarizer_params, mesh),
+                                chat_format.special_id(tok, chat_format.SUMMARY))
+    return {f"T{t:g}": evaluate.success_rate(eng, tok, tasks, run.envs, cfg.harness, t,
+                                             evaluate.out_dir(cfg.workdir, name, t), policy=name,
+                                             progress=cfg.progress_bar)
+            for t in cfg.eval.temperatures}
+  return processes.on_primary("evaluate", run_all)
 
 
 def at_step(name: str, rl_steps: int) -> str:
@@ -68,13 +79,17 @@ def sft_control(cfg: RunConfig, run: setup.Run, start_params, seconds: float, lo
   its own RL wall-clock; a run grown to more RL steps gets a control of its own, from the start again (SFT's
   learning-rate schedule spans its steps, so a longer control is not the shorter one continued)."""
   out_dir = control_dir(cfg.workdir, cfg.rl.steps)
-  size = control_size(cfg.workdir, cfg.rl.steps)
-  if size is None:
-    s_per_step = warmstart.seconds_per_step(cfg.workdir)
-    size = {"steps": max(1, int(seconds / s_per_step)), "seconds": seconds, "seconds_per_step": s_per_step}
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, CONTROL_RECORD), "w") as f:
-      json.dump(size, f)
+
+  def choose() -> dict:   # across processes, process 0's wall-clock sizes it for all
+    size = control_size(cfg.workdir, cfg.rl.steps)
+    if size is None:
+      s_per_step = warmstart.seconds_per_step(cfg.workdir)
+      size = {"steps": max(1, int(seconds / s_per_step)), "seconds": seconds, "seconds_per_step": s_per_step}
+      os.makedirs(out_dir, exist_ok=True)
+      with open(os.path.join(out_dir, CONTROL_RECORD), "w") as f:
+        json.dump(size, f)
+    return size
+  size = processes.on_primary("control_size", choose, share=lambda size: size)
   log_fn(f"SFT control: {size['steps']} more steps (~{size['seconds']:.0f} s at {size['seconds_per_step']:.2f} "
          "s/step)")
   params, last = warmstart.sft(cfg.sft_plan, run, start_params, out_dir, steps=size["steps"],
@@ -172,6 +187,8 @@ def run_experiment(cfg: RunConfig, log_fn: Callable[[str], None] = print, allow_
     else:
       result.update(rl_seconds=rl_seconds, rl_steps=cfg.rl.steps, reward_terms=reward_terms_by_quarter(cfg.workdir),
                     last={k: v for k, v in out["last"].items() if isinstance(v, float)})
+    if not distributed.is_primary():   # its evaluation rows are None (`evaluate_at_temperatures`): process 0 reports
+      return result
     earlier = earlier_phase_seconds(cfg.workdir)
     if earlier:
       result.update(earlier_phase_seconds=earlier)

@@ -22,6 +22,7 @@ import time
 
 from composer_jax.interop import hf
 from composer_jax.parallel import distributed
+from composer_jax.rl import processes
 from composer_jax.rl.config import RunConfig
 from composer_jax.rl.follower import Follower
 from rollout.engines.sglang_fleet import FleetConfig, RemoteServer, SGLangFleet
@@ -104,22 +105,32 @@ class FleetPublisher:
   """The `fleet` publisher: starts the fleet on the starting policy and pushes each published policy to it."""
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
-    python = cfg.rollout.sglang.python or sys.executable
-    if python == sys.executable and importlib.util.find_spec("sglang") is None:
-      raise RuntimeError("engine='sglang' needs SGLang in this interpreter (CPU: `bash "
-                         "rollout/engines/install_sglang_cpu.sh .venv/bin/python`, or `make test` installs it), or "
-                         "rollout.sglang.python= pointing at one that has it")
-    self.cfg = cfg
-    _stop_orphans(cfg.workdir)
-    shutil.rmtree(_hf_dir(cfg), ignore_errors=True)   # a killed trainer's exports: its servers are gone
+    """Across processes, every process writes its tensors of each export; process 0 alone runs the fleet (the
+    others' `fleet` and `engine` are None)."""
+    self.cfg, self.version = cfg, version
+
+    def clean():
+      python = cfg.rollout.sglang.python or sys.executable
+      if python == sys.executable and importlib.util.find_spec("sglang") is None:
+        raise RuntimeError("engine='sglang' needs SGLang in this interpreter (CPU: `bash "
+                           "rollout/engines/install_sglang_cpu.sh .venv/bin/python`, or `make test` installs it), or "
+                           "rollout.sglang.python= pointing at one that has it")
+      _stop_orphans(cfg.workdir)
+      shutil.rmtree(_hf_dir(cfg), ignore_errors=True)   # a killed trainer's exports: its servers are gone
+    processes.on_primary("fleet_clean", clean)
     path = export(cfg, params, version)
-    t0 = time.perf_counter()
-    self.fleet = SGLangFleet(FleetConfig(server_config(cfg, path, version), n_servers=cfg.rollout.sglang.servers),
-                             log_dir=os.path.join(cfg.workdir, "sglang_logs"))
+    self.fleet = processes.on_primary("fleet_start", lambda: self._start(path, version, log_fn))
     self.engine = self.fleet   # what an in-process (sync) rollout source generates with
-    log_fn(f"SGLang fleet: {cfg.rollout.sglang.servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
+
+  def _start(self, path: str, version: int, log_fn) -> SGLangFleet:
+    t0 = time.perf_counter()
+    self.fleet = SGLangFleet(FleetConfig(server_config(self.cfg, path, version),
+                                         n_servers=self.cfg.rollout.sglang.servers),
+                             log_dir=os.path.join(self.cfg.workdir, "sglang_logs"))
+    log_fn(f"SGLang fleet: {self.cfg.rollout.sglang.servers} server(s) up in {time.perf_counter() - t0:.0f} s at "
            f"{[s.url for s in self.fleet.servers]}")
     self._write(version, path)
+    return self.fleet
 
   def _write(self, version: int, path: str) -> None:
     _write_state(self.cfg.workdir, {"urls": [s.url for s in self.fleet.live_servers()], "version": version,
@@ -127,16 +138,21 @@ class FleetPublisher:
 
   def publish(self, params, version: int) -> float:
     """Exports `params` and loads them on every server as `version`; returns the seconds the servers took."""
-    if self.fleet.policy_version == version:
+    if self.version == version:
       return 0.0
     path = export(self.cfg, params, version)
-    seconds = self.fleet.update_weights(path, version)
-    self._write(version, path)
-    _prune(self.cfg, KEEP_CHECKPOINTS, version)
-    return seconds
+    self.version = version
+
+    def push() -> float:
+      seconds = self.fleet.update_weights(path, version)
+      self._write(version, path)
+      _prune(self.cfg, KEEP_CHECKPOINTS, version)
+      return seconds
+    return processes.on_primary("fleet_publish", push) or 0.0
 
   def close(self) -> None:
-    self.fleet.close()
+    if self.fleet is not None:
+      self.fleet.close()
 
   @staticmethod
   def follow(cfg: RunConfig):

@@ -19,7 +19,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from composer_jax.rl import publishers, setup, sources, warmstart, weight_files
+import jax
+
+from composer_jax.rl import processes, publishers, setup, sources, warmstart
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
 from composer_jax.rl.trainer import Trainer, build_rl_step
@@ -46,20 +48,22 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
     stack.callback(trainer.close)
     publisher = publishers.make(cfg, trainer.params, trainer.start, log_fn)   # before the workers attach to it
     stack.callback(publisher.close)
-    source = sources.make(cfg, publisher.engine, run, trainer.consumer, log_fn)
-    stack.callback(source.close)
-    progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn))
+    # Process 0 alone rolls out and logs; every process trains, publishes and checkpoints (`rl/processes.py`).
+    source = sources.make(cfg, publisher.engine, run, trainer.consumer, log_fn) if trainer.primary else None
+    stack.callback(lambda: source and source.close())
+    progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn, trainer.primary))
     engine_stats = VersionLogReader(publishers.engine_stats_dir(cfg))   # speculative decoding per policy version
-    stop = stack.enter_context(interrupt.StopAtStep("RL"))
+    # Ctrl-C: one process stops after the step in flight (processes of a multi-process run would not agree on it).
+    stop = stack.enter_context(interrupt.StopAtStep("RL", enabled=jax.process_count() == 1))
     for step_no in range(trainer.start + 1, cfg.rl.steps + 1):
       t0 = time.perf_counter()
-      groups, rollout_s = source.next(step_no - 1)   # the policy version the trainer is at
+      groups, rollout_s = source.next(step_no - 1) if source else (None, 0.0)   # at the trainer's policy version
       idle_s = time.perf_counter() - t0
       m = trainer.step(step_no, groups)
       train_s = time.perf_counter() - t0 - idle_s
       publish_s = publisher.publish(trainer.params, step_no) if step_no % cfg.rollout.publish_every == 0 else 0.0
       step_s = time.perf_counter() - t0
-      m.update(trainer.queue_stats(), step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
+      m.update(step_s=step_s, trainer_idle_s=idle_s, train_s=train_s, rollout_s=rollout_s,
                trainer_idle_fraction=idle_s / max(step_s, 1e-9), publish_s=publish_s, **engine_stats.metrics())
       last = progress.log(step_no, m)
       if stop.requested or step_no % cfg.rl.ckpt_every == 0 or step_no == cfg.rl.steps:
@@ -68,21 +72,24 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
         raise interrupt.Interrupted(f"RL stopped at step {step_no} of {cfg.rl.steps}, checkpointed in "
                                     f"{trainer.ckpts.directory}: rerun the same command to resume")
   # The final policy in workdir/weights whatever the publisher, so every RL workdir can be evaluated as one.
-  weight_files.publish_unless_latest(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step))
-  _plot(cfg.workdir)
+  processes.publish_weights(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step), unless_latest=True)
+  if trainer.primary:
+    _plot(cfg.workdir)
   return {"params": trainer.params, "ref_params": trainer.ref_params, "last": last, "resumed_at": trainer.start}
 
 
 class _Progress:
   """Metrics (workdir/metrics.jsonl + TensorBoard) and the progress bar, or a log line per step without one."""
 
-  def __init__(self, cfg: RunConfig, start: int, log_fn):
-    self.writer, self.log_fn, self.bar = metrics_lib.MetricWriter(cfg.workdir), log_fn, None
-    if cfg.progress_bar:
+  def __init__(self, cfg: RunConfig, start: int, log_fn, primary: bool = True):
+    self.writer, self.log_fn, self.bar = metrics_lib.MetricWriter(cfg.workdir) if primary else None, log_fn, None
+    if cfg.progress_bar and primary:
       from tqdm import tqdm
       self.bar = tqdm(total=cfg.rl.steps, initial=start, desc="rl", dynamic_ncols=True)
 
   def log(self, step_no: int, m: dict) -> dict:
+    if self.writer is None:   # not process 0
+      return {"step": step_no, **m}
     self.writer.write(step_no, m)
     if self.bar is not None:
       self.bar.update(1)
@@ -96,7 +103,8 @@ class _Progress:
     return self
 
   def __exit__(self, *exc):
-    self.writer.close()
+    if self.writer is not None:
+      self.writer.close()
     if self.bar is not None:
       self.bar.close()
 

@@ -18,7 +18,8 @@ from typing import Protocol
 import jax
 
 from composer_jax import model
-from composer_jax.rl import fleet, weight_files
+from composer_jax.parallel import distributed
+from composer_jax.rl import fleet, processes, weight_files
 from composer_jax.rl.config import ENGINES, RunConfig
 from composer_jax.rl.follower import Follower
 
@@ -58,20 +59,30 @@ def weights_dir(cfg: RunConfig) -> str:
 
 
 class InPlace:
-  """Sync mode with the embedded engine: the trainer's own JaxEngine gets each version's params directly."""
+  """Sync mode with the embedded engine: the trainer's own JaxEngine gets each version's params directly.
+
+  Across processes, process 0 alone rolls out: its engine holds a replica of the gathered params on each of its
+  own devices (`processes.for_local_engine`; every process takes part in the gather), the others have none."""
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
     mesh = jax.tree.leaves(params)[0].sharding.mesh   # the trainer's
+    placement = cfg.rollout.engine_placement
+    params, local_mesh = processes.for_local_engine(params)
+    if local_mesh is not None:
+      mesh, placement = local_mesh, "replicas"
     self.engine = _rollout_engine(cfg, params, version, "trainer", log_fn if cfg.rollout.draft_tokens else None,
-                                  mesh=mesh, placement=cfg.rollout.engine_placement)
+                                  mesh=mesh, placement=placement) if distributed.is_primary() else None
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()
-    self.engine.update_weights(params, version)
+    params, _ = processes.for_local_engine(params)
+    if self.engine is not None:
+      self.engine.update_weights(params, version)
     return time.perf_counter() - t0
 
   def close(self) -> None:
-    self.engine.close()
+    if self.engine is not None:
+      self.engine.close()
 
   @staticmethod
   def follow(cfg: RunConfig) -> Follower:
@@ -84,14 +95,18 @@ class WeightFiles:
 
   def __init__(self, cfg: RunConfig, params, version: int, log_fn=print):
     self.dir = weights_dir(cfg)
-    withdrawn = weight_files.recover(self.dir, version)
-    if withdrawn:
-      log_fn(f"withdrew weights v{withdrawn} published after the checkpoint at step {version}: those steps are redone")
-    weight_files.publish_unless_latest(self.dir, params, version)
+
+    def recover():   # across processes, process 0 owns the files (`processes.publish_weights`)
+      withdrawn = weight_files.recover(self.dir, version)
+      if withdrawn:
+        log_fn(f"withdrew weights v{withdrawn} published after the checkpoint at step {version}: those steps are "
+               "redone")
+    processes.on_primary("recover_weights", recover)
+    processes.publish_weights(self.dir, params, version, unless_latest=True)
 
   def publish(self, params, version: int) -> float:
     t0 = time.perf_counter()
-    weight_files.publish(self.dir, params, version)
+    processes.publish_weights(self.dir, params, version)
     return time.perf_counter() - t0
 
   def close(self) -> None:

@@ -36,6 +36,7 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.moe import select_experts
 from composer_jax.parallel import layout
 from composer_jax.parallel.rules import ShardingRules, current_rules, use_rules
+from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import losses
 from composer_jax.rl.config import RLConfig
 from composer_jax.train import losses as lm_losses
@@ -274,12 +275,9 @@ def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = Fals
   `trees`: the batches hold tree groups (their `token_adv` and `loss_weight` fields); `share_prefix`: and are
   built with `BatchConfig.share_prefix` (their `branch`, `branch_end` and `prev` fields)."""
   rows_spec, seq_spec = layout.batch_spec(mesh, rules if rules is not None else ShardingRules())
-  per_token = ("tokens", "segment_ids", "positions", "seq", "gen_mask", "inf_logprobs")
-  per_token += ("token_adv", "loss_weight") if trees else ()
-  per_token += ("branch", "branch_end", "prev") if share_prefix else ()
-  per_seq = ("reward", "passed", "group", "first", "valid", "is_cap", "staleness", "traj_gen_tokens")
+  per_token = rl_batch.per_token_fields(trees, share_prefix)
   out = {k: NamedSharding(mesh, P(rows_spec, seq_spec)) for k in per_token}
-  out |= {k: NamedSharding(mesh, P()) for k in per_seq}
+  out |= {k: NamedSharding(mesh, P()) for k in rl_batch.PER_SEQUENCE}
   out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
   return out
 

@@ -113,7 +113,8 @@ class Trainer:
 
   def step(self, step_no: int, groups: list | None) -> dict[str, float]:
     """One RL step on `groups` (whole groups of this step; None in the processes but process 0, which receive
-    process 0's, `processes.share_groups`); returns its metrics as floats."""
+    process 0's, `processes.share_groups`); returns its metrics as floats, the queue's after the step's poll among
+    them (depth, dropped and kept stale groups, the staleness histogram)."""
     groups = processes.share_groups(groups, self.consumer.kv)
     batch = placement.place_tree(rl_batch.from_consumed(groups, self.batch_cfg), self.rl_step.batch)
     shape = batch["tokens"].shape
@@ -131,12 +132,9 @@ class Trainer:
       with open(self.applied_path, "a") as f:
         f.write(json.dumps({"step": step_no, "keys": [g.key.key for g in groups]}) + "\n")
     self.cursor = self.consumer.state()   # after exactly this step's groups, whatever is consumed before the save
-    return m
-
-  def queue_stats(self) -> dict[str, float]:
     qs = self.consumer.stats()
     hist = qs.pop("staleness_hist")
-    return {**{k: float(v) for k, v in qs.items()}, **{f"staleness_{k}": float(v) for k, v in hist.items()}}
+    return m | {k: float(v) for k, v in qs.items()} | {f"staleness_{k}": float(v) for k, v in hist.items()}
 
   def checkpoint(self, step_no: int) -> None:
     """Saves state + queue cursor together, then lets the queue drop what that checkpoint no longer needs. The

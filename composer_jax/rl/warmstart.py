@@ -18,10 +18,14 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import tqdm
 
 from composer_jax.model.config import ModelConfig
-from composer_jax.rl import setup
+from composer_jax.parallel import distributed, layout
+from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.parallel.rules import ShardingRules
+from composer_jax.rl import processes, setup
 from composer_jax.rl.config import SFTPlan
 from composer_jax.train import data as data_lib
 from composer_jax.train import loop as train_loop
@@ -61,33 +65,35 @@ def oracle_transcripts(tokenizer, tasks: Sequence, envs, hcfg: harness.HarnessCo
 
 
 def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:
-  """Writes atomically: a resumed SFT reads back its demonstrations only when they were written whole."""
+  """Writes atomically: a resumed SFT reads back its demonstrations (`train.data.read_transcripts`) only when they
+  were written whole."""
   with open(path + ".tmp", "w") as f:
     for m in transcripts:
       f.write(json.dumps({"messages": list(m)}) + "\n")
   os.replace(path + ".tmp", path)
 
 
-def read_jsonl(path: str) -> list[list[dict]]:
-  """The transcripts `write_jsonl` wrote."""
-  with open(path) as f:
-    return [json.loads(line)["messages"] for line in f if line.strip()]
-
-
 def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequence, workdir: str, *, steps: int,
             seq_len: int, batch_size: int, learning_rate: float, seed: int = 0, init_params=None,
-            progress_bar: bool = False, log_fn: Callable[[str], None] = print):
+            progress_bar: bool = False, log_fn: Callable[[str], None] = print, mesh=None, rules=None):
   """SFT on transcripts in `workdir`; exports `workdir/params` and returns the params and last metrics.
 
-  Resumable: it checkpoints every tenth of its steps (at most every 100), and Ctrl-C checkpoints the steps done
-  (`train.interrupt`), so an interrupted SFT continues from there, with its data iterator where it was."""
-  os.makedirs(workdir, exist_ok=True)
-  tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, "tokenizer"))
+  On `mesh` under `rules` (default: one device); across processes, process 0 writes the files and each process
+  trains on its rows of each global batch. Resumable: it checkpoints every tenth of its steps (at most every 100),
+  and Ctrl-C checkpoints the steps done (`train.interrupt`), so an interrupted SFT continues from there, with its
+  data iterator where it was."""
   tr, ev = os.path.join(workdir, "sft_train.jsonl"), os.path.join(workdir, "sft_eval.jsonl")
-  write_jsonl(tr, train)
-  write_jsonl(ev, heldout)
+
+  def write():
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, "tokenizer"))
+    write_jsonl(tr, train)
+    write_jsonl(ev, heldout)
+  processes.on_primary("sft_files", write)
   dcfg = data_lib.DataConfig(seq_len=seq_len, batch_size=batch_size, seed=seed)
-  data = data_lib.sft_data(tokenizer, tr, ev, dcfg)
+  mesh = mesh if mesh is not None else train_loop.single_device_mesh()
+  data = _process_rows(data_lib.sft_data(tokenizer, tr, ev, dcfg), dcfg,
+                       layout.batch_sharding(mesh, rules if rules is not None else ShardingRules()))
   tcfg = TrainConfig(steps=steps, seed=seed, log_every=max(1, steps // 10), eval_every=steps, eval_batches=2,
                      ckpt_every=max(1, min(100, steps // 10)), ckpt_keep=1,
                      # A model with MTP modules gets its drafter trained too (self-distilled, the trunk detached:
@@ -97,9 +103,22 @@ def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequenc
   ocfg = OptimConfig(learning_rate=learning_rate, warmup_steps=max(1, steps // 10), decay_steps=steps)
   params, last = train_loop.train(model_cfg=model_cfg, train_cfg=tcfg, optim_cfg=ocfg, workdir=workdir,
                                   train_iter=iter(data.train), eval_batches=lambda: iter(data.eval),
-                                  init_params=init_params, log_fn=log_fn)
+                                  init_params=init_params, mesh=mesh, rules=rules, log_fn=log_fn)
   stages.export_params(workdir, params)
   return params, last
+
+
+def _process_rows(data: data_lib.Data, dcfg: data_lib.DataConfig, sharding) -> data_lib.Data:
+  """`data` (global batches) cut to this process's rows of each batch (`layout.process_batch_shard`): every process
+  packs all the transcripts (a few thousand) and keeps its block, so a step's global batch is the one a single
+  process trains on, whatever the process count (pretraining's shards of the examples would pack differently)."""
+  layout.check_batch_shape(dcfg.batch_size, dcfg.seq_len, sharding)
+  index, count = layout.process_batch_shard(sharding)
+  if count == 1:
+    return data
+  n = dcfg.batch_size // count
+  rows = lambda b: {k: v[index * n:(index + 1) * n] for k, v in b.items()}   # noqa: E731
+  return dataclasses.replace(data, train=data.train.map(rows), eval=data.eval.map(rows))
 
 
 def sft_tasks(plan: SFTPlan, pool: list) -> list:
@@ -143,17 +162,33 @@ def sft(plan: SFTPlan, run: setup.Run, init_params, workdir: str, *, steps: int,
   resumed stage reads its own back, the control reads the warm start's (`run.workdir/sft`), and the warm start
   after a curriculum reads the first stage's and adds the other levels'."""
   warm, first = os.path.join(run.workdir, "sft"), os.path.join(run.workdir, CURRICULUM_DIR)
-  if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
-    train, dev = map(read_jsonl, _saved(workdir))
-  elif keep is None and os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
-    train, dev = map(read_jsonl, _saved(warm))
-  elif keep is None and plan.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
-    first_train, first_dev = map(read_jsonl, _saved(first))
-    more, more_dev = sft_transcripts(plan, run, lambda level: level not in plan.sft.curriculum_levels)
-    train, dev = first_train + more, first_dev + more_dev
-  else:
-    train, dev = sft_transcripts(plan, run, keep)
+
+  def make():
+    if all(map(os.path.isfile, _saved(workdir))):   # resumed: this stage's demonstrations are already made
+      return tuple(map(data_lib.read_transcripts, _saved(workdir)))
+    if keep is None and os.path.abspath(workdir) != os.path.abspath(warm) and all(map(os.path.isfile, _saved(warm))):
+      return tuple(map(data_lib.read_transcripts, _saved(warm)))
+    if keep is None and plan.sft.curriculum_levels and all(map(os.path.isfile, _saved(first))):
+      first_train, first_dev = map(data_lib.read_transcripts, _saved(first))
+      more, more_dev = sft_transcripts(plan, run, lambda level: level not in plan.sft.curriculum_levels)
+      return first_train + more, first_dev + more_dev
+    return sft_transcripts(plan, run, keep)
+  train, dev = _demonstrations(workdir, make)
   return _train(plan, run, train, dev, workdir, steps, learning_rate, seed, init_params, log_fn)
+
+
+def _demonstrations(workdir: str, make: Callable[[], tuple[list, list]]) -> tuple[list, list]:
+  """`make()`'s (train, dev) transcripts. Across processes process 0 makes them (its sandboxes run the oracle) and
+  writes them into `workdir`, where the others read them."""
+  def made():
+    train, dev = make()
+    if jax.process_count() > 1:
+      os.makedirs(workdir, exist_ok=True)
+      for path, transcripts in zip(_saved(workdir), (train, dev), strict=True):
+        write_jsonl(path, transcripts)
+    return train, dev
+  got = processes.on_primary("demonstrations", made)
+  return got if distributed.is_primary() else tuple(map(data_lib.read_transcripts, _saved(workdir)))
 
 
 TRAIN_SECONDS = "train_seconds.json"   # in each SFT dir: its steps and their wall-clock, demonstrations excluded
@@ -168,10 +203,12 @@ def _train(plan: SFTPlan, run: setup.Run, train, dev, workdir: str, steps: int, 
   t = time.perf_counter()
   out = run_sft(plan.model, run.tokenizer, train, dev, workdir, steps=steps, seq_len=plan.sft.seq_len,
                 batch_size=plan.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
-                progress_bar=run.progress_bar, log_fn=log_fn)
-  os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
-  with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
-    json.dump({"steps": steps - before, "seconds": time.perf_counter() - t}, f)
+                progress_bar=run.progress_bar, log_fn=log_fn, mesh=mesh_lib.mesh_from_config(plan.mesh),
+                rules=plan.mesh.rules())
+  if distributed.is_primary():
+    os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
+    with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
+      json.dump({"steps": steps - before, "seconds": time.perf_counter() - t}, f)
   return out
 
 
@@ -212,6 +249,11 @@ def sft_stages(plan: SFTPlan, workdir: str) -> list[tuple[str, int, Callable[[ob
   return [(os.path.join(workdir, CURRICULUM_DIR), plan.sft.curriculum_steps, lambda level: level in levels), last]
 
 
+def load_params(plan: SFTPlan, workdir: str):
+  """The params an SFT stage exported into `workdir`, on the run's mesh (`plan.mesh`), where SFT trains."""
+  return stages.load_params(workdir, plan.model, mesh_lib.mesh_from_config(plan.mesh), plan.mesh.rules())
+
+
 def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = print):
   """The starting params: `sft.init_checkpoint`'s (or a random init) trained through each SFT stage in turn; a
   finished stage is loaded, not redone, and with `sft.steps=0` the checkpoint is the start as it is."""
@@ -219,10 +261,10 @@ def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = pr
   finished = [i for i, (stage, _, _) in enumerate(todo) if os.path.isdir(os.path.join(stage, "params"))]
   params, last = None, None
   if finished:
-    params = stages.load_params(todo[finished[-1]][0], plan.model)
+    params = load_params(plan, todo[finished[-1]][0])
     todo = todo[finished[-1] + 1:]
   elif plan.sft.init_checkpoint:
-    params = stages.load_params(plan.sft.init_checkpoint, plan.model)
+    params = load_params(plan, plan.sft.init_checkpoint)
   for stage, steps, keep in todo:
     if keep is not None:
       log_fn(f"SFT curriculum: levels {list(plan.sft.curriculum_levels)} first")

@@ -17,7 +17,8 @@ import os
 import pickle
 import socket
 
-from composer_jax.rl import setup
+from composer_jax.parallel import distributed
+from composer_jax.rl import processes, setup
 from composer_jax.rl.config import RunConfig, RunInputError
 
 LOCK = "lock"
@@ -139,12 +140,17 @@ def save_config(cfg) -> str:
 def claim(cfg, allow=()):
   """The run's pieces (`setup.open_run`) for a block that holds `cfg.workdir`'s lock: after the resume check, and
   after its input is checked (building the pieces checks it), `cfg` is stored as the run's config, so a run refused
-  for its input leaves none that a fixed rerun would differ from."""
-  with lock(cfg.workdir):
-    check_resume(cfg, allow)
-    with setup.open_run(cfg) as run:
+  for its input leaves none that a fixed rerun would differ from. Across processes process 0 does all this; the
+  others then build their own from what it froze and fitted (`rl/processes.py`)."""
+  with contextlib.ExitStack() as stack:
+    def first():
+      stack.enter_context(lock(cfg.workdir))
+      check_resume(cfg, allow)
+      run = stack.enter_context(setup.open_run(cfg))
       save_config(cfg)
-      yield run
+      return run
+    run = processes.on_primary("claim", first)
+    yield run if distributed.is_primary() else stack.enter_context(setup.open_run(cfg))
 
 
 def load_run_config(workdir: str):

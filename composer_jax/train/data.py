@@ -42,7 +42,6 @@ in ~4 s. Tokenization is eager, which keeps shuffling exact and state tiny; it i
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -54,6 +53,7 @@ import numpy as np
 from composer_jax.train import corpus as corpus_lib
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout import chat_format as cf
+from rollout import jsonl
 
 Example = dict[str, np.ndarray]  # {"tokens": int32[n], "loss_mask": float32[n]}
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask", "targets", "target_mask")
@@ -118,22 +118,15 @@ def sft_examples(tokenizer, transcripts: Sequence[Sequence[dict[str, Any]]]) -> 
 def read_transcripts(path: str) -> list[list[dict[str, Any]]]:
   """Reads a JSONL file of `{"messages": [...]}` lines (blank lines skipped); errors name the file and line."""
   transcripts = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-      messages = record.get("messages") if isinstance(record, dict) else None
-      if not isinstance(messages, list) or not messages:
-        raise ValueError(f'{path}:{n}: expected an object with a non-empty "messages" list')
-      try:
-        cf.render(messages)  # Validates roles and tool calls now, with the line number, not mid-training.
-      except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}:{n}: {e}") from e
-      transcripts.append(messages)
+  for n, record in jsonl.records(path):
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+      raise ValueError(f'{path}:{n}: expected an object with a non-empty "messages" list')
+    try:
+      cf.render(messages)  # Validates roles and tool calls now, with the line number, not mid-training.
+    except (ValueError, TypeError, AttributeError) as e:
+      raise ValueError(f"{path}:{n}: {e}") from e
+    transcripts.append(messages)
   if not transcripts:
     raise ValueError(f"{path}: no transcripts")
   return transcripts

@@ -17,6 +17,7 @@ import re
 import shlex
 from collections.abc import Mapping
 
+from rollout import jsonl
 from rollout.tasks.task import Environment, HiddenTests, Task
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -74,16 +75,9 @@ def instance_to_task(inst: Mapping, repos_dir: str, test_commands: Mapping[str, 
 def load_jsonl(path: str, repos_dir: str, **kwargs) -> list[Task]:
   """Every instance of a JSONL file as a Task; kwargs go to `instance_to_task`. Errors name the line."""
   tasks = []
-  with open(path, encoding="utf-8") as f:
-    for i, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        inst = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-      try:
-        tasks.append(instance_to_task(inst, repos_dir, **kwargs))
-      except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"{path}:{i}: {e}") from None
+  for i, inst in jsonl.records(path):
+    try:
+      tasks.append(instance_to_task(inst, repos_dir, **kwargs))
+    except (ValueError, FileNotFoundError) as e:
+      raise type(e)(f"{path}:{i}: {e}") from None
   return tasks
