@@ -128,24 +128,14 @@ def _lm_batch(mesh, rules, rows, seq):
 
 
 def _rl_batch(mesh, rules, rows, seq, cfg):
-  """`rl.batch.make_batch`'s fields, rows over the batch axes and positions over `context`."""
+  """`rl.batch.make_batch`'s fields (one sequence a row), placed by `rl.step.batch_shardings`."""
   import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
-  from composer_jax.parallel import layout
-  row_spec = layout.batch_spec(mesh, rules)
-  b_axes, l_axes = row_spec
+  from composer_jax.rl import batch as rl_batch
+  from composer_jax.rl import step as rl_step
   n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
-  fields = {k: ((rows, seq), jnp.int32) for k in ("tokens", "segment_ids", "positions", "seq")}
-  fields.update({k: ((rows, seq), jnp.float32) for k in ("gen_mask", "inf_logprobs")})
-  fields.update({k: ((rows,), jnp.float32) for k in ("reward", "passed", "first", "valid", "is_cap",
-                                                      "traj_gen_tokens")})
-  fields.update({k: ((rows,), jnp.int32) for k in ("group", "staleness")})
-  fields["routing"] = ((n_moe, rows, seq, cfg.num_experts_per_tok), jnp.int32)
-  shard = {k: NamedSharding(mesh, P(b_axes, l_axes) if len(s) == 2 else P()) for k, (s, _) in fields.items()}
-  shard["routing"] = NamedSharding(mesh, P(None, b_axes, l_axes, None))
+  fields = rl_batch.field_shapes(rows, seq, rows, n_moe, cfg.num_experts_per_tok)
+  shard = rl_step.batch_shardings(mesh, rules)
   batch = {k: jax.ShapeDtypeStruct(s, d, sharding=shard[k]) for k, (s, d) in fields.items()}
   return batch, shard
 
