@@ -67,8 +67,9 @@ PLANS = {
 
 
 def rules_for(axes: dict[str, int], n_experts: int = 384, zero1: bool = True):
-  """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), expert
-  weights' D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves).
+  """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), and q_b's
+  input dim (`q_lora_in`; q_b has no D, and replicated it was the largest dense weight per device), expert weights'
+  D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves).
   With `zero1`, the dense weights' AdamW moments are split over `expert` as well (`optimizer_state`): the weights
   are replicated there and their gradients summed over it anyway, so the step only adds one all-gather of the
   updated weights over `expert`, and each device holds 1/|expert| of those moments. (LM steps only: they pin the
@@ -77,7 +78,7 @@ def rules_for(axes: dict[str, int], n_experts: int = 384, zero1: bool = True):
   from composer_jax.parallel.rules import ShardingRules
   fsdp = tuple(a for a in ("data", "context") if axes.get(a, 1) > 1) or None
   few_experts = n_experts // axes.get("expert", 1) <= 8
-  return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp,
+  return ShardingRules(batch=("data", "expert"), embed=fsdp, q_lora_in=fsdp, expert_embed=None if few_experts else fsdp,
                        optimizer_state="expert" if zero1 and axes.get("expert", 1) > 1 else None)
 
 
@@ -127,24 +128,14 @@ def _lm_batch(mesh, rules, rows, seq):
 
 
 def _rl_batch(mesh, rules, rows, seq, cfg):
-  """`rl.batch.make_batch`'s fields, rows over the batch axes and positions over `context`."""
+  """`rl.batch.make_batch`'s fields (one sequence a row), placed by `rl.step.batch_shardings`."""
   import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
-  from composer_jax.parallel import layout
-  row_spec = layout.batch_spec(mesh, rules)
-  b_axes, l_axes = row_spec
+  from composer_jax.rl import batch as rl_batch
+  from composer_jax.rl import step as rl_step
   n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
-  fields = {k: ((rows, seq), jnp.int32) for k in ("tokens", "segment_ids", "positions", "seq")}
-  fields.update({k: ((rows, seq), jnp.float32) for k in ("gen_mask", "inf_logprobs")})
-  fields.update({k: ((rows,), jnp.float32) for k in ("reward", "passed", "first", "valid", "is_cap",
-                                                      "traj_gen_tokens")})
-  fields.update({k: ((rows,), jnp.int32) for k in ("group", "staleness")})
-  fields["routing"] = ((n_moe, rows, seq, cfg.num_experts_per_tok), jnp.int32)
-  shard = {k: NamedSharding(mesh, P(b_axes, l_axes) if len(s) == 2 else P()) for k, (s, _) in fields.items()}
-  shard["routing"] = NamedSharding(mesh, P(None, b_axes, l_axes, None))
+  fields = rl_batch.field_shapes(rows, seq, rows, n_moe, cfg.num_experts_per_tok)
+  shard = rl_step.batch_shardings(mesh, rules)
   batch = {k: jax.ShapeDtypeStruct(s, d, sharding=shard[k]) for k, (s, d) in fields.items()}
   return batch, shard
 

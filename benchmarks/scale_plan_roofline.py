@@ -76,16 +76,17 @@ def print_table(rows: list[dict]) -> None:
 def markdown_table(rows: list[dict]) -> str:
   """The plan as a markdown table (what composer_jax/parallel/README.md shows, generated from --out files)."""
   gb = 1e9
-  lines = ["| stage | devices | mesh | params + opt GB | temp GB (CPU-only) | total GB on GPU | fits | all-to-all GB | "
-           "all-gather GB | all-reduce GB | reduce-scatter GB | permute GB | HLO / model FLOPs | "
+  lines = ["| stage | devices | mesh | remat | params + opt GB | temp GB (CPU-only) | total GB on GPU | fits | "
+           "all-to-all GB | all-gather GB | all-reduce GB | reduce-scatter GB | permute GB | HLO / model FLOPs | "
            "t compute / memory / comm s | limit | MFU bound |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
   def wire(c):
     return f"{(c['nvlink_bytes'] + c['ib_bytes']) / gb:.0f} ({c['ib_bytes'] / gb:.0f} IB)"
   for r in rows:
     c, t = r["collectives"], r["t"]
-    lines.append(f"| {r['stage']} | {r['devices']} | {mesh_str(r['axes'])} | {r['params_opt'] / gb:.1f} | "
+    lines.append(f"| {r['stage']} | {r['devices']} | {mesh_str(r['axes'])} | {r.get('remat_policy', '')} | "
+                 f"{r['params_opt'] / gb:.1f} | "
                  f"{r['temp'] / gb:.1f} ({(r['temp'] - r['temp_gpu']) / gb:.1f}) | {r['total_gpu'] / gb:.1f} | "
                  f"{'yes' if r['fits'] else 'no'} | {wire(c['all-to-all'])} | {wire(c['all-gather'])} | "
                  f"{wire(c['all-reduce'])} | {wire(c['reduce-scatter'])} | {wire(c['collective-permute'])} | "

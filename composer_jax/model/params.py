@@ -113,7 +113,7 @@ def _attn_specs(cfg: ModelConfig, dt) -> dict[str, ArrayInfo]:
   else:
     p["q_a"] = ArrayInfo((D, cfg.q_lora_rank), dt, ("embed", "q_lora"), Normal(std))
     p["q_a_norm"] = ArrayInfo((cfg.q_lora_rank,), dt, ("norm",), ONES)
-    p["q_b"] = ArrayInfo((cfg.q_lora_rank, H, Q), dt, ("q_lora", "heads", "head_dim"), Normal(std))
+    p["q_b"] = ArrayInfo((cfg.q_lora_rank, H, Q), dt, ("q_lora_in", "heads", "head_dim"), Normal(std))
   p["kv_a"] = ArrayInfo((D, cfg.kv_lora_rank), dt, ("embed", "kv_lora"), Normal(std))
   p["k_rope"] = ArrayInfo((D, cfg.qk_rope_head_dim), dt, ("embed", "qk_rope"), Normal(std))
   p["kv_a_norm"] = ArrayInfo((cfg.kv_lora_rank,), dt, ("norm",), ONES)

@@ -35,6 +35,8 @@ class ShardingRules:
   head_dim: MeshAxes = None
   qk_rope: MeshAxes = None
   q_lora: MeshAxes = None
+  q_lora_in: MeshAxes = None      # q_b's input dim (the q_lora latent again): FSDP can split it where it splits q_a's
+                                  # `embed`, which would collide with q_a's own `q_lora`
   kv_lora: MeshAxes = None
   ffw: MeshAxes = "tensor"
   experts: MeshAxes = "expert"

@@ -93,8 +93,10 @@ def token_logprobs(h_BxLxD: jax.Array, w_DxV: jax.Array, tokens_BxL: jax.Array, 
   if prev_BxL is not None:
     h_prev_BxLxD = jnp.take_along_axis(h_BxLxD, prev_BxL[..., None], axis=1)
     return head.token_logprobs(h_prev_BxLxD, w_DxV, tokens_BxL, with_entropy=with_entropy)
-  out = head.token_logprobs(h_BxLxD[:, :-1], w_DxV, tokens_BxL[:, 1:], with_entropy=with_entropy)
-  align = lambda x_BxL: jnp.pad(x_BxL, ((0, 0), (1, 0)))
+  # The head runs on all L positions (the last one's target is a pad and its output dropped): on L - 1 positions,
+  # which the context axis does not divide, the per-device head ran every position on every context rank.
+  out = head.token_logprobs(h_BxLxD, w_DxV, jnp.pad(tokens_BxL[:, 1:], ((0, 0), (0, 1))), with_entropy=with_entropy)
+  align = lambda x_BxL: jnp.pad(x_BxL[:, :-1], ((0, 0), (1, 0)))
   return tuple(map(align, out)) if with_entropy else align(out)
 
 
