@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from composer_jax import configs
-from composer_jax.rl import loop
+from composer_jax.rl import loop, setup, trainer
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout import tree_harness
@@ -33,8 +33,20 @@ def test_entropy_branch_points_reach_the_tree_config(tmp_path):
     _cfg(tmp_path, **tree, **{"rollout.tree_branch_entropy": -1.0})
 
 
+def test_shared_prefixes_reach_the_batch_and_the_step_and_need_trees(tmp_path):
+  with pytest.raises(ValueError, match="rl.share_prefix stores a tree group's shared prefix once, but the groups are "
+                                       "flat"):
+    _cfg(tmp_path, **{"rl.share_prefix": True})
+  cfg = _cfg(tmp_path, **{"rl.share_prefix": True, "rollout.tree_branch_turns": (0, 1), "rollout.tree_fanouts": (2, 2)})
+  assert setup.batch_config(cfg).share_prefix
+  assert {"token_adv", "branch", "branch_end", "prev"} <= set(trainer.build_rl_step(cfg).batch)
+  flat = trainer.build_rl_step(_cfg(tmp_path))
+  assert not {"token_adv", "branch"} & set(flat.batch)
+
+
 @pytest.mark.slow   # a warm start and two RL steps: minutes on a loaded 2-core machine
-def test_a_sync_run_trains_on_tree_groups(tmp_path, monkeypatch):
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_a_sync_run_trains_on_tree_groups(tmp_path, monkeypatch, share_prefix):
   trees, real = [], tree_harness.rollout_tree
 
   def spy(*args):
@@ -43,7 +55,8 @@ def test_a_sync_run_trains_on_tree_groups(tmp_path, monkeypatch):
     return leaves
 
   monkeypatch.setattr(tree_harness, "rollout_tree", spy)
-  cfg = _cfg(tmp_path, **{"rl.steps": 2, "rollout.tree_branch_turns": (0, 1), "rollout.tree_fanouts": (2, 2)})
+  cfg = _cfg(tmp_path, **{"rl.steps": 2, "rollout.tree_branch_turns": (0, 1), "rollout.tree_fanouts": (2, 2),
+                          "rl.share_prefix": share_prefix})
   out = loop.run_rl(cfg, log_fn=lambda s: None)
   assert int(out["last"]["step"]) == 2
   assert len(trees) >= 2 * cfg.rl.groups_per_step and all(sum(t["multiplicity"] for t in g) == 4 for g in trees)

@@ -65,6 +65,10 @@ class RLConfig:
   # short segments do not pay a whole row of padding; a step takes fewer groups when the next does not pack. 0: a
   # row per segment.
   pack_rows: int = 0
+  # Tree groups (`rollout.tree_fanouts`): store a tree's shared prefix once per row and pack its branches after it
+  # under a tree attention mask (`rl.batch.BatchConfig.share_prefix`); the loss and gradients equal the duplicated
+  # rows'. Needs the "whole" or "tiled" attention kernel and a mesh without context parallelism.
+  share_prefix: bool = False
   ckpt_every: int = 10
   optim: OptimConfig = dataclasses.field(default_factory=_rl_optimizer)
   loss: losses.LossConfig = losses.LossConfig()
@@ -274,6 +278,9 @@ class RunConfig:
     if self.rl.pack_rows > self.batch_rows:
       raise ValueError(f"rl.pack_rows={self.rl.pack_rows} packs a step's {self.batch_rows} segments into "
                        f"more rows than unpacked; set it <= {self.batch_rows} (or 0)")
+    if self.rl.share_prefix and self.rollout.tree is None:
+      raise ValueError("rl.share_prefix stores a tree group's shared prefix once, but the groups are flat: set "
+                       "rollout.tree_branch_turns and rollout.tree_fanouts, or rl.share_prefix=False")
     if self.eval.summary_levels and (self.tasks.kind != "procedural"
                                      or not set(self.eval.summary_levels) <= set(self.tasks.levels)):
       raise ValueError(f"eval.summary_levels={self.eval.summary_levels} names procedural levels the task source "

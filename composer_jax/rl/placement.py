@@ -115,14 +115,15 @@ def build_step(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh,
   """The RL step of `model_cfg` on `mesh` under `rules`, for batches of any of `rows` x `length` (checked first).
 
   The optimizer is `rl_cfg.optim`'s with the MTP heads frozen unless `rl_cfg.mtp_weight > 0` (AdamW's decay would
-  shrink heads that get no gradient); `trees`: batches carry tree groups' `token_adv` and `loss_weight`.
+  shrink heads that get no gradient); `trees`: batches carry tree groups' `token_adv` and `loss_weight` (and, with
+  `rl_cfg.share_prefix`, their shared prefixes' `branch`, `branch_end` and `prev`).
   """
   check_mesh(model_cfg, mesh, rules, rows, length)
   params_sh = model.shardings(model_cfg, mesh, rules)
   abstract = model.abstract_params(model_cfg)
   optimizer = rl_step.rl_optimizer(optim.make_optimizer(rl_cfg.optim, abstract), abstract, rl_cfg)
   state_sh = step_lib.state_shardings(optimizer, abstract, params_sh, rules.mesh_axes("optimizer_state"))
-  batch_sh = rl_step.batch_shardings(mesh, rules, trees=trees)
+  batch_sh = rl_step.batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
   fn = rl_step.make_rl_step(model_cfg, rl_cfg, optimizer, state_sh, batch_sh, params_sh, rules)
   return RLStep(model_cfg, mesh, rules, optimizer, params_sh, state_sh, batch_sh, fn)
 

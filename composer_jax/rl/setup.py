@@ -195,7 +195,7 @@ def batch_config(cfg: RunConfig) -> rl_batch.BatchConfig:
   """A step's batch shape: `batch_rows` segments of up to context_budget tokens, packed into `rl.pack_rows`."""
   return rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget, pack_rows=cfg.rl.pack_rows,
                               n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
-                              top_k=cfg.model.num_experts_per_tok)
+                              top_k=cfg.model.num_experts_per_tok, share_prefix=cfg.rl.share_prefix)
 
 
 def queue_url(workdir: str) -> str:
