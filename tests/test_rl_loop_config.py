@@ -314,7 +314,8 @@ def test_a_warm_start_resumes_after_its_last_finished_stage(tmp_path, monkeypatc
   d.sft.update(curriculum_levels=(1,), curriculum_steps=7, steps=5, init_checkpoint="/init")
   cfg = configs.from_dict(RunConfig, d, workdir=str(tmp_path))
   loaded, trained = [], []
-  monkeypatch.setattr(warmstart.stages, "load_params", lambda path, model_cfg: loaded.append(path) or f"loaded {path}")
+  monkeypatch.setattr(warmstart.stages, "load_params",
+                      lambda path, model_cfg, *mesh_and_rules: loaded.append(path) or f"loaded {path}")
   monkeypatch.setattr(warmstart, "sft", lambda plan, run, init, stage, **k: trained.append((stage, init)) or
                       (f"params of {os.path.basename(stage)}", {}))
   run = setup.Run(None, [], [], [], None, str(tmp_path), False)
