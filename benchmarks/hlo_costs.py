@@ -73,7 +73,8 @@ def _scope(op_name: str) -> str:
 
 
 def _source(module: Module, name: str, depth: int = 0) -> str:
-  """The JAX op an instruction came from: its metadata, its fused computation's, or its first operand's."""
+  """The JAX op an instruction came from: its metadata, its fused computation's, its first operand's, or (inside a
+  fused computation whose ops carry none, e.g. a matmul XLA:CPU fused into a library call) its caller's."""
   ins = module.instrs.get(name)
   if ins is None or depth > 8:
     return ""
@@ -83,7 +84,9 @@ def _source(module: Module, name: str, depth: int = 0) -> str:
     for inner in reversed(module.computations.get(callee, [])):
       if inner.op_name:
         return inner.op_name
-  return _source(module, ins.operands[0], depth + 1) if ins.operands else ""
+  found = _source(module, ins.operands[0], depth + 1) if ins.operands else ""
+  caller = module.callers.get(ins.computation)
+  return found or (_source(module, caller, depth + 1) if caller else "")
 
 
 def _only_layout_and_converts(module: Module, ins) -> bool:

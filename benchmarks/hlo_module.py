@@ -86,6 +86,7 @@ class Module:
   entry: str
   instrs: dict[str, Instr]          # by name (names are unique in a module)
   times: dict[str, int]             # computation -> executions per run of the module
+  callers: dict[str, str] = dataclasses.field(default_factory=dict)   # fused/called computation -> a caller's name
 
   def root(self, computation: str) -> Instr:
     return next(i for i in self.computations[computation] if i.root)
@@ -156,4 +157,5 @@ def parse_module(text: str) -> Module:
         if c in comps:
           visit(c, mult, depth + 1)
   visit(entry, 1)
-  return Module(comps, entry, instrs, times)
+  callers = {c: ins.name for ins in instrs.values() for c in ins.callees}
+  return Module(comps, entry, instrs, times, callers)

@@ -36,11 +36,11 @@ class Stage:
 
 
 # Remat: every stage keeps the ring's output (`save_attention`: a few GB per device, and the backward does not run
-# the ring again). Keeping the EP return exchange's result too (`save_attention_ep_return`, one exchange of six
-# fewer per layer) needs 35 GB more per device at 32k on 256 devices, past the budget (parallel/README.md).
+# the ring again); 32k pretraining keeps the EP return exchange's result too (`save_attention_ep_return`: one
+# exchange of six fewer per layer, for each token's chosen experts' output rows, ~28 GB per device on 256 devices).
 STAGES = {
     "pretrain_8k": Stage("lm", 8192),
-    "pretrain_32k": Stage("lm", 32768),
+    "pretrain_32k": Stage("lm", 32768, remat_policy="save_attention_ep_return"),
     "long_256k": Stage("lm", 262144),
     "rl": Stage("rl", 32768),
 }
@@ -66,17 +66,19 @@ PLANS = {
 }
 
 
-def rules_for(axes: dict[str, int], n_experts: int = 384):
+def rules_for(axes: dict[str, int], n_experts: int = 384, zero1: bool = True):
   """Tokens over data x expert (seq over context); every dense weight's D over data x context (ZeRO-3), expert
   weights' D too when a device holds more than 8 experts (with fewer, gathering them costs more than it saves).
-  The dense weights' AdamW moments are split over `expert` as well (ZeRO-1, `optimizer_state`): the weights are
-  replicated there and their gradients summed over it anyway, so the step only adds one all-gather of the updated
-  weights over `expert`, and each device holds 1/|expert| of those moments."""
+  With `zero1`, the dense weights' AdamW moments are split over `expert` as well (`optimizer_state`): the weights
+  are replicated there and their gradients summed over it anyway, so the step only adds one all-gather of the
+  updated weights over `expert`, and each device holds 1/|expert| of those moments. (LM steps only: they pin the
+  gradients to the params' layout, `train.step.train_step`; the RL step does not yet, and without that the
+  partitioner sums every layer's gradients over all devices inside the backward loop.)"""
   from composer_jax.parallel.rules import ShardingRules
   fsdp = tuple(a for a in ("data", "context") if axes.get(a, 1) > 1) or None
   few_experts = n_experts // axes.get("expert", 1) <= 8
   return ShardingRules(batch=("data", "expert"), embed=fsdp, expert_embed=None if few_experts else fsdp,
-                       optimizer_state="expert" if axes.get("expert", 1) > 1 else None)
+                       optimizer_state="expert" if zero1 and axes.get("expert", 1) > 1 else None)
 
 
 # Expert parallelism by the compiling platform: XLA:CPU has no ragged-all-to-all, so the CPU-compiled rows use
@@ -161,7 +163,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
 
   cfg = dataclasses.replace(plan_model_config(variant, stage.seq, n_moe_layers), remat_policy=stage.remat_policy)
   mesh = make_mesh(axes, devices=devices)
-  rules = rules_for(axes, cfg.n_routed_experts)
+  rules = rules_for(axes, cfg.n_routed_experts, zero1=stage.step == "lm")
   specs = jax.tree_util.tree_flatten_with_path(model.param_specs(cfg),
                                                is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
   layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)

@@ -73,6 +73,15 @@ def _loop_reference(p, x_TxD, idx_TxK, w_TxK, capacity=None):
   return out, dropped / idx.size
 
 
+def _routed(T: int, seed: int):
+  """Params, T random tokens and their routing (expert ids and gate weights) through the model's own router."""
+  p = _moe_params(CFG)
+  x = jax.random.normal(jax.random.key(seed), (T, CFG.hidden_size))
+  scores = moe_lib.router_scores(p, x)
+  idx = moe_lib.select_experts(scores, p["bias"], CFG)
+  return p, x, idx, moe_lib.gate_weights(scores, idx, CFG)
+
+
 def test_select_experts_matches_numpy_group_limited_topk():
   p = _moe_params(CFG)
   x = jax.random.normal(jax.random.key(3), (64, CFG.hidden_size))
@@ -96,12 +105,8 @@ def test_gate_weights_normalised_and_scaled():
 
 @pytest.mark.parametrize("impl", ["dense", "blocked", "ragged", "capacity_unbounded"])
 def test_paths_match_loop_reference(impl):
-  p = _moe_params(CFG)
   T = 24
-  x = jax.random.normal(jax.random.key(4), (T, CFG.hidden_size))
-  scores = moe_lib.router_scores(p, x)
-  idx = moe_lib.select_experts(scores, p["bias"], CFG)
-  w = moe_lib.gate_weights(scores, idx, CFG)
+  p, x, idx, w = _routed(T, 4)
   ref, _ = _loop_reference(p, x, idx, w)
   if impl == "dense":
     out = experts_lib.experts_dense(p, x, idx, w)
@@ -119,12 +124,8 @@ def test_paths_match_loop_reference(impl):
 
 
 def test_capacity_drops_like_loop_reference():
-  p = _moe_params(CFG)
   T = 32
-  x = jax.random.normal(jax.random.key(5), (T, CFG.hidden_size))
-  scores = moe_lib.router_scores(p, x)
-  idx = moe_lib.select_experts(scores, p["bias"], CFG)
-  w = moe_lib.gate_weights(scores, idx, CFG)
+  p, x, idx, w = _routed(T, 5)
   factor = 0.5
   C = experts_lib.capacity(factor, T, CFG.num_experts_per_tok, CFG.n_routed_experts)
   out, dropped = experts_lib.experts_capacity(p, x, idx, w, jnp.ones(T, bool), factor)
@@ -135,12 +136,8 @@ def test_capacity_drops_like_loop_reference():
 
 
 def test_capacity_ignores_padding_tokens():
-  p = _moe_params(CFG)
   T = 16
-  x = jax.random.normal(jax.random.key(6), (T, CFG.hidden_size))
-  scores = moe_lib.router_scores(p, x)
-  idx = moe_lib.select_experts(scores, p["bias"], CFG)
-  w = moe_lib.gate_weights(scores, idx, CFG)
+  p, x, idx, w = _routed(T, 6)
   valid = jnp.arange(T) < 10
   out, dropped = experts_lib.experts_capacity(p, x, idx, w, valid, 8.0)
   ref, _ = _loop_reference(p, x[:10], idx[:10], w[:10])
@@ -225,11 +222,7 @@ def test_moe_paths_lower_for_cuda(impl):
 
 
 def test_dense_with_precomputed_layout_equals_without():
-  p = _moe_params(CFG)
-  x = jax.random.normal(jax.random.key(11), (10, CFG.hidden_size))
-  scores = moe_lib.router_scores(p, x)
-  idx = moe_lib.select_experts(scores, p["bias"], CFG)
-  w = moe_lib.gate_weights(scores, idx, CFG)
+  p, x, idx, w = _routed(10, 11)
   laid = experts_lib.dense_layout(p)
   assert laid["gate_up"].shape == (CFG.hidden_size, 2 * CFG.n_routed_experts * CFG.moe_intermediate_size)
   np.testing.assert_allclose(experts_lib.experts_dense(laid, x, idx, w), experts_lib.experts_dense(p, x, idx, w),

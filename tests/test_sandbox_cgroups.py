@@ -3,10 +3,9 @@
 import os
 import resource
 
-import pytest
-
 from sandboxes import BwrapBackend, Limits, SandboxConfig
 from sandboxes.limits import SandboxCgroup, detect_parents, rlimits_for
+from tests.sandbox_testlib import ROOT_ONLY
 
 MiB = 1 << 20
 LIM = Limits(memory_bytes=64 * MiB, max_pids=7, cpus=0.5)
@@ -106,7 +105,7 @@ def test_rlimit_backstops_depend_on_cgroups():
   assert {resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_FSIZE} <= _names(bare)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+@ROOT_ONLY
 def test_real_groups_get_the_limits(tmp_path):
   with BwrapBackend() as be, be.create(str(tmp_path)) as sb:
     assert sb.cgroup is not None, "this machine has cgroup v1 memory/pids/cpu; they should be used"
@@ -120,7 +119,7 @@ def test_real_groups_get_the_limits(tmp_path):
     assert sb.cgroup.cpu_seconds() > 0  # the run was accounted
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+@ROOT_ONLY
 def test_cpus_bandwidth_throttles(tmp_path):
   cfg = SandboxConfig(limits=Limits(cpus=0.2))
   with BwrapBackend(config=cfg) as be, be.create(str(tmp_path)) as sb:

@@ -8,13 +8,11 @@ import tempfile
 import textwrap
 import time
 
-import pytest
-
 from sandboxes import BwrapBackend, cleanup
 from sandboxes.overlay import mounts_under
-from tests.sandbox_testlib import host_procs_with
+from tests.sandbox_testlib import ROOT_ONLY, host_procs_with
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 
 

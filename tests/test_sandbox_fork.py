@@ -1,12 +1,12 @@
 """Snapshot/fork semantics on overlayfs: independence of forks, snapshots of forks, layer chains and flattening."""
 
-import os
 
 import pytest
 
-from sandboxes import BwrapBackend, SandboxError
+from sandboxes import SandboxError
+from tests.sandbox_testlib import ROOT_ONLY, backend_fixture
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 BASE = {"keep.txt": "keep\n", "del.txt": "del\n", "mv.txt": "mv\n", "d/sub.txt": "sub\n", "d/e/deep.txt": "deep\n"}
 
@@ -22,11 +22,7 @@ def expect(files: dict[str, str]) -> dict[str, str]:
   return {k: v.rstrip("\n") for k, v in files.items()}  # $(cat) strips the trailing newline
 
 
-@pytest.fixture(scope="module")
-def backend():
-  be = BwrapBackend(max_layers=3)
-  yield be
-  be.close()
+backend = backend_fixture(max_layers=3)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,9 @@ import pytest
 
 from sandboxes import BwrapBackend, Limits, SandboxConfig, SandboxError, cleanup, fsops, store
 from sandboxes.overlay import mounts_under
+from tests.sandbox_testlib import ROOT_ONLY, sandbox_with_file
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 MiB = 1 << 20
 
@@ -43,8 +44,7 @@ def backend(state_root):
 
 @pytest.fixture
 def sb(backend, tmp_path):
-  (tmp_path / "f.txt").write_text("content\n")
-  with backend.create(str(tmp_path)) as s:
+  with sandbox_with_file(backend, tmp_path) as s:
     yield s
 
 

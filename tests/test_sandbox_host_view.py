@@ -15,9 +15,9 @@ import tempfile
 
 import pytest
 
-from tests.sandbox_testlib import bwrap_backend
+from tests.sandbox_testlib import ROOT_ONLY, bwrap_backend
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 SANDBOX_GID = 60000  # the backend's default host_gid
 OTHER_UID = 60001  # a local user that is not the sandbox

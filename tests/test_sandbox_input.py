@@ -23,21 +23,14 @@ from sandboxes import (
 from sandboxes.fsops import resolve_in_root
 from sandboxes.overlay import mount, umount
 from sandboxes.process import CappedBuffer
+from tests.sandbox_testlib import ROOT_ONLY, backend_fixture, sandbox_with_file
 
-root_only = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
-
-
-@pytest.fixture(scope="module")
-def backend():
-  be = BwrapBackend(config=SandboxConfig(output_limit_bytes=1000))
-  yield be
-  be.close()
+backend = backend_fixture(config=SandboxConfig(output_limit_bytes=1000))
 
 
 @pytest.fixture
 def sb(backend, tmp_path):
-  (tmp_path / "f.txt").write_text("content\n")
-  with backend.create(str(tmp_path)) as s:
+  with sandbox_with_file(backend, tmp_path) as s:
     yield s
 
 
@@ -93,7 +86,7 @@ def test_unknown_backend_name_lists_valid_ones():
 
 
 # -- the bwrap backend -----------------------------------------------------------------------------------------
-@root_only
+@ROOT_ONLY
 def test_missing_base_dir(backend, tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     backend.create(str(tmp_path / "nope"))
@@ -102,7 +95,7 @@ def test_missing_base_dir(backend, tmp_path):
     backend.import_dir(str(tmp_path / "file"))
 
 
-@root_only
+@ROOT_ONLY
 def test_nonexistent_command(sb):
   r = sb.run(["no_such_command_xyz", "arg"])
   assert r.exit_code == 127 and b"no_such_command_xyz" in r.stderr
@@ -110,14 +103,14 @@ def test_nonexistent_command(sb):
   assert r.exit_code == 127 and b"command not found" in r.stderr
 
 
-@root_only
+@ROOT_ONLY
 def test_binary_output_is_returned_exactly(sb):
   r = sb.run(["python3", "-c", "import sys; sys.stdout.buffer.write(bytes(range(256)))"])
   assert r.ok and r.stdout == bytes(range(256)) and not r.stdout_truncated
   assert r.stdout_text[:1] == "\x00" and "\ufffd" in r.stdout_text  # text view replaces invalid UTF-8
 
 
-@root_only
+@ROOT_ONLY
 def test_huge_output_is_capped_head_and_tail(sb):
   # 50 MB through a 1000-byte cap: head and tail kept, flag set, and it does not stall the command.
   r = sb.run("echo START; head -c 50000000 /dev/zero | tr '\\0' x; echo; echo END; echo err >&2", timeout=60)
@@ -126,14 +119,14 @@ def test_huge_output_is_capped_head_and_tail(sb):
   assert r.stderr == b"err\n"
 
 
-@root_only
+@ROOT_ONLY
 def test_stdin_and_env(sb):
   r = sb.run("cat; echo $FOO $HOME $WORKSPACE", stdin=b"from-stdin\n", env={"FOO": "bar"})
   assert r.stdout == b"from-stdin\nbar /tmp /workspace\n"
   assert sb.run("echo ${FOO:-unset}").stdout == b"unset\n"  # per-run env does not stick
 
 
-@root_only
+@ROOT_ONLY
 def test_bad_arguments(sb):
   with pytest.raises(ValueError, match="timeout must be a positive"):
     sb.run("true", timeout=0)
@@ -145,7 +138,7 @@ def test_bad_arguments(sb):
     sb.read_file("missing.txt")
 
 
-@root_only
+@ROOT_ONLY
 def test_symlink_planted_inside_cannot_read_host_files(sb):
   assert sb.run("ln -s /etc/passwd leak && ln -s /workspace/f.txt ok && ln -s ../../../../etc/hostname up").ok
   with pytest.raises(SandboxError, match="outside the workspace"):
@@ -159,7 +152,7 @@ def test_symlink_planted_inside_cannot_read_host_files(sb):
   assert not sb.exists("leak") and os.path.exists("/etc/passwd")
 
 
-@root_only
+@ROOT_ONLY
 def test_closed_sandbox_and_foreign_snapshot(backend, sb, tmp_path):
   snap = sb.snapshot()
   sb.close()
@@ -182,7 +175,7 @@ def test_config_validation(tmp_path):
     Limits(memory_bytes=0)
 
 
-@root_only
+@ROOT_ONLY
 def test_large_stdin_to_a_command_that_ignores_it(sb):
   # 1 MB of stdin to a command that never reads it and writes a lot: must neither deadlock nor lose output.
   r = sb.run("head -c 300000 /dev/zero | wc -c", stdin=b"x" * 1_000_000, timeout=20)
@@ -191,7 +184,7 @@ def test_large_stdin_to_a_command_that_ignores_it(sb):
   assert r.stdout == b"1000000\n"
 
 
-@root_only
+@ROOT_ONLY
 def test_state_root_that_cannot_hold_overlays_is_a_clear_error():
   # overlayfs cannot hold another overlay's whiteouts (the situation inside many containers).
   top = tempfile.mkdtemp(prefix="sbx_overlay_root_")
@@ -208,7 +201,7 @@ def test_state_root_that_cannot_hold_overlays_is_a_clear_error():
     shutil.rmtree(top)
 
 
-@root_only
+@ROOT_ONLY
 def test_state_root_the_sandbox_user_cannot_reach(tmp_path):
   os.chmod(tmp_path, 0o700)
   with pytest.raises(SandboxError, match="cannot enter"):
@@ -252,7 +245,7 @@ def test_scans_match_references(tmp_path):
   assert scan.files_at_size(str(tmp_path), 5000) == want and want
 
 
-@root_only
+@ROOT_ONLY
 def test_bwrap_below_a_root_only_dir_is_staged(tmp_path):
   # Like a venv under /root (mode 0700): the sandbox uid could not exec the wheel's bwrap where it lies.
   found = bwrap.find_bwrap()

@@ -6,16 +6,13 @@ import sys
 
 import pytest
 
-from sandboxes import BwrapBackend, SandboxConfig, bwrap
+from sandboxes import SandboxConfig, bwrap
+from tests.sandbox_testlib import ROOT_ONLY, backend_fixture
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 
-@pytest.fixture(scope="module")
-def backend():
-  be = BwrapBackend()
-  yield be
-  be.close()
+backend = backend_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import os
 import pytest
 
 from sandboxes import BwrapBackend, Limits, SandboxConfig, limits
-from tests.sandbox_testlib import host_procs_with
+from tests.sandbox_testlib import ROOT_ONLY, host_procs_with
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 MiB = 1 << 20
 LIMITS = Limits(memory_bytes=64 * MiB, max_pids=32, file_size_bytes=1 * MiB, cpu_seconds=1.0, disk_bytes=20 * MiB)

@@ -6,16 +6,13 @@ import time
 
 import pytest
 
-from sandboxes import BwrapBackend, SandboxPool
+from sandboxes import SandboxPool
+from tests.sandbox_testlib import ROOT_ONLY, backend_fixture
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 
-@pytest.fixture(scope="module")
-def backend():
-  be = BwrapBackend()
-  yield be
-  be.close()
+backend = backend_fixture()
 
 
 def test_pool_bounds_concurrency_and_isolates_forks(backend, tmp_path):

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from sandboxes import Limits, SandboxConfig
-from tests.sandbox_testlib import bwrap_backend
+from tests.sandbox_testlib import ROOT_ONLY, bwrap_backend
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="BwrapBackend needs root (overlay mounts, cgroups)")
+pytestmark = ROOT_ONLY
 
 
 @pytest.fixture(scope="module")

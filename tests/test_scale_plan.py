@@ -116,6 +116,29 @@ def test_dot_flops_count_every_loop_iteration():
   assert hlo_costs.dot_flops(hlo_module.parse_module(compiled.as_text()))["total"] == 10 * one
 
 
+# A matmul XLA:CPU fused into a library call whose ops and call carry no op_name (as in the Kimi K2 step's attention
+# projections): its source is found through the call's operand.
+UNNAMED_DOT = """HloModule m
+%fused (p0: f32[4,8], p1: f32[8,2]) -> f32[4,2] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,2]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={}
+}
+
+ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,2]{1,0} parameter(1)
+  %x = f32[4,8]{1,0} tanh(%a), metadata={op_name="jit(f)/attention/tanh"}
+  ROOT %f = f32[4,2]{1,0} fusion(%x, %b), kind=kCustom, calls=%fused, metadata={stack_frame_id=3}
+}
+"""
+
+
+def test_a_fused_matmul_without_a_name_takes_its_callers_source():
+  flops = hlo_costs.dot_flops(hlo_module.parse_module(UNNAMED_DOT))
+  assert flops == {"total": 2 * 4 * 2 * 8, "by_scope": {"attention": 2 * 4 * 2 * 8}}
+
+
 
 def test_a_conditional_counts_only_its_heaviest_branch():
   """5 scanned steps, each a `lax.cond` between one and two [128, 256] x [256, 256] matmuls: one branch runs per

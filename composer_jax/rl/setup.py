@@ -1,9 +1,11 @@
 """What an RL run builds once from its `RunConfig` and every phase shares, checked before it spends time.
 
 `open_run(cfg)` yields the run's `Run`: its workspaces (one `EnvironmentCache`, closed when the block ends), the
-training pool, the held-out tasks and the tokenizer. Building it checks the run's input, so bad input is a
-`RunInputError` naming the field to change, raised before the minutes of demonstrations, SFT and RL that would
-otherwise end in it: both task sides load and are non-empty, and the oracle of a finite set fits the budgets.
+training pool, the held-out and dev tasks and the tokenizer; the phases take it with the config section they read
+(the warm start `cfg.sft_plan`, the trainer its built RL step), not the whole `RunConfig`. Building it checks the
+run's input, so bad input is a `RunInputError` naming the field to change, raised before the minutes of
+demonstrations, SFT and RL that would otherwise end in it: both task sides load and are non-empty, and the oracle
+of a finite set fits the budgets.
 
 Tasks come from the one task-source registry (`rollout.tasks.registry`): the training pool is `cfg.tasks` (its
 'train' side), held-out tasks are the same source's 'heldout' side. A pool of a finite source (mined, swe, file) is
