@@ -68,7 +68,7 @@ def test_bad_input_stops_every_process_with_the_same_line(tmp_path):
   assert "process 0 failed at claim: WorkdirError" in outs[1][2]
 
 
-@pytest.mark.slow   # two SFT + RL runs of rl.py:test; ~6 min on 2 cores at load ~4
+@pytest.mark.slow   # two SFT + RL runs of rl.py:test: 105 s on 2 cores at load 3, ~9 min at load 8
 def test_rl_main_as_two_processes_runs_like_one_process(tmp_path):
   mp, ref = str(tmp_path / "mp"), str(tmp_path / "ref")
   outs = _two_processes(mp)
@@ -79,7 +79,7 @@ def test_rl_main_as_two_processes_runs_like_one_process(tmp_path):
   with open(os.path.join(mp, "results.json")) as f:
     result = json.load(f)
   assert json.loads(outs[0][1].splitlines()[-1]) == result    # process 0 reports the run
-  assert not outs[1][1].strip()                               # process 1 prints nothing
+  assert not [x for x in outs[1][1].splitlines() if x.strip() and not x.startswith("[Gloo]")]   # process 1: nothing
   with open(os.path.join(ref, "results.json")) as f:
     want = json.load(f)
   for row in ("sft", "rl"):   # the same evaluation episodes: process 0's replica decodes what the mesh decodes
