@@ -104,17 +104,8 @@ def test_two_processes_read_their_share_and_save_together(ckpts, tmp_path):
   procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "hf_sliced_testlib.py"), plain, fp8, out,
                              coordinator, "2", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=300)[0])
-  finally:
-    for p in procs:   # a process stuck in a collective is killed, not left behind
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, o) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} failed:\n{o[-4000:]}"
+  for i, (rc, o, _) in enumerate(net_testlib.communicate_all(procs, timeout=300)):
+    assert rc == 0, f"process {i} failed:\n{o[-4000:]}"
   records = [json.load(open(os.path.join(out, f"process_{i}.json"))) for i in range(2)]
   copies = _stored_bytes(plain) - _stored_bytes(plain, skip=set(mtp_copies(CFG)))
   all_bytes = _stored_bytes(plain) - copies

@@ -31,18 +31,10 @@ def _run_processes(workdir: str, n: int, devices_each: int, timeout: float = 420
   procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "mesh_testlib.py"), workdir, str(STEPS),
                              coordinator, str(n), str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(n)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:   # a process that hangs in a collective is killed, not left behind
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-  return outs
+  outs = net_testlib.communicate_all(procs, timeout)
+  for i, (rc, out, _) in enumerate(outs):
+    assert rc == 0, f"process {i} failed:\n{out[-4000:]}"
+  return [out for _, out, _ in outs]
 
 
 @pytest.mark.parametrize("devices_each", [1, pytest.param(4, marks=pytest.mark.slow)])

@@ -31,16 +31,7 @@ def _start(workdir: str, kill_at: int, coordinator: str, n: int, i: int, devices
 
 
 def _finish(procs, timeout: float = 600) -> list[tuple[int, str]]:
-  outs = []
-  try:
-    for p in procs:
-      outs.append((p.wait(timeout=timeout), p.stdout.read()))
-  finally:
-    for p in procs:   # a process stuck in a collective is killed, not left behind
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  return outs
+  return [(rc, out) for rc, out, _ in net_testlib.communicate_all(procs, timeout)]
 
 
 def _params(path: str) -> dict:

@@ -38,17 +38,7 @@ def _two_processes(workdir, *args) -> list[tuple[int, str, str]]:
 
 
 def _finish(procs, timeout: float = 1200) -> list[tuple[int, str, str]]:
-  outs = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=timeout)
-      outs.append((p.returncode, out, err))
-  finally:
-    for p in procs:   # a process stuck waiting for another is killed, not left behind
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  return outs
+  return net_testlib.communicate_all(procs, timeout)
 
 
 def _jsonl(path: str) -> list[dict]:
