@@ -19,6 +19,7 @@ import dataclasses
 from composer_jax.model.config import ModelConfig
 from composer_jax.parallel.mesh import MeshConfig
 from composer_jax.rl import losses
+from composer_jax.sampling.placement import PLACEMENTS as ENGINE_PLACEMENTS
 from composer_jax.train.config import OptimConfig
 from composer_jax.train.tokenizer import TokenizerConfig
 from rollout.harness import HarnessConfig
@@ -31,7 +32,6 @@ MODES = ("sync", "async")
 ENGINES = {"jax": {"sync": "in_place", "async": "files"},       # the embedded JAX engine (composer_jax.sampling)
            "sglang": {"sync": "fleet", "async": "fleet"}}       # a trainer-owned SGLang fleet (`rl/fleet.py`)
 STALENESS_POLICIES = ("drop", "keep")
-ENGINE_PLACEMENTS = ("trainer", "replicas")   # `composer_jax.sampling.placement.PLACEMENTS`
 
 
 class RunInputError(ValueError):

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-PLACEMENTS = ("trainer", "replicas")   # `rl.config.ENGINE_PLACEMENTS` names the same (rollout.engine_placement)
+PLACEMENTS = ("trainer", "replicas")   # also the values of `rollout.engine_placement` (rl/config.py)
 
 
 def check(placement: str) -> None:
