@@ -20,10 +20,8 @@ def lookup(table_VxD: jax.Array, ids_BxL: jax.Array) -> jax.Array:
   mesh = per_device.active_mesh()
   if mesh is None:
     return table_VxD[ids_BxL]
-  rules = current_rules()
-  b_axes, l_axes = per_device.token_axes(*ids_BxL.shape, mesh, rules)
-  t_spec, gathers, rest = per_device.weight_layout(table_VxD.shape, ("vocab", "embed"), b_axes + l_axes, mesh, rules)
-  tok = P(per_device.spec_entry(b_axes), per_device.spec_entry(l_axes))
+  tok, t_spec, gathers, rest = per_device.region_layout(*ids_BxL.shape, table_VxD.shape, ("vocab", "embed"), mesh,
+                                                        current_rules())
 
   def body(table_vxd, ids_bxl):
     return per_device.gather(table_vxd, gathers, rest)[ids_bxl]

@@ -140,10 +140,7 @@ def _per_device(local_fn, h_BxLxD: jax.Array, ws: tuple[jax.Array, ...], tokens:
   if mesh is None:
     return local_fn(h_BxLxD, ws, tokens)
   B, L, D = h_BxLxD.shape
-  b_axes, l_axes = per_device.token_axes(B, L, mesh, current_rules())
-  w_spec, gathers, rest = per_device.weight_layout(ws[0].shape, ("embed", "vocab"), b_axes + l_axes, mesh,
-                                                   current_rules())
-  tok = P(per_device.spec_entry(b_axes), per_device.spec_entry(l_axes))
+  tok, w_spec, gathers, rest = per_device.region_layout(B, L, ws[0].shape, ("embed", "vocab"), mesh, current_rules())
 
   def body(h_bxlxD, ws_local, tokens_local):
     # One gather of each weight per call; its transpose reduce-scatters the weight's gradient, then sums the shard.

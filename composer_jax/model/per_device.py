@@ -14,17 +14,13 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from composer_jax.parallel.rules import ShardingRules, mesh_axes_dividing
+from composer_jax.parallel.rules import ShardingRules, mesh_axes_dividing, spec_entry
 
 
 def active_mesh():
   """The mesh set with `jax.set_mesh`, or None when there is none or every axis has size 1 (run the plain op)."""
   mesh = jax.sharding.get_abstract_mesh()
   return None if mesh.empty or all(n == 1 for n in mesh.shape.values()) else mesh
-
-
-def spec_entry(axes: tuple[str, ...]):
-  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def token_axes(B: int, L: int, mesh, rules: ShardingRules) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -49,6 +45,13 @@ def weight_layout(shape: tuple[int, ...], logical: tuple[str | None, ...], token
       gathers.append((dim, axes))
   spec = P(*(spec_entry(dict(gathers).get(d, ())) for d in range(len(shape))))
   return spec, tuple(gathers), tuple(a for a in tokens if a not in used)
+
+
+def region_layout(B: int, L: int, w_shape: tuple[int, ...], w_logical: tuple[str | None, ...], mesh,
+                  rules: ShardingRules):
+  """For a region over [B, L] tokens with one weight layout: (the tokens' spec, and `weight_layout`'s triple)."""
+  b_axes, l_axes = token_axes(B, L, mesh, rules)
+  return P(spec_entry(b_axes), spec_entry(l_axes)), *weight_layout(w_shape, w_logical, b_axes + l_axes, mesh, rules)
 
 
 def gather(w: jax.Array, gathers, rest: tuple[str, ...]) -> jax.Array:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from composer_jax.parallel.rules import ShardingRules, logical_to_spec
+from composer_jax.parallel.rules import ShardingRules, logical_to_spec, spec_entry
 
 
 def _spec_axes(entry) -> tuple[str, ...]:
@@ -43,7 +43,7 @@ def batch_spec(mesh: Mesh, rules: ShardingRules) -> PartitionSpec:
   """PartitionSpec of a [B, L] batch array: B over the `batch` mesh axes, L over the `seq` ones (if in the mesh)."""
   def present(logical):
     axes = tuple(a for a in rules.mesh_axes(logical) if a in mesh.axis_names and mesh.shape[a] > 1)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+    return spec_entry(axes)
   return PartitionSpec(present("batch"), present("seq"))
 
 

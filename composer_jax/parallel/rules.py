@@ -65,6 +65,11 @@ class ShardingRules:
     return (m,) if isinstance(m, str) else tuple(m)
 
 
+def spec_entry(axes: tuple[str, ...]):
+  """A PartitionSpec entry for a dimension split over `axes`: None, one axis name, or the tuple."""
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def logical_to_spec(logical_axes: tuple[str | None, ...], rules: ShardingRules) -> PartitionSpec:
   """Turns logical axis names into a PartitionSpec, refusing two dims on one mesh axis.
 
@@ -87,7 +92,7 @@ def logical_to_spec(logical_axes: tuple[str | None, ...], rules: ShardingRules) 
         raise ValueError(f"Logical axes {used[a]!r} and {name!r} of one array {tuple(logical_axes)} both map to "
                          f"mesh axis {a!r}; change ShardingRules so they differ")
       used[a] = name
-    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    spec.append(spec_entry(axes))
   return PartitionSpec(*spec)
 
 
@@ -163,7 +168,7 @@ def constrain(x, logical_axes: tuple[str | None, ...]):
   for size, name in zip(x.shape, logical_axes):
     axes = tuple(a for a in mesh_axes_dividing(name, size, mesh, rules) if a in auto and a not in used)
     used.update(axes)
-    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    spec.append(spec_entry(axes))
   if not used:
     return x
   return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
