@@ -22,7 +22,6 @@ import os
 from collections.abc import Iterator, Sequence
 
 from composer_jax import configs
-from composer_jax.rl import batch as rl_batch
 from composer_jax.rl.config import RunConfig, RunInputError
 from composer_jax.sampling.engine import bucket
 from composer_jax.train import tokenizer as tokenizer_lib
@@ -189,13 +188,6 @@ def check_budgets(cfg: RunConfig, tokenizer, tasks) -> None:
                       f"(harness.max_turn_tokens={h.max_turn_tokens}, harness.context_budget={h.context_budget}; "
                       f"its gold patches need {fitted.max_turn_tokens} and {fitted.context_budget}): rerun with "
                       f"{flags}")
-
-
-def batch_config(cfg: RunConfig) -> rl_batch.BatchConfig:
-  """A step's batch shape: `batch_rows` segments of up to context_budget tokens, packed into `rl.pack_rows`."""
-  return rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget, pack_rows=cfg.rl.pack_rows,
-                              n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
-                              top_k=cfg.model.num_experts_per_tok, share_prefix=cfg.rl.share_prefix)
 
 
 def queue_url(workdir: str) -> str:
