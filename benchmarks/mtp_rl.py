@@ -30,15 +30,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+from composer_jax import configs
+from composer_jax.rl.config import RunConfig
+from experiments.configs import rl as rl_configs
 
-from composer_jax import configs  # noqa: E402
-from composer_jax.rl.config import RunConfig  # noqa: E402
-from experiments.configs import rl as rl_configs  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 RESULTS = os.path.join(os.path.dirname(_HERE), "experiments", "results")
 PER_STEP = ("reward", "pass_rate", "mtp_acceptance", "mtp_agreement", "mtp_start_acceptance", "mtp_start_agreement",
