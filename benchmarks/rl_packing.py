@@ -1,7 +1,8 @@
 r"""The RL step on a packed batch (`rl.pack_rows`) against the same groups unpacked (a row per segment), in one
 process.
 
-  PYTHONPATH=. python benchmarks/rl_packing.py [--variant rl_colab] [--rows 48] [--pack_rows 24] [--length 496] [--steps 3]
+  PYTHONPATH=. python benchmarks/rl_packing.py [--variant rl_colab] [--rows 48] [--pack_rows 24] [--length 496]
+      [--steps 3]
                                   [--rounds 5]
 
 The groups are shaped as the recipe's harness makes them (`rl.py:recipe`, measured with the scripted oracle): 8

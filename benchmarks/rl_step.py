@@ -1,6 +1,7 @@
 r"""The RL step against the LM train step on the same rows, and the compile time of `model.init`, in one process.
 
-  PYTHONPATH=. python benchmarks/rl_step.py [--variant colab] [--batch 8] [--seq 256] [--prompt 64] [--steps 3] [--rounds 5]
+  PYTHONPATH=. python benchmarks/rl_step.py [--variant colab] [--batch 8] [--seq 256] [--prompt 64] [--steps 3]
+      [--rounds 5]
 
 Both steps are built as their trainers build them (explicit shardings, the state donated) on the same model
 (MTP off: the RL policy does not train MTP heads by default, and the LM step is run with mtp_loss='none'), the same
