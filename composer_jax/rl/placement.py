@@ -26,7 +26,6 @@ from jax.sharding import PartitionSpec as P
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
 from composer_jax.parallel import layout
-from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import step as rl_step
@@ -116,12 +115,11 @@ def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tupl
   return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
-def build_rl_step(cfg, mesh=None, rules: ShardingRules | None = None) -> RLStep:
-  """The run's RL step (`build_step` for `cfg`'s model, RL config and step shape) on `mesh` under `rules`
-  (default: `cfg.mesh`'s, as pretraining builds them)."""
-  mesh = mesh if mesh is not None else mesh_lib.mesh_from_config(cfg.mesh)
-  return build_step(cfg.model, cfg.rl, mesh, rules if rules is not None else cfg.mesh.rules(),
-                    rows=cfg.step_rows, length=cfg.harness.context_budget, trees=cfg.rollout.tree is not None)
+def build_rl_step(cfg, mesh: Mesh, rules: ShardingRules) -> RLStep:
+  """The run's RL step (`build_step` for `cfg`'s model, RL config and step shape) on `mesh` under `rules` (the
+  run's: `setup.Run.mesh`, `Run.rules`)."""
+  return build_step(cfg.model, cfg.rl, mesh, rules, rows=cfg.step_rows, length=cfg.harness.context_budget,
+                    trees=cfg.rollout.tree is not None)
 
 
 def batch_config(cfg) -> rl_batch.BatchConfig:
