@@ -64,8 +64,13 @@ class RLStep:
 
   def abstract_state(self) -> step_lib.TrainState:
     """The state's shapes with their shardings (restoring a checkpoint onto this mesh)."""
-    abstract = jax.eval_shape(lambda: step_lib.init_state(model.abstract_params(self.model_cfg), self.optimizer))
-    return ckpt_lib.abstract_like(abstract, self.state)
+    return step_lib.abstract_state(model.abstract_params(self.model_cfg), self.optimizer, self.state)
+
+  def start_state(self, checkpointer: ckpt_lib.Checkpointer, params) -> step_lib.TrainState:
+    """The trainer's state: restored from `checkpointer`'s newest checkpoint, else fresh from `params`
+    (`train.step.start_state`, as the LM loop starts)."""
+    return step_lib.start_state(checkpointer, self.optimizer, self.state, model.abstract_params(self.model_cfg),
+                                lambda: place_tree(params, self.params))
 
 
 def build_step(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh,

@@ -79,13 +79,11 @@ class Trainer:
     # peer only 30 s: meet in the coordination service first.
     distributed.barrier("rl_trainer_start")
     self.ckpts = ckpt_lib.Checkpointer(workdir, keep=2, async_save=False)
-    qstate = None
-    if self.ckpts.latest_step() is not None:
-      self.state = self.ckpts.restore(rl_step.abstract_state())
-      qstate = self.ckpts.restore_meta()
+    resumed = self.ckpts.latest_step() is not None
+    self.state = rl_step.start_state(self.ckpts, self.ref_params)
+    qstate = self.ckpts.restore_meta() if resumed else None
+    if resumed:
       log_fn(f"Resumed RL at step {int(self.state.step)}")
-    else:
-      self.state = rl_step.init_state(self.ref_params)
     self.start = int(self.state.step)
     self.cursor = None   # the queue cursor after the last trained step
     self.applied_path = os.path.join(workdir, "applied.jsonl")

@@ -137,17 +137,15 @@ def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, m
     return layout.global_batch(batch, batch_sharding, shard_count)
 
   checkpointer = ckpt_lib.Checkpointer(workdir, keep=train_cfg.ckpt_keep)
-  if checkpointer.latest_step() is not None:
-    abstract_state = jax.eval_shape(lambda: step_lib.init_state(abstract_params, optimizer))
-    state = checkpointer.restore(ckpt_lib.abstract_like(abstract_state, shardings), train_iter)
-    log_fn(f"Resumed from {checkpointer.directory} at step {int(state.step)}")
-  else:
+
+  def fresh_params():
     if init_params is None:
-      init_params = model.init(jax.random.key(train_cfg.seed), model_cfg, mesh, rules)
-    else:
-      init_params = jax.tree.map(_place, init_params, params_shardings)
-    init = jax.jit(lambda p: step_lib.init_state(p, optimizer), out_shardings=shardings)
-    state = init(init_params)
+      return model.init(jax.random.key(train_cfg.seed), model_cfg, mesh, rules)
+    return jax.tree.map(_place, init_params, params_shardings)
+  resumed = checkpointer.latest_step() is not None
+  state = step_lib.start_state(checkpointer, optimizer, shardings, abstract_params, fresh_params, train_iter)
+  if resumed:
+    log_fn(f"Resumed from {checkpointer.directory} at step {int(state.step)}")
   return _Run(state, step_lib.make_train_step(model_cfg, train_cfg, optimizer, shardings, batch_sharding, rules),
               step_lib.make_eval_step(model_cfg, params_shardings, batch_sharding), put, checkpointer)
 

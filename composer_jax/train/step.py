@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from composer_jax import model
 from composer_jax.model import head
 from composer_jax.model.config import ModelConfig
 from composer_jax.parallel.rules import current_rules, use_rules
+from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import losses, optim
 from composer_jax.train.config import TrainConfig
 
@@ -123,6 +125,21 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
   # Built by one jitted program (traced, this function is the plain state): the moments are created in place, and
   # the params are copied, so donating the state later never frees buffers the caller's `params` still hold.
   return jax.jit(lambda p: init_state(p, optimizer), out_shardings=shardings)(params)
+
+
+def abstract_state(abstract_params, optimizer: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+  """The state's shapes and dtypes on `shardings` (ShapeDtypeStructs): what a checkpoint is restored onto."""
+  return ckpt_lib.abstract_like(jax.eval_shape(lambda: init_state(abstract_params, optimizer)), shardings)
+
+
+def start_state(checkpointer: ckpt_lib.Checkpointer, optimizer: optax.GradientTransformation, shardings: TrainState,
+                abstract_params, init_params: Callable[[], dict], data_iter=None) -> TrainState:
+  """A run's state on `shardings`, as the LM loop and the RL trainer both start: restored from `checkpointer`'s
+  newest checkpoint (with `data_iter`, restored in place), else the step-0 state of `init_params()` (called only
+  then, so a resumed run builds no fresh params)."""
+  if checkpointer.latest_step() is not None:
+    return checkpointer.restore(abstract_state(abstract_params, optimizer, shardings), data_iter)
+  return jax.jit(lambda p: init_state(p, optimizer), out_shardings=shardings)(init_params())
 
 
 def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
