@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 
 from composer_jax import configs
@@ -60,10 +62,12 @@ def _write(workdir: str, result: dict) -> dict:
 
 def run_start(cfg: RunConfig, log_fn=print) -> dict:
   """The shared start: the recipe's SFT warm start alone (resumes from its checkpoints)."""
+  from composer_jax.compile_cache import enable_compilation_cache
   from composer_jax.rl import warmstart
   from composer_jax.rl import workdir as workdir_lib
   if (got := done(cfg.workdir)) is not None:
     return got
+  enable_compilation_cache()
   load0, t0 = os.getloadavg(), time.time()
   with workdir_lib.claim(cfg, ()) as run:
     warmstart.warm_start(cfg.sft_plan, run, log_fn)
@@ -81,31 +85,61 @@ def step_seconds(workdir: str) -> dict[int, float]:
   return {r["step"]: r["step_s"] for r in rows if "step_s" in r}
 
 
-def next_chunk(seconds: dict[int, float], budget_s: float, chunk: int) -> int | None:
-  """The step a budgeted arm runs to next: the end of the chunk after its last logged step, or None once its steps
-  have taken `budget_s` seconds."""
-  if sum(seconds.values()) >= budget_s:
-    return None
-  return (max(seconds, default=0) // chunk + 1) * chunk
+class StopAfter:
+  """While entered, polls the run's logged step times and, once they sum to `budget_s` seconds before step
+  `last_step`, asks the RL loop to stop as Ctrl-C does (SIGINT: it finishes the step in flight, checkpoints it and
+  raises `Interrupted`), so a run stopped by wall-clock is one process with one set of compiles."""
+
+  def __init__(self, workdir: str, budget_s: float, last_step: int, poll_s: float = 2.0):
+    self.workdir, self.budget_s, self.last_step, self.poll_s = workdir, budget_s, last_step, poll_s
+    self.fired = False
+    self._done = threading.Event()
+
+  def due(self) -> bool:
+    seconds = step_seconds(self.workdir)
+    return sum(seconds.values()) >= self.budget_s and max(seconds, default=0) < self.last_step
+
+  def _watch(self):
+    while not self._done.wait(self.poll_s):
+      if self.due():
+        self.fired = True
+        os.kill(os.getpid(), signal.SIGINT)
+        return
+
+  def __enter__(self):
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._done.set()
+    self._thread.join()
 
 
-def run_arm(cfg: RunConfig, budget_s: float | None = None, chunk: int = 20, log_fn=print) -> dict:
-  """RL from the start for `cfg.rl.steps` steps, or (`budget_s`) in chunks of `chunk` steps until the steps have
-  taken `budget_s` seconds of wall-clock (at most `cfg.rl.steps`); then the held-out evaluation of the final policy.
-  Resumes after an interruption; returns (and writes) the result."""
+def run_arm(cfg: RunConfig, budget_s: float | None = None, log_fn=print) -> dict:
+  """RL from the start for `cfg.rl.steps` steps, or (`budget_s`) until the steps have taken `budget_s` seconds of
+  wall-clock (at most `cfg.rl.steps`); then the held-out evaluation of the final policy. Resumes after an
+  interruption; returns (and writes) the result."""
+  from composer_jax.compile_cache import enable_compilation_cache
   from composer_jax.rl import experiment, loop, warmstart
   from composer_jax.rl import workdir as workdir_lib
+  from composer_jax.train import interrupt
   if (got := done(cfg.workdir)) is not None:
     return got
+  enable_compilation_cache()
   load0, t0 = os.getloadavg(), time.time()
   with workdir_lib.claim(cfg, ()) as run:
     start = warmstart.warm_start(cfg.sft_plan, run, log_fn)
     steps = cfg.rl.steps
     if budget_s is not None:
-      while ((target := next_chunk(step_seconds(cfg.workdir), budget_s, chunk)) is not None
-             and max(step_seconds(cfg.workdir), default=0) < steps):
-        loop.train_rl(configs.replace(cfg, **{"rl.steps": min(target, steps)}), start, run, log_fn)
-      steps = min(steps, max(step_seconds(cfg.workdir), default=0))
+      spent = sum(step_seconds(cfg.workdir).values())
+      if spent < budget_s:
+        try:
+          with StopAfter(cfg.workdir, budget_s, cfg.rl.steps):
+            loop.train_rl(cfg, start, run, log_fn)
+        except interrupt.Interrupted as e:
+          log_fn(f"stopped by the wall-clock budget of {budget_s:.0f} s: {e}")
+      steps = max(step_seconds(cfg.workdir), default=0)
     out = loop.train_rl(configs.replace(cfg, **{"rl.steps": steps}), start, run, log_fn)   # resumes at `steps`
     t1 = time.time()
     rows = experiment.evaluate_at_temperatures(cfg, out["params"], run, run.heldout, experiment.at_step("rl", steps))

@@ -11,7 +11,7 @@ train on levels 2 and 3 (`--levels`) of the default recipe with its RL settings 
 per level. `flat` runs the recipe's RL steps (300); `tree` groups as trees (`--branch_turns`, `--fanouts`: the setting
 tree_rollouts_settings.md chose, (0, 2) x (2, 4), the same G = 8 leaves) with the shared prefix stored once
 (`rl.share_prefix`), for as many steps as take the flat arm's RL wall-clock of the same seed (its steps' summed
-`step_s`, in chunks of 20 steps; so `flat` runs first). Each arm's workdir is `<arm>_seed<seed>`.
+`step_s`; so `flat` runs first). Each arm's workdir is `<arm>_seed<seed>`.
 
 `report` writes experiments/results/tree_rollouts_learning.json/.md/.png from whatever the runs have reached (an
 arm still running: its curve so far, marked partial); its last line is one JSON object.
@@ -55,14 +55,14 @@ def arm_config(recipe: str, start: str, workdir: str, arm: str, seed: int, level
   return cfg if arm == "flat" else configs.replace(cfg, **{"rl.steps": TREE_MAX_STEPS * cfg.rl.steps})
 
 
-def run(cfg: RunConfig, arm: str, workdir: str, seed: int, chunk: int) -> dict:
+def run(cfg: RunConfig, arm: str, workdir: str, seed: int) -> dict:
   if arm == "flat":
     return rl_from_start.run_arm(cfg)
   flat = rl_from_start.done(arm_dir(workdir, "flat", seed))
   if flat is None:
     raise SystemExit(f"the tree arm runs for the flat arm's RL wall-clock: run --arm=flat --seed={seed} first "
                      f"({arm_dir(workdir, 'flat', seed)} has no {rl_from_start.RESULT})")
-  return rl_from_start.run_arm(cfg, budget_s=flat["rl_seconds"], chunk=chunk)
+  return rl_from_start.run_arm(cfg, budget_s=flat["rl_seconds"])
 
 
 def curve(rows: list[dict]) -> dict:
@@ -194,7 +194,6 @@ def main() -> None:
   ap.add_argument("--per_level", type=int, default=500, help="held-out tasks per level")
   ap.add_argument("--branch_turns", default="0,2")
   ap.add_argument("--fanouts", default="2,4")
-  ap.add_argument("--chunk", type=int, default=20, help="tree arm: RL steps between wall-clock checks")
   args = ap.parse_args()
   print(f"load average {os.getloadavg()}")
   if args.arm == "report":
@@ -202,7 +201,7 @@ def main() -> None:
   else:
     cfg = arm_config(args.recipe, args.start, args.workdir, args.arm, args.seed, _ints(args.levels),
                      _ints(args.branch_turns), _ints(args.fanouts), args.per_level)
-    result = run(cfg, args.arm, args.workdir, args.seed, args.chunk)
+    result = run(cfg, args.arm, args.workdir, args.seed)
   print(json.dumps(result))
 
 
