@@ -171,11 +171,23 @@ def _mean(rows, key, part):
   return float(sum(vals) / len(vals)) if vals else None
 
 
+def start_drafter(start_dir: str) -> dict:
+  """The SFT start's self-distilled drafter as its SFT last logged it (`mtp1_agreement`: top-1 agreement with the
+  trunk on the SFT rows), per SFT stage that has logged (the curriculum's first stage, then the start)."""
+  out = {}
+  for stage in ("sft_curriculum", "sft"):
+    rows = _read(os.path.join(start_dir, stage))
+    if rows:
+      out[stage] = {k: rows[-1].get(k) for k in ("step", "mtp1_agreement", "mtp1_loss", "ce")}
+  return out
+
+
 def report(workdir: str, name: str, seeds=(0, 1)) -> dict:
   out = {"arms": {}, "load_avg": os.getloadavg()}
   start = rl_from_start.done(os.path.join(workdir, "start"))
   if start is not None:
     out["start"] = start
+  out["start_sft"] = start_drafter(os.path.join(workdir, "start"))
   for arm in ARMS:
     for seed in seeds:
       rows = _read(arm_dir(workdir, arm, seed))
@@ -197,7 +209,7 @@ def report(workdir: str, name: str, seeds=(0, 1)) -> dict:
   with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
     json.dump(out, f, indent=1)
   plot(os.path.join(RESULTS, f"{name}.json"), os.path.join(RESULTS, f"{name}.png"))
-  summary = {"load_avg": out["load_avg"]}
+  summary = {"load_avg": out["load_avg"], "start_sft": out["start_sft"]}
   for arm, a in out["arms"].items():
     for key in ("mtp_acceptance", "mtp_start_acceptance", "mtp_agreement", "mtp_start_agreement", "reward"):
       summary[f"{arm}/{key}"] = [a["first_fifth"][key], a["last_fifth"][key]]

@@ -95,11 +95,12 @@ def _rows(workdir: str) -> list[dict]:
 
 
 def per_leaf(rows: list[dict]) -> dict:
-  """Generated tokens per leaf (trajectory) and rollout seconds per step, over the logged steps."""
+  """Generated tokens per leaf (trajectory) and wall-clock seconds per RL step (asynchronous rollouts: the step
+  waits on them), over the logged steps."""
   trajs = sum(r.get("trajectories", 0) for r in rows)
   gen = sum(r.get("generated_tokens", 0) for r in rows)
   return {"generated_tokens_per_leaf": gen / trajs if trajs else None,
-          "rollout_s_per_step": sum(r.get("rollout_s", 0.0) for r in rows) / len(rows) if rows else None}
+          "step_s_mean": sum(r.get("step_s", 0.0) for r in rows) / len(rows) if rows else None}
 
 
 def report(workdir: str, seeds=(0, 1)) -> dict:
@@ -117,7 +118,7 @@ def report(workdir: str, seeds=(0, 1)) -> dict:
   plot(out, os.path.join(RESULTS, f"{NAME}.png"))
   with open(os.path.join(RESULTS, f"{NAME}.md"), "w") as f:
     f.write(table(out))
-  return {name: {k: a[k] for k in ("finished", "steps", "generated_tokens_per_leaf", "rollout_s_per_step")}
+  return {name: {k: a[k] for k in ("finished", "steps", "generated_tokens_per_leaf", "step_s_mean")}
           for name, a in out["arms"].items()}
 
 
@@ -128,20 +129,32 @@ def _cell(row: dict | None, temp: str, level: str) -> str:
   return f"{r['success']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if r else "—"
 
 
+def _load(result: dict, key: str) -> str:
+  return f"{result[key][0]:.1f}" if key in result else "—"
+
+
 def table(out: dict) -> str:
   """The generated table: per arm, held-out success per level and temperature (Wilson 95%), RL steps and seconds,
   tokens per leaf, rollout seconds per step."""
-  lines = [f"<!-- written by benchmarks/tree_learning.py --arm=report; load average at writing {out['load_avg']} -->",
-           "", "| arm | finished | RL steps | RL s | generated tokens / leaf | rollout s / step | "
+  lines = [
+      "# Tree rollouts vs flat groups at equal RL wall-clock (issue 50)", "",
+      f"Written by `benchmarks/tree_learning.py --arm=report` (load average at writing {out['load_avg'][0]:.1f}) from "
+      "the runs below; the commands, the start and what the figures mean are in that file's docstring and in "
+      "[tree_rollouts.md](tree_rollouts.md). Held-out success: 500 tasks per level, Wilson 95% in brackets. "
+      "RL s: the arm's summed step wall-clock on 2 shared cores (its load average beside it). An arm not "
+      "finished is a partial run: its held-out cells are not measured yet; [curves](tree_rollouts_learning.png).",
+      "", "| arm | finished | RL steps | RL s | generated tokens / leaf | s / RL step | "
            "T0 level 2 | T0 level 3 | T1 level 2 | T1 level 3 | load avg (start → end) |", "|" + "---|" * 11]
   for name, a in out["arms"].items():
     res = a["result"] or {}
     rl = res.get("rl")
     lines.append(
         f"| {name} | {a['finished']} | {a['steps']} | {a['curve']['seconds'][-1]:.0f} | "
-        f"{a['generated_tokens_per_leaf'] or 0:.1f} | {a['rollout_s_per_step'] or 0:.1f} | "
+        f"{a['generated_tokens_per_leaf'] or 0:.1f} | {a['step_s_mean'] or 0:.1f} | "
         + " | ".join(_cell(rl, t, lv) for t in ("T0", "T1") for lv in ("2", "3"))
-        + f" | {res.get('load_avg_start', ['—'])[0]} → {res.get('load_avg_end', ['—'])[0]} |")
+        + f" | {_load(res, 'load_avg_start')} → {_load(res, 'load_avg_end')} |")
+  if not out["arms"]:
+    lines.append("| (no arm has logged an RL step yet: nothing measured yet) |" + " |" * 10)
   return "\n".join(lines) + "\n"
 
 

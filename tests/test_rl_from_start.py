@@ -79,9 +79,22 @@ def test_learning_report_figures(tmp_path):
   _log(arm, 2, 30.0, trajectories=8, generated_tokens=1200, rollout_s=4.0, **{"pass/level_2": 0.75})   # rerun
   rows = tree_learning._rows(arm)
   assert [r["step"] for r in rows] == [1, 2]
-  assert tree_learning.per_leaf(rows) == {"generated_tokens_per_leaf": 2000 / 16, "rollout_s_per_step": 5.0}
+  assert tree_learning.per_leaf(rows) == {"generated_tokens_per_leaf": 2000 / 16, "step_s_mean": 20.0}
   c = tree_learning.curve(rows)
   assert c["seconds"] == [10.0, 40.0] and c["pass/level_2"] == [0.25, 0.75]
   text = tree_learning.table({"load_avg": (1.0, 1.0, 1.0), "arms": {"flat_seed0": {
       "finished": False, "result": None, "steps": 2, **tree_learning.per_leaf(rows), "curve": c}}})
-  assert "| flat_seed0 | False | 2 | 40 | 125.0 | 5.0 | not measured yet |" in text
+  assert "| flat_seed0 | False | 2 | 40 | 125.0 | 20.0 | not measured yet |" in text
+
+
+def test_learning_table_cells_of_a_finished_arm():
+  cell = {"success": 0.5, "ci_low": 0.456, "ci_high": 0.544}
+  rl = {t: {**cell, "levels": {"2": cell, "3": {**cell, "success": 0.25}}} for t in ("T0", "T1")}
+  assert tree_learning._cell(rl, "T1", "3") == "0.250 [0.456, 0.544]"
+  assert tree_learning._cell(rl, "T0", "1") == "—" and tree_learning._cell(None, "T0", "2") == "not measured yet"
+  curve = {"seconds": [12.0], "step": [1]}
+  text = tree_learning.table({"load_avg": (1.0,), "arms": {"tree_seed1": {
+      "finished": True, "result": {"rl": rl, "load_avg_start": [3.04], "load_avg_end": [7.96]}, "steps": 1,
+      "generated_tokens_per_leaf": 100.0, "step_s_mean": 12.0, "curve": curve}}})
+  assert "| tree_seed1 | True | 1 | 12 | 100.0 | 12.0 | 0.500 [0.456, 0.544] | 0.250" in text
+  assert "| 3.0 → 8.0 |" in text
