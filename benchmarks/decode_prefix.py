@@ -27,29 +27,23 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 
-# Run as a script, this file's folder is sys.path[0], and this file's name would not shadow anything, but keep the
-# repository root first so `rollout` is the package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import jax
 
-import jax  # noqa: E402
-
-from composer_jax import configs, model  # noqa: E402
-from composer_jax.rl import setup  # noqa: E402
-from composer_jax.rl.config import RunConfig  # noqa: E402
-from composer_jax.rl.publishers import engine_config  # noqa: E402
-from composer_jax.sampling.engine import JaxEngine  # noqa: E402
-from composer_jax.train import tokenizer as tokenizer_lib  # noqa: E402
-from experiments.configs import rl as rl_configs  # noqa: E402
-from rollout import harness  # noqa: E402
-from rollout.engines.protocol import GenerateRequest, SamplingParams  # noqa: E402
-from rollout.evaluation.policies import baseline  # noqa: E402
-from rollout.tasks import registry  # noqa: E402
-from rollout.tasks.environment import EnvironmentCache  # noqa: E402
-from rollout.workspace import make_factory  # noqa: E402
+from composer_jax import configs, model
+from composer_jax.rl import setup
+from composer_jax.rl.config import RunConfig
+from composer_jax.rl.publishers import engine_config
+from composer_jax.sampling.engine import JaxEngine
+from composer_jax.train import tokenizer as tokenizer_lib
+from experiments.configs import rl as rl_configs
+from rollout import harness
+from rollout.engines.protocol import GenerateRequest, SamplingParams
+from rollout.evaluation.policies import baseline
+from rollout.tasks import registry
+from rollout.tasks.environment import EnvironmentCache
+from rollout.workspace import make_factory
 
 ENGINES = ("reuse", "reprefill")
 

@@ -22,25 +22,21 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import jax
 
-import jax  # noqa: E402
-
-from benchmarks import decode_prefix  # noqa: E402
-from composer_jax import configs, model  # noqa: E402
-from composer_jax.rl import setup  # noqa: E402
-from composer_jax.rl.config import RunConfig  # noqa: E402
-from composer_jax.rl.publishers import engine_config  # noqa: E402
-from composer_jax.sampling.engine import JaxEngine  # noqa: E402
-from composer_jax.train import tokenizer as tokenizer_lib  # noqa: E402
-from experiments.configs import rl as rl_configs  # noqa: E402
-from rollout.tasks import registry  # noqa: E402
-from rollout.tasks.environment import EnvironmentCache  # noqa: E402
-from rollout.workspace import make_factory  # noqa: E402
+from benchmarks import decode_prefix
+from composer_jax import configs, model
+from composer_jax.rl import setup
+from composer_jax.rl.config import RunConfig
+from composer_jax.rl.publishers import engine_config
+from composer_jax.sampling.engine import JaxEngine
+from composer_jax.train import tokenizer as tokenizer_lib
+from experiments.configs import rl as rl_configs
+from rollout.tasks import registry
+from rollout.tasks.environment import EnvironmentCache
+from rollout.workspace import make_factory
 
 
 def main() -> None:

@@ -31,14 +31,11 @@ import os
 import sys
 import time
 
-# Run as a script, this folder is sys.path[0] and `benchmarks/rollout.py` would shadow the `rollout` package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(_HERE)
-sys.path = [ROOT] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 H200_BF16_FLOPS = 989e12          # NVIDIA H200 datasheet, dense (no sparsity)
 KERNEL_TOL = {"bf16": 2e-2, "mxfp8": 2e-2, "nvfp4": 2e-2}   # max |kernel - reference| / max |reference|: same
@@ -126,7 +123,7 @@ def train_small(dry: bool, steps: int) -> dict:
 def decode(dry: bool, repeats: int, workdir: str | None) -> dict:
   """Plain vs MTP-speculative greedy decoding tokens/s at batch 1 and 32 (runs interleaved, best of `repeats`)."""
   from composer_jax.sampling.engine import EngineConfig, JaxEngine
-  rb = _bench_module("rollout")
+  rb = _bench_module("jax_engine")
   variant, tokens, prompt_len = ("tiny", 8, 8) if dry else ("small", 128, 64)
   cfg = rb.model_config(variant)
   params, heads = rb.load_or_random(cfg, workdir)

@@ -30,6 +30,6 @@ cd "$ROOT"
 "$VENV/bin/python" benchmarks/gpu_check.py "$@"
 # The scale plan's Kimi K2 pretraining step compiled by the GPU compiler for 64 and 256 GPUs on a mocked topology
 # (one real GPU; memory_analysis and collectives beside the CPU plan's). Progress and table on stderr.
-"$VENV/bin/python" benchmarks/scale_plan.py --platform gpu --stages pretrain_32k --devices 64,256 \
+PYTHONPATH=. "$VENV/bin/python" benchmarks/scale_plan.py --platform gpu --stages pretrain_32k --devices 64,256 \
     --out "${TMPDIR:-/tmp}/scale_plan_gpu.json" >&2 || echo "[gpu_check] scale plan GPU compile failed" >&2
 echo "[gpu_check] total $(( $(date +%s) - start )) s" >&2

@@ -2,11 +2,11 @@
 the MTP gradient stopped at the trunk vs let through; the RL result against the recipe's; and speculative vs plain
 decoding of the run's own episodes.
 
-  python -P benchmarks/mtp_rl.py --arm=start   --workdir=runs/mtp_rl             # the shared SFT start (first)
-  python -P benchmarks/mtp_rl.py --arm=stopped --workdir=runs/mtp_rl --seed=0    # RL from it + held-out evaluation
-  python -P benchmarks/mtp_rl.py --arm=through --workdir=runs/mtp_rl --seed=0    # the trunk gradient let through
-  python -P benchmarks/mtp_rl.py --arm=decode  --workdir=runs/mtp_rl             # k adaptive vs k = 0
-  python -P benchmarks/mtp_rl.py --arm=report  --workdir=runs/mtp_rl             # JSON + plot + the last line
+  python benchmarks/mtp_rl.py --arm=start   --workdir=runs/mtp_rl             # the shared SFT start (first)
+  python benchmarks/mtp_rl.py --arm=stopped --workdir=runs/mtp_rl --seed=0    # RL from it + held-out evaluation
+  python benchmarks/mtp_rl.py --arm=through --workdir=runs/mtp_rl --seed=0    # the trunk gradient let through
+  python benchmarks/mtp_rl.py --arm=decode  --workdir=runs/mtp_rl             # k adaptive vs k = 0
+  python benchmarks/mtp_rl.py --arm=report  --workdir=runs/mtp_rl             # JSON + plot + the last line
 
 (with PYTHONPATH at the repository root). `--recipe=default` (the default) is the default run (`make run`:
 `experiments/configs/rl.py`'s default variant, levels 1-3, 300 RL steps, 500 held-out tasks per level);
@@ -37,15 +37,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+from benchmarks import rl_from_start
+from composer_jax import configs
+from composer_jax.rl.config import RunConfig
 
-from benchmarks import rl_from_start  # noqa: E402
-from composer_jax import configs  # noqa: E402
-from composer_jax.rl.config import RunConfig  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 RESULTS = os.path.join(os.path.dirname(_HERE), "experiments", "results")
 PER_STEP = ("reward", "pass_rate", "mtp_acceptance", "mtp_agreement", "mtp_start_acceptance", "mtp_start_agreement",

@@ -10,7 +10,7 @@ sharding adds (collectives, partitioned programs), never what 8 real devices wou
    params after one step, and the step time of each (medians of alternating rounds after a warm-up).
 2. One rollout batch of the run's embedded engine (a group of `samples_per_prompt` seeded samples at T=1) on one
    device, and on the mesh with each `rollout.engine_placement`: the tokens equal?, the logprob gap, the time.
-3. In a child process with `--plan_devices` fake devices: the RL step the run builds (`rl.trainer.build_rl_step`, from
+3. In a child process with `--plan_devices` fake devices: the RL step the run builds (`rl.placement.build_rl_step`, from
    a `RunConfig` of `rl.py`'s default config with the plan's model and step shape) and the one
    `benchmarks/scale_plan.py` compiles, on the plan's mesh and rules, lowered: the same program text?
    Kimi K2 at one MoE layer (`--full_depth`: all 60; minutes per lowering here).
@@ -26,8 +26,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository: the child's PYTHONPATH
 
 
 def _run_config(variant: str):
@@ -41,10 +40,10 @@ def _batch(cfg, seed: int = 0) -> dict:
   """A step's batch of random flat groups, every token's routing recorded."""
   import numpy as np
 
-  from composer_jax.rl import setup
+  from composer_jax.rl import placement
   from composer_jax.rl.batch import make_batch
   rng = np.random.default_rng(seed)
-  bcfg = setup.batch_config(cfg)
+  bcfg = placement.batch_config(cfg)
   n_layers, k, e = bcfg.n_moe_layers, cfg.model.num_experts_per_tok, cfg.model.n_routed_experts
   groups = []
   for _ in range(cfg.rl.groups_per_step):
@@ -83,7 +82,7 @@ def rl_step(cfg, mesh_cfg, rounds: int) -> dict:
   from composer_jax import model
   from composer_jax.parallel import mesh as mesh_lib
   from composer_jax.rl import placement
-  from composer_jax.rl.trainer import build_rl_step
+  from composer_jax.rl.placement import build_rl_step
   host = _batch(cfg)
   start = model.init(jax.random.key(0), cfg.model)
   runs = {}
@@ -147,7 +146,7 @@ def plan_child(n_moe_layers: int | None) -> None:
   import jax
 
   from benchmarks import scale_plan_cases as sp
-  from composer_jax.rl.trainer import build_rl_step
+  from composer_jax.rl.placement import build_rl_step
   stage = sp.STAGES["rl"]
   axes = sp.PLANS["kimi_k2"]["rl"][jax.device_count()]
   case = sp.build_case("kimi_k2", stage, axes, n_moe_layers)

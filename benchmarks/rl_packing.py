@@ -1,7 +1,8 @@
 r"""The RL step on a packed batch (`rl.pack_rows`) against the same groups unpacked (a row per segment), in one
 process.
 
-  python benchmarks/rl_packing.py [--variant rl_colab] [--rows 48] [--pack_rows 24] [--length 496] [--steps 3]
+  PYTHONPATH=. python benchmarks/rl_packing.py [--variant rl_colab] [--rows 48] [--pack_rows 24] [--length 496]
+      [--steps 3]
                                   [--rounds 5]
 
 The groups are shaped as the recipe's harness makes them (`rl.py:recipe`, measured with the scripted oracle): 8
@@ -18,23 +19,19 @@ Method: the two steps alternate over `--rounds` rounds of `--steps` steps each a
 medians over rounds, with the load average (1 min) beside them. Last line: JSON with `packed_vs_unpacked` (step
 time ratio), the rows of each and the packed rows' fill.
 """
+import argparse
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
 
-import argparse  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import rl_step as rl_bench  # noqa: E402
-from benchmarks import train_step as lm_bench  # noqa: E402
-from composer_jax import configs, model  # noqa: E402
-from composer_jax.rl import batch as rl_batch  # noqa: E402
-from composer_jax.rl import step as rl_step  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
+from benchmarks import rl_step as rl_bench
+from benchmarks import train_step as lm_bench
+from composer_jax import configs, model
+from composer_jax.rl import batch as rl_batch
+from composer_jax.rl import step as rl_step
+from experiments.configs import model as model_configs
 
 LEVEL_SEGMENTS = {1: ((1, 1), (155, 177)), 2: ((1, 1), (211, 247)), 3: ((2, 3), (256, 496))}
 PROMPT = 64

@@ -1,6 +1,7 @@
 r"""The RL step against the LM train step on the same rows, and the compile time of `model.init`, in one process.
 
-  python benchmarks/rl_step.py [--variant colab] [--batch 8] [--seq 256] [--prompt 64] [--steps 3] [--rounds 5]
+  PYTHONPATH=. python benchmarks/rl_step.py [--variant colab] [--batch 8] [--seq 256] [--prompt 64] [--steps 3]
+      [--rounds 5]
 
 Both steps are built as their trainers build them (explicit shardings, the state donated) on the same model
 (MTP off: the RL policy does not train MTP heads by default, and the LM step is run with mtp_loss='none'), the same
@@ -21,22 +22,20 @@ compile + run; the persistent compilation cache is off). Last line: JSON with `r
 """
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks import train_step as lm_bench  # noqa: E402
-from composer_jax import configs, model  # noqa: E402
-from composer_jax.rl import losses as rl_losses  # noqa: E402
-from composer_jax.rl import step as rl_step  # noqa: E402
-from composer_jax.train import loop, optim, step  # noqa: E402
-from composer_jax.train.config import OptimConfig  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
+from benchmarks import train_step as lm_bench
+from composer_jax import configs, model
+from composer_jax.rl import losses as rl_losses
+from composer_jax.rl import placement
+from composer_jax.rl import step as rl_step
+from composer_jax.train import loop, optim, step
+from composer_jax.train.config import OptimConfig
+from experiments.configs import model as model_configs
 
 jax.config.update("jax_enable_compilation_cache", False)
 
@@ -72,11 +71,11 @@ def rl_runner(cfg, params, batch, rl_cfg):
   """`rl_step` as `rl.trainer` builds it; returns run(n) → (wall, CPU) seconds per step (after 2 warm-up steps)."""
   mesh = loop.single_device_mesh()
   p_shard = model.shardings(cfg, mesh)
-  opt = rl_step.freeze_subtrees(optim.make_optimizer(OptimConfig(), params), params)
+  opt = placement.freeze_subtrees(optim.make_optimizer(OptimConfig(), params), params)
   shardings = step.state_shardings(opt, params, p_shard)
   box = [step.init_state(params, opt), None]
   ref = jax.tree.map(jnp.copy, params)
-  bsh = rl_step.batch_shardings(mesh)
+  bsh = placement.batch_shardings(mesh)
   batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, bsh)
   fn = rl_step.make_rl_step(cfg, rl_cfg, opt, shardings, bsh, p_shard)
 

@@ -20,24 +20,18 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-# Run as a script, this file's folder is sys.path[0], and this file's name would shadow nothing; keep it symmetric
-# with benchmarks/rollout.py all the same.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from composer_jax.interop import hf  # noqa: E402
-from composer_jax.model import ModelConfig, init  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
-from rollout.engines.protocol import GenerateRequest, SamplingParams  # noqa: E402
-from rollout.engines.sglang_fleet import FleetConfig, SGLangFleet  # noqa: E402
-from rollout.engines.sglang_launcher import ServerConfig  # noqa: E402
+from composer_jax.interop import hf
+from composer_jax.model import ModelConfig, init
+from experiments.configs import model as model_configs
+from rollout.engines.protocol import GenerateRequest, SamplingParams
+from rollout.engines.sglang_fleet import FleetConfig, SGLangFleet
+from rollout.engines.sglang_launcher import ServerConfig
 
 
 def serving_config(variant: str) -> ModelConfig:

@@ -1,9 +1,9 @@
 r"""Training steps compiled (never run) for H200 clusters, at full depth: memory per device, collectives, roofline.
 
-  python benchmarks/scale_plan.py                                  # kimi_k2: every stage x mesh of PLANS
-  python benchmarks/scale_plan.py --variant moonlight_16b          # the ~16B / ~3B-active shape on one node
-  python benchmarks/scale_plan.py --stages pretrain_32k --devices 64 --out plan_64.json
-  python benchmarks/scale_plan.py --combine plan_*.json [--markdown]   # merge runs: the table and the last line
+  PYTHONPATH=. python benchmarks/scale_plan.py                          # kimi_k2: every stage x mesh of PLANS
+  PYTHONPATH=. python benchmarks/scale_plan.py --variant moonlight_16b  # the ~16B / ~3B-active shape on one node
+  PYTHONPATH=. python benchmarks/scale_plan.py --stages pretrain_32k --devices 64 --out plan_64.json
+  PYTHONPATH=. python benchmarks/scale_plan.py --combine plan_*.json [--markdown]  # merge runs: table and last line
 
 For each stage (`STAGES`: 32k pretraining, the 256k long-context extension with ring attention, an RL batch, and
 8k/32k rows for the 16B shape) and each mesh of the variant's `PLANS` entry, a separate process with that many
@@ -45,12 +45,11 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import hlo_costs
+from benchmarks.scale_plan_cases import PLANS, STAGES, compile_case
+from benchmarks.scale_plan_roofline import H200, markdown_table, report, summarize_case
 
-from benchmarks import hlo_costs  # noqa: E402
-from benchmarks.scale_plan_cases import PLANS, STAGES, compile_case  # noqa: E402
-from benchmarks.scale_plan_roofline import H200, markdown_table, report, summarize_case  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository: the child's PYTHONPATH
 
 
 def _child(args) -> None:

@@ -128,14 +128,14 @@ def _lm_batch(mesh, rules, rows, seq):
 
 
 def _rl_batch(mesh, rules, rows, seq, cfg):
-  """`rl.batch.make_batch`'s fields (one sequence a row), placed by `rl.step.batch_shardings`."""
+  """`rl.batch.make_batch`'s fields (one sequence a row), placed by `rl.placement.batch_shardings`."""
   import jax
 
   from composer_jax.rl import batch as rl_batch
-  from composer_jax.rl import step as rl_step
+  from composer_jax.rl import placement
   n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
   fields = rl_batch.field_shapes(rows, seq, rows, n_moe, cfg.num_experts_per_tok)
-  shard = rl_step.batch_shardings(mesh, rules)
+  shard = placement.batch_shardings(mesh, rules)
   batch = {k: jax.ShapeDtypeStruct(s, d, sharding=shard[k]) for k, (s, d) in fields.items()}
   return batch, shard
 

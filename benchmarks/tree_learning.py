@@ -1,9 +1,9 @@
 """Tree rollouts vs flat groups at equal RL wall-clock (issue 50): from one start, a flat-group RL run and a tree RL
 run, then the held-out success of each (greedy and T=1, per level, Wilson 95%), with learning curves.
 
-  python -P benchmarks/tree_learning.py --arm=flat --start=runs/mtp_rl/start --workdir=runs/tree_learning --seed=0
-  python -P benchmarks/tree_learning.py --arm=tree --start=runs/mtp_rl/start --workdir=runs/tree_learning --seed=0
-  python -P benchmarks/tree_learning.py --arm=report --workdir=runs/tree_learning
+  python benchmarks/tree_learning.py --arm=flat --start=runs/mtp_rl/start --workdir=runs/tree_learning --seed=0
+  python benchmarks/tree_learning.py --arm=tree --start=runs/mtp_rl/start --workdir=runs/tree_learning --seed=0
+  python benchmarks/tree_learning.py --arm=report --workdir=runs/tree_learning
 
 (with PYTHONPATH at the repository root). The start is `benchmarks/mtp_rl.py --arm=start`'s (the default recipe
 with one MTP module, which these arms leave untrained and unused: `rl.mtp_weight=0`, no speculation). Both arms
@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from benchmarks import rl_from_start
+from composer_jax import configs
+from composer_jax.rl.config import RunConfig
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-from benchmarks import rl_from_start  # noqa: E402
-from composer_jax import configs  # noqa: E402
-from composer_jax.rl.config import RunConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(_HERE), "experiments", "results")
 NAME = "tree_rollouts_learning"
@@ -143,6 +141,11 @@ def table(out: dict) -> str:
       "[tree_rollouts.md](tree_rollouts.md). Held-out success: 500 tasks per level, Wilson 95% in brackets. "
       "RL s: the arm's summed step wall-clock on 2 shared cores (its load average beside it). An arm not "
       "finished is a partial run: its held-out cells are not measured yet; [curves](tree_rollouts_learning.png).",
+      "", "```bash", "export PYTHONPATH=$PWD",
+      "python benchmarks/mtp_rl.py --arm=start --workdir=runs/mtp_rl   # the shared start (the default recipe's SFT)",
+      *[f"python benchmarks/tree_learning.py --arm={arm} --seed={seed} --start=runs/mtp_rl/start "
+        "--workdir=runs/tree_learning" for seed in (0, 1) for arm in ARMS],
+      "python benchmarks/tree_learning.py --arm=report --workdir=runs/tree_learning", "```",
       "", "| arm | finished | RL steps | RL s | generated tokens / leaf | s / RL step | "
            "T0 level 2 | T0 level 3 | T1 level 2 | T1 level 3 | load avg (start → end) |", "|" + "---|" * 11]
   for name, a in out["arms"].items():

@@ -34,19 +34,15 @@ import os
 import sys
 import time
 
-# Run as a script, this file's folder is sys.path[0], where benchmarks/rollout.py would shadow the `rollout` package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from composer_jax.rl import batch as rl_batch  # noqa: E402
-from composer_jax.rl import publishers, setup  # noqa: E402
-from composer_jax.rl import workdir as workdir_lib  # noqa: E402
-from composer_jax.sampling.engine import JaxEngine  # noqa: E402
-from composer_jax.train import stages  # noqa: E402
-from rollout import harness, tree_harness  # noqa: E402
-from rollout.workspace import Workspace, WorkspaceFactory  # noqa: E402
+from composer_jax.rl import batch as rl_batch
+from composer_jax.rl import publishers, setup
+from composer_jax.rl import workdir as workdir_lib
+from composer_jax.sampling.engine import JaxEngine
+from composer_jax.train import stages
+from rollout import harness, tree_harness
+from rollout.workspace import Workspace, WorkspaceFactory
 
 
 class Clock:

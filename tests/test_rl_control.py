@@ -8,6 +8,7 @@ import types
 import pytest
 
 from composer_jax import configs
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import setup, warmstart
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
@@ -69,7 +70,7 @@ def test_the_control_is_sized_by_the_starts_training_steps_not_its_demonstration
     warmstart.seconds_per_step(str(tmp_path))
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a, **k: time_lib.sleep(1.0) or (["demo"], ["dev"]))
   monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: time_lib.sleep(0.05) or ("params", {}))
-  run = setup.Run(None, [], [], [], None, str(tmp_path), False)
+  run = setup.Run(None, [], [], [], None, str(tmp_path), False, None, ShardingRules())
   assert warmstart.sft(cfg.sft_plan, run, None, str(tmp_path / "sft"), steps=10, learning_rate=1e-3, seed=0,
                        log_fn=lambda s: None) == ("params", {})
   record = json.load(open(tmp_path / "sft" / "train_seconds.json"))

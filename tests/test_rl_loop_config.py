@@ -9,6 +9,7 @@ import pytest
 
 from composer_jax import configs
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import evaluate, setup, warmstart, weight_files
 from composer_jax.rl.config import RunConfig
 from experiments.configs import common
@@ -267,7 +268,7 @@ def test_the_sft_control_reuses_the_warm_starts_transcripts(tmp_path, monkeypatc
   seen = {}
   monkeypatch.setattr(warmstart, "run_sft", lambda *a, **k: seen.setdefault("args", a) and (None, {}))
   monkeypatch.setattr(warmstart, "sft_transcripts", lambda *a: (train, dev))
-  run = setup.Run(None, [], [], [], None, str(tmp_path), False)
+  run = setup.Run(None, [], [], [], None, str(tmp_path), False, None, ShardingRules())
   warmstart.sft(cfg.sft_plan, run, None, str(tmp_path / "sft"), steps=1, learning_rate=1.0, seed=0)
   assert seen.pop("args")[2:4] == (train, dev)
   warmstart.write_jsonl(str(tmp_path / "sft" / "sft_train.jsonl"), [[{"role": "user", "content": "saved"}]])
@@ -298,7 +299,7 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
   monkeypatch.setattr(warmstart, "oracle_transcripts", lambda tok, tasks, *a, **k: oracle.extend(t.id for t in tasks)
                       or [[{"role": "user", "content": t.id}] for t in tasks])
   monkeypatch.setattr(warmstart, "run_sft", run_sft)
-  run = setup.Run(None, pool, [], dev, None, str(tmp_path), False)
+  run = setup.Run(None, pool, [], dev, None, str(tmp_path), False, None, ShardingRules())
   assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == "params of sft"
   level1, level2 = ["t0", "t2", "t4"], ["t1", "t3", "t5"]
   assert trained == [("sft_curriculum", 7, None, level1, ["d0", "d2"]),
@@ -317,7 +318,7 @@ def test_a_warm_start_resumes_after_its_last_finished_stage(tmp_path, monkeypatc
   monkeypatch.setattr(warmstart.stages, "load_params", lambda path, *a: loaded.append(path) or f"loaded {path}")
   monkeypatch.setattr(warmstart, "sft", lambda plan, run, init, stage, **k: trained.append((stage, init)) or
                       (f"params of {os.path.basename(stage)}", {}))
-  run = setup.Run(None, [], [], [], None, str(tmp_path), False)
+  run = setup.Run(None, [], [], [], None, str(tmp_path), False, None, ShardingRules())
   os.makedirs(tmp_path / "sft_curriculum" / "params")
   assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == "params of sft"
   assert loaded == [str(tmp_path / "sft_curriculum")]

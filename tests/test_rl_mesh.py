@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from composer_jax import model
+from composer_jax.parallel import layout
 from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.parallel.rules import ShardingRules, use_rules
 from composer_jax.rl import batch as rl_batch
@@ -147,7 +148,7 @@ def test_a_mesh_that_does_not_divide_names_the_axis_and_the_sizes(axes, cfg_chan
   n = int(np.prod(list(axes.values())))
   mesh = mesh_lib.make_mesh(axes, devices=jax.devices()[:n])
   with pytest.raises(ValueError, match=match):
-    placement.check_mesh(dataclasses.replace(CFG, **cfg_change), mesh, ShardingRules(), (rows,), length)
+    layout.check_mesh(dataclasses.replace(CFG, **cfg_change), mesh, ShardingRules(), (rows,), length)
 
 
 def test_placing_moves_device_arrays_without_a_host_copy():

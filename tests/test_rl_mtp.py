@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from composer_jax import model
-from composer_jax.rl import losses
+from composer_jax.rl import losses, placement
 from composer_jax.rl import step as rl_step_lib
 from composer_jax.train import optim
 from composer_jax.train.config import OptimConfig
@@ -143,7 +143,7 @@ def test_rl_optimizer_freezes_mtp_only_when_it_is_not_trained():
   base = optim.make_optimizer(OptimConfig(warmup_steps=0), params)
   g = jax.tree.map(jnp.ones_like, params)
   for weight, moves in ((0.0, False), (0.5, True)):
-    opt = rl_step_lib.rl_optimizer(base, params, rl_step_lib.RLConfig(mtp_weight=weight))
+    opt = placement.rl_optimizer(base, params, rl_step_lib.RLConfig(mtp_weight=weight))
     updates, _ = opt.update(g, opt.init(params), params)
     assert (float(jnp.abs(updates["mtp"]["w"]).max()) > 0) == moves
     assert float(jnp.abs(updates["embed"]).max()) > 0

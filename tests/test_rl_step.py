@@ -10,7 +10,7 @@ import pytest
 
 from composer_jax import model
 from composer_jax.parallel import mesh as mesh_lib
-from composer_jax.rl import losses
+from composer_jax.rl import losses, placement
 from composer_jax.rl import step as rl_step_lib
 from composer_jax.rl.batch import BatchConfig, from_consumed
 from composer_jax.sampling import sampler
@@ -152,7 +152,7 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   batch.update(tokens=tok, routing=own8, inf_logprobs=lp8, group=jnp.arange(rows) // 2,
                seq=jnp.broadcast_to(jnp.arange(rows)[:, None], (rows, L)),
                reward=jnp.array([1.0, 0.0] * 4), passed=jnp.array([1.0, 0.0] * 4))
-  bsh = rl_step_lib.batch_shardings(mesh)
+  bsh = placement.batch_shardings(mesh)
   batch = jax.device_put(batch, bsh)
   ref = jax.device_put(params, p_shard)      # the reference is the starting policy
   step = rl_step_lib.make_rl_step(CFG, rl_step_lib.RLConfig(), optimizer, shardings, bsh, p_shard)
@@ -259,7 +259,7 @@ def test_queue_to_batch_to_step(setup):
 def test_freeze_subtrees_stops_weight_decay_on_mtp():
   params = {"mtp": {"w": jnp.ones((2, 2))}, "moe_layers": {"moe": {"bias": jnp.ones((1, 4)),
                                                                    "router": jnp.ones((1, 2, 4))}}}
-  opt = rl_step_lib.freeze_subtrees(optim.make_optimizer(OptimConfig(warmup_steps=0, weight_decay=0.5), params),
+  opt = placement.freeze_subtrees(optim.make_optimizer(OptimConfig(warmup_steps=0, weight_decay=0.5), params),
                                     params)
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   updates, _ = opt.update(zero_grads, opt.init(params), params)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from composer_jax import configs
-from composer_jax.rl import loop, setup, trainer
+from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.rl import loop, placement
 from composer_jax.rl.config import RunConfig
 from experiments.configs import rl as rl_configs
 from rollout import tree_harness
@@ -38,9 +39,10 @@ def test_shared_prefixes_reach_the_batch_and_the_step_and_need_trees(tmp_path):
                                        "flat"):
     _cfg(tmp_path, **{"rl.share_prefix": True})
   cfg = _cfg(tmp_path, **{"rl.share_prefix": True, "rollout.tree_branch_turns": (0, 1), "rollout.tree_fanouts": (2, 2)})
-  assert setup.batch_config(cfg).share_prefix
-  assert {"token_adv", "branch", "branch_end", "prev"} <= set(trainer.build_rl_step(cfg).batch)
-  flat = trainer.build_rl_step(_cfg(tmp_path))
+  assert placement.batch_config(cfg).share_prefix
+  mesh, rules = mesh_lib.mesh_from_config(cfg.mesh), cfg.mesh.rules()
+  assert {"token_adv", "branch", "branch_end", "prev"} <= set(placement.build_rl_step(cfg, mesh, rules).batch)
+  flat = placement.build_rl_step(_cfg(tmp_path), mesh, rules)
   assert not {"token_adv", "branch"} & set(flat.batch)
 
 

@@ -11,7 +11,7 @@ import pytest
 from composer_jax import model
 from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import losses
+from composer_jax.rl import losses, placement
 from composer_jax.rl import step as rl_step_lib
 from rollout import tree as tree_lib
 from rollout.queue import QueueConsumer, QueueProducer, open_store
@@ -166,7 +166,7 @@ def test_sharded_tree_step_equals_unsharded(params, share_prefix):
                           has_aux=True)
   (want, _), g_want = jax.jit(fn)(p, batch, ref)
   mesh = mesh_lib.make_mesh({"data": -1})
-  bsh, psh = rl_step_lib.batch_shardings(mesh, trees=True, share_prefix=share_prefix), model.shardings(CFG, mesh)
+  bsh, psh = placement.batch_shardings(mesh, trees=True, share_prefix=share_prefix), model.shardings(CFG, mesh)
   assert bsh["token_adv"] == bsh["loss_weight"] == bsh["gen_mask"]
   assert set(bsh) == set(batch) and (share_prefix == ("prev" in batch))
   (got, _), g_got = jax.jit(fn, in_shardings=(psh, bsh, psh))(jax.device_put(p, psh), jax.device_put(batch, bsh),

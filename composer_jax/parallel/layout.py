@@ -7,12 +7,14 @@ of `seq`. In a multi-process run each process loads only the rows its devices ho
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from composer_jax import model
+from composer_jax.model.config import ModelConfig
 from composer_jax.parallel.rules import ShardingRules, logical_to_spec, spec_entry
 
 
@@ -37,6 +39,43 @@ def check_params_divisible(named_infos: Iterable[tuple[str, object]], mesh: Mesh
   """`check_divisible` for every (name, info) where info has `.shape` and `.logical_axes` (model ArrayInfos)."""
   for name, info in named_infos:
     check_divisible(f"param {name}", info.shape, info.logical_axes, mesh, rules)
+
+
+def check_model_params(model_cfg: ModelConfig, mesh: Mesh, rules: ShardingRules) -> None:
+  """`check_params_divisible` for every param of `model_cfg` (`model.param_specs`)."""
+  specs = jax.tree_util.tree_flatten_with_path(model.param_specs(model_cfg),
+                                               is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
+  check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
+
+
+def _axes_over(logical: str, mesh: Mesh, rules: ShardingRules) -> tuple[str, ...]:
+  return tuple(a for a in rules.mesh_axes(logical) if a in mesh.axis_names and dict(mesh.shape)[a] > 1)
+
+
+def _check(size: int, what: str, logical: str, mesh: Mesh, rules: ShardingRules, fix: str, factor: int = 1) -> None:
+  axes = _axes_over(logical, mesh, rules)
+  n = math.prod(dict(mesh.shape)[a] for a in axes) * factor
+  if size % n:
+    sizes = " x ".join(f"{a}={dict(mesh.shape)[a]}" for a in axes) + (f" x {factor}" if factor > 1 else "")
+    raise ValueError(f"mesh axes {sizes} (= {n}) shard {what} but do not divide it ({size}): {fix}")
+
+
+def check_mesh(model_cfg: ModelConfig, mesh: Mesh, rules: ShardingRules, rows: Sequence[int], length: int) -> None:
+  """Raises one `ValueError` naming the mesh axis and the sizes when the mesh does not divide the model's experts
+  or heads, a step's row count (each of `rows`: packed, and unpacked for a group that packs alone) or its
+  `length`; then checks every param dimension (`check_model_params`)."""
+  _check(model_cfg.n_routed_experts, "the model's experts (model.n_routed_experts)", "experts", mesh, rules,
+         "change mesh.expert")
+  _check(model_cfg.num_attention_heads, "the model's attention heads (model.num_attention_heads)", "heads", mesh,
+         rules, "change mesh.tensor")
+  for r in rows:
+    _check(r, "a step's rows (rl.pack_rows, or rl.rows_per_step / rl.groups_per_step x rollout.samples_per_prompt)",
+           "batch", mesh, rules, "change them or the mesh axes")
+  # Ring and all-gather attention cut a sequence into 2 x context zig-zag chunks.
+  zigzag = 2 if model_cfg.attention_impl in ("ring", "allgather") else 1
+  _check(length, "a step's length (harness.context_budget)", "seq", mesh, rules, "change it or mesh.context",
+         factor=zigzag)
+  check_model_params(model_cfg, mesh, rules)
 
 
 def batch_spec(mesh: Mesh, rules: ShardingRules) -> PartitionSpec:

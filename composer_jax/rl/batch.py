@@ -90,8 +90,8 @@ class BatchConfig:
                        f"{self.length=} {self.pack_rows=}")
 
 
-# The batch's fields, described once (`make_batch` fills them, `rl.step.batch_shardings` places them, the scale plan
-# builds abstract batches of them): per token [R, L], per sequence [S], a tree group's per-token credit [R, L], and
+# The batch's fields, described once (`make_batch` fills them, `rl.placement.batch_shardings` places them, the scale
+# plan builds abstract batches of them): per token [R, L], per sequence [S], a tree group's per-token credit [R, L], and
 # `routing` [Lm, R, L, K].
 PER_TOKEN = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32, "seq": np.int32,
              "gen_mask": np.float32, "inf_logprobs": np.float32}

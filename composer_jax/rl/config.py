@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from composer_jax.model.config import ModelConfig
+from composer_jax.parallel import layout
 from composer_jax.parallel.mesh import MeshConfig
 from composer_jax.rl import losses
 from composer_jax.sampling.placement import PLACEMENTS as ENGINE_PLACEMENTS
@@ -305,8 +308,12 @@ class RunConfig:
     if self.tokenizer.vocab_size > self.model.vocab_size:
       raise ValueError(f"tokenizer vocab_size={self.tokenizer.vocab_size} exceeds the model's "
                        f"{self.model.vocab_size}")
-    from composer_jax.rl import placement  # (it imports this module)
-    placement.check_run_mesh(self)   # a mesh that cannot hold the model or a step fails here, before any work
+    # A mesh that cannot hold the model or a step fails here, before any work (an axis at -1 is known only on the
+    # devices).
+    sizes = self.mesh.axis_sizes()
+    if -1 not in sizes.values():
+      layout.check_mesh(self.model, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)), self.mesh.rules(),
+                        self.step_rows, self.harness.context_budget)
 
   @property
   def sft_plan(self) -> SFTPlan:
@@ -316,3 +323,8 @@ class RunConfig:
   def batch_rows(self) -> int:
     """Rows in a step's batch: `rl.rows_per_step`, or one per trajectory of `groups_per_step` groups."""
     return self.rl.rows_per_step or self.rl.groups_per_step * self.rollout.samples_per_prompt
+
+  @property
+  def step_rows(self) -> tuple[int, ...]:
+    """The row counts a step's batch can have: packed, and unpacked for a group that packs alone (`rl.batch`)."""
+    return tuple(sorted({self.rl.pack_rows or self.batch_rows, self.batch_rows}))

@@ -3,7 +3,7 @@
 `train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
 also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  trainer = Trainer(build_rl_step(cfg), ...)    # state restored from workdir/checkpoints or initialised (`trainer.py`)
+  trainer = Trainer(placement.build_rl_step(cfg, run.mesh, run.rules), ...)   # state restored or initialised
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
   source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(policy_version); trainer.step(groups); publisher.publish(params, step); checkpoint
@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import jax
 
-from composer_jax.rl import processes, publishers, setup, sources, warmstart
+from composer_jax.rl import placement, processes, publishers, setup, sources, warmstart
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
-from composer_jax.rl.trainer import Trainer, build_rl_step
+from composer_jax.rl.trainer import Trainer
 from composer_jax.sampling.spec_log import VersionLogReader
 from composer_jax.train import interrupt
 from composer_jax.train import metrics as metrics_lib
@@ -42,7 +42,8 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
   """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps` from `start`; returns the final params, the last
   metrics and the step it resumed at (0 for a fresh run). The caller holds the workdir (`rl.workdir.claim`).
   Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`)."""
-  trainer = Trainer(build_rl_step(cfg), setup.batch_config(cfg), start, cfg.workdir, cfg.rollout.staleness, log_fn)
+  trainer = Trainer(placement.build_rl_step(cfg, run.mesh, run.rules), placement.batch_config(cfg), start, cfg.workdir,
+                    cfg.rollout.staleness, log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
     stack.callback(trainer.close)

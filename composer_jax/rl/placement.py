@@ -1,81 +1,38 @@
-"""The RL step on a mesh: its state, the frozen reference params and each batch placed by the logical rules.
+"""The RL step's whole set-up, built once: its mesh, optimizer, shardings and jitted function, and the batch shape.
 
-`build_step` is the one builder of the RL step: the trainer runs what it returns, and `benchmarks/scale_plan.py`
-compiles what it returns on the plan's meshes, so the program the plan measures is the program the run executes.
-It checks the mesh against the model and the step's shape first (`check_mesh`): a mesh axis that does not divide
-the experts, the heads, a step's rows or its length is one error naming the axis, the sizes and the field to change.
+`build_rl_step(cfg)` builds the run's step from its config (`build_step` for explicit parts): the trainer runs what
+it returns, and `benchmarks/scale_plan.py` compiles what it returns on the plan's meshes, so the program the plan
+measures is the program the run executes. It checks the mesh against the model and the step's shape first
+(`parallel.layout.check_mesh`): a mesh axis that does not divide the experts, the heads, a step's rows or its
+length is one error naming the axis, the sizes and the field to change. `batch_config(cfg)` is the batch shape the
+sources pack and the trainer places.
 
 Placement: params, the reference and the optimizer state as `model.shardings` + `train.step.state_shardings` say
 (the LM trainer's layout, ZeRO-1 included); a batch's [B, L] fields with rows over the `batch` mesh axes and length
-over the `seq` ones (`step.batch_shardings`). In a multi-process run every process builds the same global batch
+over the `seq` ones (`batch_shardings`). In a multi-process run every process builds the same global batch
 from the same groups and `place` keeps only the slices its own devices hold, so no process ships rows to another.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
 from composer_jax.parallel import layout
 from composer_jax.parallel.rules import ShardingRules
+from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import step as rl_step
 from composer_jax.rl.config import RLConfig
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import optim
 from composer_jax.train import step as step_lib
-
-
-def _axes_over(logical: str, mesh: Mesh, rules: ShardingRules) -> tuple[str, ...]:
-  return tuple(a for a in rules.mesh_axes(logical) if a in mesh.axis_names and dict(mesh.shape)[a] > 1)
-
-
-def _check(size: int, what: str, logical: str, mesh: Mesh, rules: ShardingRules, fix: str, factor: int = 1) -> None:
-  axes = _axes_over(logical, mesh, rules)
-  n = math.prod(dict(mesh.shape)[a] for a in axes) * factor
-  if size % n:
-    sizes = " x ".join(f"{a}={dict(mesh.shape)[a]}" for a in axes) + (f" x {factor}" if factor > 1 else "")
-    raise ValueError(f"mesh axes {sizes} (= {n}) shard {what} but do not divide it ({size}): {fix}")
-
-
-def step_rows(cfg) -> tuple[int, ...]:
-  """The row counts a step's batch of `cfg` (a `RunConfig`) can have: packed, and unpacked for a group that packs
-  alone (`rl.batch`)."""
-  return tuple(sorted({cfg.rl.pack_rows or cfg.batch_rows, cfg.batch_rows}))
-
-
-def check_run_mesh(cfg) -> None:
-  """`check_mesh` for a `RunConfig` on the axis sizes of its `mesh` (an axis at -1 is known only on the devices)."""
-  sizes = cfg.mesh.axis_sizes()
-  if -1 not in sizes.values():
-    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
-    check_mesh(cfg.model, mesh, cfg.mesh.rules(), step_rows(cfg), cfg.harness.context_budget)
-
-
-def check_mesh(model_cfg: ModelConfig, mesh: Mesh, rules: ShardingRules, rows: Sequence[int], length: int) -> None:
-  """Raises one `ValueError` naming the mesh axis and the sizes when the mesh does not divide the model's experts
-  or heads, a step's row count (each of `rows`: packed, and unpacked for a group that packs alone) or its
-  `length`; then checks every param dimension (`layout.check_params_divisible`)."""
-  _check(model_cfg.n_routed_experts, "the model's experts (model.n_routed_experts)", "experts", mesh, rules,
-         "change mesh.expert")
-  _check(model_cfg.num_attention_heads, "the model's attention heads (model.num_attention_heads)", "heads", mesh,
-         rules, "change mesh.tensor")
-  for r in rows:
-    _check(r, "a step's rows (rl.pack_rows, or rl.rows_per_step / rl.groups_per_step x rollout.samples_per_prompt)",
-           "batch", mesh, rules, "change them or the mesh axes")
-  # Ring and all-gather attention cut a sequence into 2 x context zig-zag chunks.
-  zigzag = 2 if model_cfg.attention_impl in ("ring", "allgather") else 1
-  _check(length, "a step's length (harness.context_budget)", "seq", mesh, rules, "change it or mesh.context",
-         factor=zigzag)
-  specs = jax.tree_util.tree_flatten_with_path(model.param_specs(model_cfg),
-                                               is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
-  layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +75,58 @@ def build_step(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh,
   shrink heads that get no gradient); `trees`: batches carry tree groups' `token_adv` and `loss_weight` (and, with
   `rl_cfg.share_prefix`, their shared prefixes' `branch`, `branch_end` and `prev`).
   """
-  check_mesh(model_cfg, mesh, rules, rows, length)
+  layout.check_mesh(model_cfg, mesh, rules, rows, length)
   params_sh = model.shardings(model_cfg, mesh, rules)
   abstract = model.abstract_params(model_cfg)
-  optimizer = rl_step.rl_optimizer(optim.make_optimizer(rl_cfg.optim, abstract), abstract, rl_cfg)
+  optimizer = rl_optimizer(optim.make_optimizer(rl_cfg.optim, abstract), abstract, rl_cfg)
   state_sh = step_lib.state_shardings(optimizer, abstract, params_sh, rules.mesh_axes("optimizer_state"))
-  batch_sh = rl_step.batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
+  batch_sh = batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
   fn = rl_step.make_rl_step(model_cfg, rl_cfg, optimizer, state_sh, batch_sh, params_sh, rules)
   return RLStep(model_cfg, mesh, rules, optimizer, params_sh, state_sh, batch_sh, fn)
+
+
+def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = False, share_prefix: bool = False) -> dict:
+  """NamedShardings for `make_batch`'s fields, laid out as the LM trainer's batch (`parallel.layout.batch_spec`):
+  rows over the `batch` mesh axes, length over the `seq` ones; routing [Lm, B, L, K] likewise on its B and L axes.
+  The per-sequence [S] fields are replicated: they are small, and a packed row's tokens index any of them.
+  `trees`: the batches hold tree groups (their `token_adv` and `loss_weight` fields); `share_prefix`: and are
+  built with `BatchConfig.share_prefix` (their `branch`, `branch_end` and `prev` fields)."""
+  rows_spec, seq_spec = layout.batch_spec(mesh, rules if rules is not None else ShardingRules())
+  per_token = rl_batch.per_token_fields(trees, share_prefix)
+  out = {k: NamedSharding(mesh, P(rows_spec, seq_spec)) for k in per_token}
+  out |= {k: NamedSharding(mesh, P()) for k in rl_batch.PER_SEQUENCE}
+  out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
+  return out
+
+
+def rl_optimizer(optimizer: optax.GradientTransformation, params, rl_cfg: RLConfig) -> optax.GradientTransformation:
+  """The RL step's optimizer: `optimizer`, with the MTP modules frozen unless `rl_cfg.mtp_weight` trains them."""
+  return optimizer if rl_cfg.mtp_weight > 0 else freeze_subtrees(optimizer, params)
+
+
+def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...] = ("mtp",)
+                    ) -> optax.GradientTransformation:
+  """`optimizer` with the top-level param subtrees `names` frozen (zero updates, so no weight decay either).
+
+  With `RLConfig.mtp_weight == 0` the MTP heads get no gradient; AdamW's decoupled weight decay would still shrink
+  them every step, so freeze them: `freeze_subtrees(optim.make_optimizer(cfg, params), params)`.
+  """
+  labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k in names else "train", v) for k, v in params.items()}
+  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
+def build_rl_step(cfg, mesh: Mesh, rules: ShardingRules) -> RLStep:
+  """The run's RL step (`build_step` for `cfg`'s model, RL config and step shape) on `mesh` under `rules` (the
+  run's: `setup.Run.mesh`, `Run.rules`)."""
+  return build_step(cfg.model, cfg.rl, mesh, rules, rows=cfg.step_rows, length=cfg.harness.context_budget,
+                    trees=cfg.rollout.tree is not None)
+
+
+def batch_config(cfg) -> rl_batch.BatchConfig:
+  """A step's batch shape: `batch_rows` segments of up to context_budget tokens, packed into `rl.pack_rows`."""
+  return rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget, pack_rows=cfg.rl.pack_rows,
+                              n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
+                              top_k=cfg.model.num_experts_per_tok, share_prefix=cfg.rl.share_prefix)
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

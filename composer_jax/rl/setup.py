@@ -1,11 +1,11 @@
 """What an RL run builds once from its `RunConfig` and every phase shares, checked before it spends time.
 
-`open_run(cfg)` yields the run's `Run`: its workspaces (one `EnvironmentCache`, closed when the block ends), the
-training pool, the held-out and dev tasks and the tokenizer; the phases take it with the config section they read
-(the warm start `cfg.sft_plan`, the trainer its built RL step), not the whole `RunConfig`. Building it checks the
-run's input, so bad input is a `RunInputError` naming the field to change, raised before the minutes of
-demonstrations, SFT and RL that would otherwise end in it: both task sides load and are non-empty, and the oracle
-of a finite set fits the budgets.
+`open_run(cfg, mesh)` yields the run's `Run`: its workspaces (one `EnvironmentCache`, closed when the block ends),
+the training pool, the held-out and dev tasks, the tokenizer and the trainer's mesh and rules (built once in
+`rl.workdir.claim`); the phases take it with the config section they read (the warm start `cfg.sft_plan`, the
+trainer its built RL step), not the whole `RunConfig`. Building it checks the run's input, so bad input is a
+`RunInputError` naming the field to change, raised before the minutes of demonstrations, SFT and RL that would
+otherwise end in it: both task sides load and are non-empty, and the oracle of a finite set fits the budgets.
 
 Tasks come from the one task-source registry (`rollout.tasks.registry`): the training pool is `cfg.tasks` (its
 'train' side), held-out tasks are the same source's 'heldout' side. A pool of a finite source (mined, swe, file) is
@@ -21,8 +21,10 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 
+from jax.sharding import Mesh
+
 from composer_jax import configs
-from composer_jax.rl import batch as rl_batch
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl.config import RunConfig, RunInputError
 from composer_jax.sampling.engine import bucket
 from composer_jax.train import tokenizer as tokenizer_lib
@@ -49,17 +51,20 @@ class Run:
   envs: EnvironmentCache    # the tasks' workspaces
   workdir: str
   progress_bar: bool
+  mesh: Mesh | None         # the trainer's devices, where the warm start and the RL step train (a worker: none)
+  rules: ShardingRules      # the logical rules that place the trainer's arrays on `mesh` (`cfg.mesh.rules()`)
 
 
 @contextlib.contextmanager
-def open_run(cfg: RunConfig) -> Iterator[Run]:
-  """The run's `Run`, its workspaces closed when the block ends; raises `RunInputError` on bad input first."""
+def open_run(cfg: RunConfig, mesh: Mesh | None = None) -> Iterator[Run]:
+  """The run's `Run` on `mesh` (the trainer's; a rollout worker trains nothing and has none), its workspaces
+  closed when the block ends; raises `RunInputError` on bad input first."""
   envs = EnvironmentCache(make_factory(cfg.rollout.workspaces))
   try:
     pool, heldout, dev = _checked_tasks(cfg, envs)
     tok = run_tokenizer(cfg, pool)
     check_budgets(cfg, tok, pool)
-    yield Run(tok, pool, heldout, dev, envs, cfg.workdir, cfg.progress_bar)
+    yield Run(tok, pool, heldout, dev, envs, cfg.workdir, cfg.progress_bar, mesh, cfg.mesh.rules())
   finally:
     envs.factory.close()
 
@@ -189,13 +194,6 @@ def check_budgets(cfg: RunConfig, tokenizer, tasks) -> None:
                       f"(harness.max_turn_tokens={h.max_turn_tokens}, harness.context_budget={h.context_budget}; "
                       f"its gold patches need {fitted.max_turn_tokens} and {fitted.context_budget}): rerun with "
                       f"{flags}")
-
-
-def batch_config(cfg: RunConfig) -> rl_batch.BatchConfig:
-  """A step's batch shape: `batch_rows` segments of up to context_budget tokens, packed into `rl.pack_rows`."""
-  return rl_batch.BatchConfig(rows=cfg.batch_rows, length=cfg.harness.context_budget, pack_rows=cfg.rl.pack_rows,
-                              n_moe_layers=cfg.model.num_hidden_layers - cfg.model.first_k_dense_replace,
-                              top_k=cfg.model.num_experts_per_tok, share_prefix=cfg.rl.share_prefix)
 
 
 def queue_url(workdir: str) -> str:

@@ -21,7 +21,7 @@ import time
 from typing import Protocol
 
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl import setup
+from composer_jax.rl import placement, setup
 from composer_jax.rl import worker_process as worker_lib
 from composer_jax.rl.config import RunConfig
 from rollout import workers
@@ -45,7 +45,7 @@ def take_groups(consumer: QueueConsumer, cfg: RunConfig, policy_version: int, wa
   not fit is read from the poll itself (`consumer.held_back`), not from a `depth()` after it, which would also count
   a group a worker appended in between and end the step short."""
   groups, rows = [], 0
-  bcfg = setup.batch_config(cfg)
+  bcfg = placement.batch_config(cfg)
   packer = rl_batch.Packer(bcfg.pack_rows, bcfg.length, bcfg.rows)
   packed = {"groups": 0, "alone": False}   # `alone`: the step is one group too large for pack_rows
 

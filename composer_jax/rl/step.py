@@ -34,9 +34,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.moe import select_experts
-from composer_jax.parallel import layout
 from composer_jax.parallel.rules import ShardingRules, current_rules, use_rules
-from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import losses
 from composer_jax.rl.config import RLConfig
 from composer_jax.train import losses as lm_losses
@@ -266,33 +264,3 @@ def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shar
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   return jax.jit(fn, in_shardings=(state_shardings, batch_sharding, ref_shardings),
                  out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
-
-
-def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = False, share_prefix: bool = False) -> dict:
-  """NamedShardings for `make_batch`'s fields, laid out as the LM trainer's batch (`parallel.layout.batch_spec`):
-  rows over the `batch` mesh axes, length over the `seq` ones; routing [Lm, B, L, K] likewise on its B and L axes.
-  The per-sequence [S] fields are replicated: they are small, and a packed row's tokens index any of them.
-  `trees`: the batches hold tree groups (their `token_adv` and `loss_weight` fields); `share_prefix`: and are
-  built with `BatchConfig.share_prefix` (their `branch`, `branch_end` and `prev` fields)."""
-  rows_spec, seq_spec = layout.batch_spec(mesh, rules if rules is not None else ShardingRules())
-  per_token = rl_batch.per_token_fields(trees, share_prefix)
-  out = {k: NamedSharding(mesh, P(rows_spec, seq_spec)) for k in per_token}
-  out |= {k: NamedSharding(mesh, P()) for k in rl_batch.PER_SEQUENCE}
-  out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
-  return out
-
-
-def rl_optimizer(optimizer: optax.GradientTransformation, params, rl_cfg: RLConfig) -> optax.GradientTransformation:
-  """The RL step's optimizer: `optimizer`, with the MTP modules frozen unless `rl_cfg.mtp_weight` trains them."""
-  return optimizer if rl_cfg.mtp_weight > 0 else freeze_subtrees(optimizer, params)
-
-
-def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...] = ("mtp",)
-                    ) -> optax.GradientTransformation:
-  """`optimizer` with the top-level param subtrees `names` frozen (zero updates, so no weight decay either).
-
-  With `RLConfig.mtp_weight == 0` the MTP heads get no gradient; AdamW's decoupled weight decay would still shrink
-  them every step, so freeze them: `freeze_subtrees(optim.make_optimizer(cfg, params), params)`.
-  """
-  labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k in names else "train", v) for k, v in params.items()}
-  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)

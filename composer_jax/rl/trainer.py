@@ -14,11 +14,8 @@ import jax
 import numpy as np
 
 from composer_jax.parallel import distributed
-from composer_jax.parallel import mesh as mesh_lib
-from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import placement, processes, setup
-from composer_jax.rl.config import RunConfig
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import loop as train_loop
 from rollout.queue import QueueConsumer
@@ -67,15 +64,6 @@ def level_pass_rates(groups: list) -> dict[str, float]:
     if level is not None:
       by_level.setdefault(level, []).extend(rl_batch.passed(t) for t in tree["trajectories"])
   return {f"pass/level_{lv}": float(np.mean(v)) for lv, v in sorted(by_level.items())}
-
-
-def build_rl_step(cfg: RunConfig, mesh=None, rules: ShardingRules | None = None) -> placement.RLStep:
-  """The run's RL step (`placement.build_step` for `cfg`'s model, RL config and step shape) on `mesh` under `rules`
-  (default: `cfg.mesh`'s, as pretraining builds them)."""
-  mesh = mesh if mesh is not None else mesh_lib.mesh_from_config(cfg.mesh)
-  return placement.build_step(cfg.model, cfg.rl, mesh, rules if rules is not None else cfg.mesh.rules(),
-                              rows=placement.step_rows(cfg), length=cfg.harness.context_budget,
-                              trees=cfg.rollout.tree is not None)
 
 
 class Trainer:

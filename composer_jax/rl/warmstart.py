@@ -23,7 +23,6 @@ import tqdm
 
 from composer_jax.model.config import ModelConfig
 from composer_jax.parallel import distributed, layout
-from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import processes, setup
 from composer_jax.rl.config import SFTPlan
@@ -203,8 +202,8 @@ def _train(plan: SFTPlan, run: setup.Run, train, dev, workdir: str, steps: int, 
   t = time.perf_counter()
   out = run_sft(plan.model, run.tokenizer, train, dev, workdir, steps=steps, seq_len=plan.sft.seq_len,
                 batch_size=plan.sft.batch, learning_rate=learning_rate, seed=seed, init_params=init_params,
-                progress_bar=run.progress_bar, log_fn=log_fn, mesh=mesh_lib.mesh_from_config(plan.mesh),
-                rules=plan.mesh.rules())
+                progress_bar=run.progress_bar, log_fn=log_fn, mesh=run.mesh,
+                rules=run.rules)
   if distributed.is_primary():
     os.makedirs(workdir, exist_ok=True)   # the record's own dir (run_sft makes it too)
     with open(os.path.join(workdir, TRAIN_SECONDS), "w") as f:
@@ -249,9 +248,9 @@ def sft_stages(plan: SFTPlan, workdir: str) -> list[tuple[str, int, Callable[[ob
   return [(os.path.join(workdir, CURRICULUM_DIR), plan.sft.curriculum_steps, lambda level: level in levels), last]
 
 
-def load_params(plan: SFTPlan, workdir: str):
-  """The params an SFT stage exported into `workdir`, on the run's mesh (`plan.mesh`), where SFT trains."""
-  return stages.load_params(workdir, plan.model, mesh_lib.mesh_from_config(plan.mesh), plan.mesh.rules())
+def load_params(plan: SFTPlan, run: setup.Run, workdir: str):
+  """The params an SFT stage exported into `workdir`, on the run's mesh, where SFT trains."""
+  return stages.load_params(workdir, plan.model, run.mesh, run.rules)
 
 
 def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = print):
@@ -261,10 +260,10 @@ def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = pr
   finished = [i for i, (stage, _, _) in enumerate(todo) if os.path.isdir(os.path.join(stage, "params"))]
   params, last = None, None
   if finished:
-    params = load_params(plan, todo[finished[-1]][0])
+    params = load_params(plan, run, todo[finished[-1]][0])
     todo = todo[finished[-1] + 1:]
   elif plan.sft.init_checkpoint:
-    params = load_params(plan, plan.sft.init_checkpoint)
+    params = load_params(plan, run, plan.sft.init_checkpoint)
   for stage, steps, keep in todo:
     if keep is not None:
       log_fn(f"SFT curriculum: levels {list(plan.sft.curriculum_levels)} first")

@@ -18,6 +18,7 @@ import pickle
 import socket
 
 from composer_jax.parallel import distributed
+from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.rl import processes, setup
 from composer_jax.rl.config import RunConfig, RunInputError
 
@@ -141,16 +142,18 @@ def claim(cfg, allow=()):
   """The run's pieces (`setup.open_run`) for a block that holds `cfg.workdir`'s lock: after the resume check, and
   after its input is checked (building the pieces checks it), `cfg` is stored as the run's config, so a run refused
   for its input leaves none that a fixed rerun would differ from. Across processes process 0 does all this; the
-  others then build their own from what it froze and fitted (`rl/processes.py`)."""
+  others then build their own from what it froze and fitted (`rl/processes.py`). The run's mesh (`cfg.mesh`) is
+  built here once, for the warm start and the RL step alike."""
+  mesh = mesh_lib.mesh_from_config(cfg.mesh)
   with contextlib.ExitStack() as stack:
     def first():
       stack.enter_context(lock(cfg.workdir))
       check_resume(cfg, allow)
-      run = stack.enter_context(setup.open_run(cfg))
+      run = stack.enter_context(setup.open_run(cfg, mesh))
       save_config(cfg)
       return run
     run = processes.on_primary("claim", first)
-    yield run if distributed.is_primary() else stack.enter_context(setup.open_run(cfg))
+    yield run if distributed.is_primary() else stack.enter_context(setup.open_run(cfg, mesh))
 
 
 def load_run_config(workdir: str):

@@ -122,9 +122,7 @@ class _Run:
 
 def _set_up(model_cfg, train_cfg, optim_cfg, workdir, train_iter, init_params, mesh, rules, log_fn) -> _Run:
   """Shardings, the state (restored from `workdir` with the data iterator, or initialised) and the jitted steps."""
-  specs = jax.tree_util.tree_flatten_with_path(model.param_specs(model_cfg),
-                                               is_leaf=lambda x: isinstance(x, model.ArrayInfo))[0]
-  layout.check_params_divisible(((jax.tree_util.keystr(k), v) for k, v in specs), mesh, rules)
+  layout.check_model_params(model_cfg, mesh, rules)
   params_shardings = model.shardings(model_cfg, mesh, rules)
   abstract_params = jax.eval_shape(lambda: model.init(jax.random.key(0), model_cfg))
   optimizer = optim.make_optimizer(optim_cfg, abstract_params)

@@ -1,6 +1,6 @@
 """Rollout-engine benchmark (issue 8): decode throughput, MTP speculative decoding, weight-sync time.
 
-  PYTHONPATH=. python benchmarks/rollout.py --config=colab --pretrain_workdir=runs/pretrain_colab
+  python benchmarks/jax_engine.py --config=colab --pretrain_workdir=runs/pretrain_colab
 
 Measures, for the embedded JAX engine (composer_jax.sampling):
   * decode tokens/s at batch 1 and 16 (greedy, fixed prompt, every row generates `--tokens` tokens), against
@@ -26,22 +26,17 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
 
-# Run as a script, this file's folder is sys.path[0], and this file's name would shadow the `rollout` package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from composer_jax import configs, model  # noqa: E402
-from composer_jax.model.config import ModelConfig  # noqa: E402
-from composer_jax.sampling.engine import EngineConfig, JaxEngine  # noqa: E402
-from experiments.configs import model as model_configs  # noqa: E402
-from rollout.engines.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from composer_jax import configs, model
+from composer_jax.model.config import ModelConfig
+from composer_jax.sampling.engine import EngineConfig, JaxEngine
+from experiments.configs import model as model_configs
+from rollout.engines.protocol import GenerateRequest, SamplingParams
 
 
 def model_config(variant: str) -> ModelConfig:
