@@ -1,28 +1,35 @@
 """MTP through RL (issue 51): the drafter's acceptance over an RL run, trained online vs frozen at the start, with
-the MTP gradient stopped at the trunk vs let through; and speculative vs plain decoding of the run's own episodes.
+the MTP gradient stopped at the trunk vs let through; the RL result against the recipe's; and speculative vs plain
+decoding of the run's own episodes.
 
-  PYTHONPATH=. python benchmarks/mtp_rl.py --arm=stopped --workdir=runs/mtp_rl   # SFT start + RL (first)
-  PYTHONPATH=. python benchmarks/mtp_rl.py --arm=through --workdir=runs/mtp_rl   # RL from the same start
-  PYTHONPATH=. python benchmarks/mtp_rl.py --arm=decode --workdir=runs/mtp_rl    # k adaptive vs k = 0
-  PYTHONPATH=. python benchmarks/mtp_rl.py --arm=report --workdir=runs/mtp_rl    # JSON + plot + the last line
+  python benchmarks/mtp_rl.py --arm=start   --workdir=runs/mtp_rl             # the shared SFT start (first)
+  python benchmarks/mtp_rl.py --arm=stopped --workdir=runs/mtp_rl --seed=0    # RL from it + held-out evaluation
+  python benchmarks/mtp_rl.py --arm=through --workdir=runs/mtp_rl --seed=0    # the trunk gradient let through
+  python benchmarks/mtp_rl.py --arm=decode  --workdir=runs/mtp_rl             # k adaptive vs k = 0
+  python benchmarks/mtp_rl.py --arm=report  --workdir=runs/mtp_rl             # JSON + plot + the last line
 
-The run is `rl.py:colab,mode=sync` (level-1 repair tasks, the `rl_colab` model) with one MTP module
-(`model.num_nextn_predict_layers=1`), which its SFT start trains by self-distillation; RL rolls out speculatively
-(`rollout.draft_tokens=2`, adaptive k) and trains the drafter with `rl.mtp_weight=0.3` (the pretraining weight).
-Arms, each in its own workdir under --workdir: `stopped` (the default: the MTP loss reaches only the MTP module),
-`through` (`rl.mtp_trunk_grad=True`, from `stopped`'s SFT start, `sft.steps=0`). Both log per step
-`rl.mtp_start_metrics`: the drafter frozen at the start measured against the same current policy, so one run gives
-the online and the frozen drafter on the same policies. Acceptances are measured on the step's rollout tokens at
-T = 1: `mtp_acceptance` the expected acceptance of one draft, Σ min(p, q); `mtp_agreement` the top-1 match (the
-greedy acceptance rate); the engine's own counts of each policy version (`spec/*`) beside them.
+(with PYTHONPATH at the repository root). `--recipe=default` (the default) is the default run (`make run`:
+`experiments/configs/rl.py`'s default variant, levels 1-3, 300 RL steps, 500 held-out tasks per level);
+`--recipe=colab` is `rl.py:colab,mode=sync` (level 1, minutes). Both with one MTP module
+(`model.num_nextn_predict_layers=1`), which the start's SFT trains by self-distillation (`benchmarks/rl_from_start.py`).
 
-`decode` runs episodes of held-out tasks through the harness with the final policy of `stopped` (its SFT start
-while RL has not finished): engines with
-k = 0 (plain), k adaptive (0..2) and k fixed at 1 and 2, alternating over `--rounds` rounds after one warm-up round
-each (compiles), timing the seconds inside `generate` per episode; tokens per trunk forward from the engines' counts.
+Arms, each in its own workdir under --workdir (`start`, `<arm>_seed<seed>`), RL from the start
+(`sft.init_checkpoint`, `sft.steps=0`) with speculative rollouts (`rollout.draft_tokens=2`, adaptive k) and the drafter
+trained with `rl.mtp_weight=0.3` (the pretraining weight): `stopped` (the default: the MTP loss reaches only the MTP
+module), `through` (`rl.mtp_trunk_grad=True`). Both log per step `rl.mtp_start_metrics`: the drafter frozen at the
+start measured against the same current policy, so one run gives the online and the frozen drafter on the same
+policies. Acceptances are measured on the step's rollout tokens at T = 1: `mtp_acceptance` the expected acceptance
+of one draft, Σ min(p, q); `mtp_agreement` the top-1 match (the greedy acceptance rate); the engine's own counts of
+each policy version (`spec/*`) beside them. Each arm ends with the held-out evaluation of its final policy (greedy
+and T=1, per level), the figure the recipe's recorded runs are compared on.
 
-`report` writes experiments/results/mtp_rl.json and experiments/results/mtp_rl.png (from that JSON); its last
-line is one JSON object.
+`decode` runs episodes of held-out tasks through the harness with the final policy of `stopped` seed 0 (the start
+while RL has not finished): engines with k = 0 (plain), k adaptive (0..2) and k fixed at 1 and 2, alternating over
+`--rounds` rounds after one warm-up round each (compiles), timing the seconds inside `generate` per episode; tokens
+per trunk forward from the engines' counts.
+
+`report` writes experiments/results/mtp_rl.json and experiments/results/mtp_rl.png (from that JSON) from whatever
+the runs have reached (an arm still running: its steps so far, `finished` false); its last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -32,9 +39,9 @@ import os
 import statistics
 import time
 
+from benchmarks import rl_from_start
 from composer_jax import configs
 from composer_jax.rl.config import RunConfig
-from experiments.configs import rl as rl_configs
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,27 +49,25 @@ RESULTS = os.path.join(os.path.dirname(_HERE), "experiments", "results")
 PER_STEP = ("reward", "pass_rate", "mtp_acceptance", "mtp_agreement", "mtp_start_acceptance", "mtp_start_agreement",
             "mtp_loss", "spec/acceptance_sampled", "spec/tokens_per_forward_sampled", "spec/draft_tokens_mean",
             "spec/decode_tokens_per_s", "kl", "step_s")
+ARMS = ("stopped", "through")
+MTP = {"rollout.draft_tokens": 2, "rl.mtp_weight": 0.3, "rl.mtp_start_metrics": True}
 
 
-def run_config(workdir: str, arm: str, steps: int, workspaces: str = "sandbox", sft_tasks: int = 1024,
-               sft_steps: int = 0) -> RunConfig:
-  cfg = configs.from_dict(RunConfig, rl_configs.get_config("colab,mode=sync"), workdir=os.path.join(workdir, arm))
-  over = {"model.num_nextn_predict_layers": 1, "rollout.draft_tokens": 2, "rl.mtp_weight": 0.3,
-          "rl.mtp_start_metrics": True, "rl.steps": steps, "progress_bar": False,
-          "rollout.workspaces": workspaces, "sft.tasks": sft_tasks}
-  if sft_steps:
-    over["sft.steps"] = sft_steps
-  if arm == "through":
-    over.update({"rl.mtp_trunk_grad": True, "sft.steps": 0,
-                 "sft.init_checkpoint": os.path.join(workdir, "stopped", "sft")})
-  return configs.replace(cfg, **over)
+def start_config(recipe: str, workdir: str) -> RunConfig:
+  return rl_from_start.recipe_config(recipe, os.path.join(workdir, "start"))
 
 
-def train(workdir: str, arm: str, steps: int, workspaces: str, sft_tasks: int, sft_steps: int) -> None:
-  from composer_jax.rl import loop
-  # sft.steps and rl.steps may change in a resumed run (the SFT continues from its last checkpoint).
-  loop.run_rl(run_config(workdir, arm, steps, workspaces, sft_tasks, sft_steps),
-              allow_changes=("sft.steps", "rl.steps"))
+def arm_dir(workdir: str, arm: str, seed: int) -> str:
+  return os.path.join(workdir, f"{arm}_seed{seed}")
+
+
+def arm_config(recipe: str, workdir: str, arm: str, seed: int) -> RunConfig:
+  """RL from the start with speculative rollouts and the drafter trained online; `through`: its gradient also
+  reaches the trunk."""
+  if arm not in ARMS:
+    raise ValueError(f"unknown arm {arm!r}; valid: {ARMS}")
+  return rl_from_start.from_start(recipe, os.path.join(workdir, "start"), arm_dir(workdir, arm, seed), seed,
+                                  **MTP, **({"rl.mtp_trunk_grad": True} if arm == "through" else {}))
 
 
 def _timed(engine):
@@ -78,29 +83,34 @@ def _timed(engine):
   return engine
 
 
-def decode(workdir: str, steps: int, episodes: int, rounds: int, workspaces: str, sft_tasks: int,
-           sft_steps: int) -> dict:
-  """k = 0 vs adaptive vs fixed k on the same held-out episodes with the final `stopped` policy."""
-  import dataclasses
-
+def decode(recipe: str, workdir: str, episodes: int, rounds: int) -> dict:
+  """k = 0 vs adaptive vs fixed k on the same held-out episodes with the final `stopped` seed-0 policy."""
   import jax
-  import numpy as np
 
   from composer_jax import model
   from composer_jax.rl import publishers, setup, weight_files
-  from composer_jax.sampling.engine import JaxEngine
   from composer_jax.train import stages
-  from rollout import harness
 
-  cfg = run_config(workdir, "stopped", steps, workspaces, sft_tasks, sft_steps)
+  cfg = arm_config(recipe, workdir, "stopped", 0)
   got = weight_files.latest(publishers.weights_dir(cfg))
-  if got is None:   # RL still running: the SFT start (its drafter trained by self-distillation)
-    version, params = 0, stages.load_params(os.path.join(cfg.workdir, "sft"), cfg.model)
+  if got is None:   # RL still running: the start (its drafter trained by self-distillation)
+    version, params = 0, stages.load_params(cfg.sft.init_checkpoint, cfg.model)
   else:
     version, path = got
     params = weight_files.load(path, jax.eval_shape(lambda: model.init(jax.random.key(0), cfg.model)))
-  tok, envs = setup.load_tokenizer(cfg), setup.make_envs(cfg)
-  tasks = setup.heldout_tasks(cfg, episodes)
+  with setup.open_run(configs.replace(cfg, **{"eval.tasks": episodes})) as run:
+    return _decode(cfg, params, version, run.tokenizer, run.heldout, run.envs, rounds, workdir)
+
+
+def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
+  import dataclasses
+
+  import numpy as np
+
+  from composer_jax.rl import publishers
+  from composer_jax.sampling.engine import JaxEngine
+  from rollout import harness
+
   base = publishers.engine_config(cfg)
   variants = {"k0": dataclasses.replace(base, speculative=False),
               "adaptive": base,
@@ -144,8 +154,8 @@ def decode(workdir: str, steps: int, episodes: int, rounds: int, workspaces: str
   return out
 
 
-def _read(workdir: str, arm: str) -> list[dict]:
-  path = os.path.join(workdir, arm, "metrics.jsonl")
+def _read(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
   with open(path) as f:
@@ -159,16 +169,34 @@ def _mean(rows, key, part):
   return float(sum(vals) / len(vals)) if vals else None
 
 
-def report(workdir: str) -> dict:
-  out = {"arms": {}, "load_avg": os.getloadavg()[0]}
-  for arm in ("stopped", "through"):
-    rows = _read(workdir, arm)
-    if not rows:
-      continue
-    out["arms"][arm] = {"steps": len(rows),
-                        "per_step": {k: [r.get(k) for r in rows] for k in PER_STEP},
-                        "first_fifth": {k: _mean(rows, k, "first") for k in PER_STEP},
-                        "last_fifth": {k: _mean(rows, k, "last") for k in PER_STEP}}
+def start_drafter(start_dir: str) -> dict:
+  """The SFT start's self-distilled drafter as its SFT last logged it (`mtp1_agreement`: top-1 agreement with the
+  trunk on the SFT rows), per SFT stage that has logged (the curriculum's first stage, then the start)."""
+  out = {}
+  for stage in ("sft_curriculum", "sft"):
+    rows = _read(os.path.join(start_dir, stage))
+    if rows:
+      out[stage] = {k: rows[-1].get(k) for k in ("step", "mtp1_agreement", "mtp1_loss", "ce")}
+  return out
+
+
+def report(workdir: str, name: str, seeds=(0, 1)) -> dict:
+  out = {"arms": {}, "load_avg": os.getloadavg()}
+  start = rl_from_start.done(os.path.join(workdir, "start"))
+  if start is not None:
+    out["start"] = start
+  out["start_sft"] = start_drafter(os.path.join(workdir, "start"))
+  for arm in ARMS:
+    for seed in seeds:
+      rows = _read(arm_dir(workdir, arm, seed))
+      if not rows:
+        continue
+      final = rl_from_start.done(arm_dir(workdir, arm, seed))
+      out["arms"][f"{arm}_seed{seed}"] = {
+          "steps": len(rows), "finished": final is not None, "result": final,
+          "per_step": {k: [r.get(k) for r in rows] for k in PER_STEP},
+          "first_fifth": {k: _mean(rows, k, "first") for k in PER_STEP},
+          "last_fifth": {k: _mean(rows, k, "last") for k in PER_STEP}}
   dpath = os.path.join(workdir, "decode.json")
   if os.path.exists(dpath):
     with open(dpath) as f:
@@ -176,10 +204,10 @@ def report(workdir: str) -> dict:
     out["decode"] = {n: {k: v for k, v in d[n].items() if k != "rounds"} if isinstance(d[n], dict) and n in
                      ("k0", "adaptive", "k1", "k2") else d[n] for n in d}
   os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, "mtp_rl.json"), "w") as f:
+  with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
     json.dump(out, f, indent=1)
-  plot(os.path.join(RESULTS, "mtp_rl.json"), os.path.join(RESULTS, "mtp_rl.png"))
-  summary = {"load_avg": out["load_avg"]}
+  plot(os.path.join(RESULTS, f"{name}.json"), os.path.join(RESULTS, f"{name}.png"))
+  summary = {"load_avg": out["load_avg"], "start_sft": out["start_sft"]}
   for arm, a in out["arms"].items():
     for key in ("mtp_acceptance", "mtp_start_acceptance", "mtp_agreement", "mtp_start_agreement", "reward"):
       summary[f"{arm}/{key}"] = [a["first_fifth"][key], a["last_fifth"][key]]
@@ -188,6 +216,12 @@ def report(workdir: str) -> dict:
       summary[f"decode/{n}"] = {k: out["decode"][n][k] for k in ("s_per_episode", "tokens_per_forward",
                                                                    "speedup_vs_k0")}
   return summary
+
+
+def _present(values: list) -> tuple[list[int], list[float]]:
+  """The steps (from 1) with a value, and the values."""
+  kept = [(i + 1, v) for i, v in enumerate(values) if v is not None]
+  return [i for i, _ in kept], [v for _, v in kept]
 
 
 def plot(json_path: str, png: str) -> None:
@@ -202,17 +236,17 @@ def plot(json_path: str, png: str) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
   for ax, (title, suffix) in zip(axes, (("T = 1: expected acceptance Σ min(p, q)", "acceptance"),
                                         ("greedy: top-1 agreement", "agreement"))):
-    for arm, style in (("stopped", "-"), ("through", ":")):
-      if arm not in d["arms"]:
-        continue
-      ps = d["arms"][arm]["per_step"]
+    for arm, a in d["arms"].items():
+      ps, style = a["per_step"], ":" if arm.startswith("through") else "-"
+      partial = "" if a["finished"] else ", partial"
       for key, label in ((f"mtp_{suffix}", "online"), (f"mtp_start_{suffix}", "frozen at start")):
-        vals = [v for v in ps[key] if v is not None]
-        ax.plot(range(1, len(vals) + 1), moving_average(vals, 10), style, label=f"{label} ({arm})")
-      if suffix == "acceptance":
-        eng = [(i + 1, v) for i, v in enumerate(ps["spec/acceptance_sampled"]) if v is not None]
-        if eng and arm == "stopped":
-          ax.plot(*zip(*eng), ".", alpha=0.4, label="engine, per version (stopped)")
+        steps, vals = _present(ps[key])
+        if vals:
+          ax.plot(steps, moving_average(vals, 10), style, label=f"{label} ({arm}{partial})")
+      if suffix == "acceptance" and arm == "stopped_seed0":
+        steps, vals = _present(ps["spec/acceptance_sampled"])
+        if vals:
+          ax.plot(steps, vals, ".", alpha=0.4, label=f"engine, per version ({arm})")
     ax.set_title(title)
     ax.set_xlabel("RL step (policy version)")
     ax.grid(alpha=0.3)
@@ -225,27 +259,26 @@ def plot(json_path: str, png: str) -> None:
 
 def main() -> None:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--arm", required=True, choices=("stopped", "through", "decode", "report"))
+  ap.add_argument("--arm", required=True, choices=("start", *ARMS, "decode", "report"))
+  ap.add_argument("--recipe", default="default", choices=sorted(rl_from_start.RECIPES))
   ap.add_argument("--workdir", default="runs/mtp_rl")
-  ap.add_argument("--steps", type=int, default=60)
+  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--episodes", type=int, default=16)
   ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--workspaces", default="sandbox", help="'local': episodes without bubblewrap (faster under load)")
-  ap.add_argument("--sft_tasks", type=int, default=1024, help="oracle demonstrations for the SFT start")
-  ap.add_argument("--sft_steps", type=int, default=0, help="SFT steps of the start (0: the config's 900)")
+  ap.add_argument("--name", default="", help="report: experiments/results/<name>.json/.png (default: mtp_rl_recipe "
+                  "for the default recipe, mtp_rl for colab)")
   args = ap.parse_args()
   print(f"load average {os.getloadavg()}")
-  if args.arm in ("stopped", "through"):
-    t0 = time.time()
-    train(args.workdir, args.arm, args.steps, args.workspaces, args.sft_tasks, args.sft_steps)
-    result = {"arm": args.arm, "minutes": (time.time() - t0) / 60}
+  if args.arm == "start":
+    result = rl_from_start.run_start(start_config(args.recipe, args.workdir))
+  elif args.arm in ARMS:
+    result = rl_from_start.run_arm(arm_config(args.recipe, args.workdir, args.arm, args.seed))
   elif args.arm == "decode":
-    result = decode(args.workdir, args.steps, args.episodes, args.rounds, args.workspaces, args.sft_tasks,
-                    args.sft_steps)
+    result = decode(args.recipe, args.workdir, args.episodes, args.rounds)
     result = {n: ({k: v for k, v in r.items() if k != "rounds"} if isinstance(r, dict) else r)
               for n, r in result.items()}
   else:
-    result = report(args.workdir)
+    result = report(args.workdir, args.name or ("mtp_rl" if args.recipe == "colab" else "mtp_rl_recipe"))
   print(json.dumps(result))
 
 
