@@ -59,8 +59,7 @@ class RLStep:
 
   def init_state(self, params) -> step_lib.TrainState:
     """A fresh train state from `params` (placed first), on the state's shardings."""
-    init = jax.jit(lambda p: step_lib.init_state(p, self.optimizer), out_shardings=self.state)
-    return init(place_tree(params, self.params))
+    return step_lib.fresh_state(place_tree(params, self.params), self.optimizer, self.state)
 
   def abstract_state(self) -> step_lib.TrainState:
     """The state's shapes with their shardings (restoring a checkpoint onto this mesh)."""

@@ -127,6 +127,11 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
   return jax.jit(lambda p: init_state(p, optimizer), out_shardings=shardings)(params)
 
 
+def fresh_state(params, optimizer: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+  """The step-0 state of `params`, built by one jitted program directly on `shardings`."""
+  return jax.jit(lambda p: init_state(p, optimizer), out_shardings=shardings)(params)
+
+
 def abstract_state(abstract_params, optimizer: optax.GradientTransformation, shardings: TrainState) -> TrainState:
   """The state's shapes and dtypes on `shardings` (ShapeDtypeStructs): what a checkpoint is restored onto."""
   return ckpt_lib.abstract_like(jax.eval_shape(lambda: init_state(abstract_params, optimizer)), shardings)
@@ -139,7 +144,7 @@ def start_state(checkpointer: ckpt_lib.Checkpointer, optimizer: optax.GradientTr
   then, so a resumed run builds no fresh params)."""
   if checkpointer.latest_step() is not None:
     return checkpointer.restore(abstract_state(abstract_params, optimizer, shardings), data_iter)
-  return jax.jit(lambda p: init_state(p, optimizer), out_shardings=shardings)(init_params())
+  return fresh_state(init_params(), optimizer, shardings)
 
 
 def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
