@@ -80,10 +80,7 @@ def check_mesh(model_cfg: ModelConfig, mesh: Mesh, rules: ShardingRules, rows: S
 
 def batch_spec(mesh: Mesh, rules: ShardingRules) -> PartitionSpec:
   """PartitionSpec of a [B, L] batch array: B over the `batch` mesh axes, L over the `seq` ones (if in the mesh)."""
-  def present(logical):
-    axes = tuple(a for a in rules.mesh_axes(logical) if a in mesh.axis_names and mesh.shape[a] > 1)
-    return spec_entry(axes)
-  return PartitionSpec(present("batch"), present("seq"))
+  return PartitionSpec(spec_entry(_axes_over("batch", mesh, rules)), spec_entry(_axes_over("seq", mesh, rules)))
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules) -> NamedSharding:
