@@ -42,8 +42,8 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
   """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps` from `start`; returns the final params, the last
   metrics and the step it resumed at (0 for a fresh run). The caller holds the workdir (`rl.workdir.claim`).
   Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`)."""
-  trainer = Trainer(placement.build_rl_step(cfg, run.mesh, run.rules), placement.batch_config(cfg), start, cfg.workdir,
-                    cfg.rollout.staleness, log_fn)
+  rl_step, batch_cfg = placement.build_rl_step(cfg, run.mesh, run.rules), placement.batch_config(cfg)
+  trainer = Trainer(rl_step, batch_cfg, start, cfg.workdir, cfg.rollout.staleness, log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
     stack.callback(trainer.close)
