@@ -3,7 +3,8 @@
 `train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
 also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  trainer = Trainer(placement.build_rl_step(cfg, run.mesh, run.rules), ...)   # state restored or initialised
+  rl_step = placement.build_rl_step(cfg, run.mesh, run.rules)   # checked, optimizer, shardings, jitted
+  trainer = Trainer(rl_step, ...)               # state restored or initialised, the queue consumer at its cursor
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
   source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(policy_version); trainer.step(groups); publisher.publish(params, step); checkpoint
