@@ -143,7 +143,7 @@ def claim(cfg, allow=()):
   after its input is checked (building the pieces checks it), `cfg` is stored as the run's config, so a run refused
   for its input leaves none that a fixed rerun would differ from. Across processes process 0 does all this; the
   others then build their own from what it froze and fitted (`rl/processes.py`). The run's mesh (`cfg.mesh`) is
-  built here once, for the warm start and the RL step alike."""
+  built here once in each process (after the resume check), for the warm start and the RL step alike."""
   with contextlib.ExitStack() as stack:
     def first():
       stack.enter_context(lock(cfg.workdir))
