@@ -71,7 +71,7 @@ def rl_runner(cfg, params, batch, rl_cfg):
   """`rl_step` as `rl.trainer` builds it; returns run(n) → (wall, CPU) seconds per step (after 2 warm-up steps)."""
   mesh = loop.single_device_mesh()
   p_shard = model.shardings(cfg, mesh)
-  opt = placement.freeze_subtrees(optim.make_optimizer(OptimConfig(), params), params)
+  opt = optim.make_optimizer(OptimConfig(), params, frozen=("mtp",))
   shardings = step.state_shardings(opt, params, p_shard)
   box = [step.init_state(params, opt), None]
   ref = jax.tree.map(jnp.copy, params)

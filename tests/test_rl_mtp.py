@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from composer_jax import model
-from composer_jax.rl import losses, placement
+from composer_jax.rl import losses
 from composer_jax.rl import step as rl_step_lib
 from composer_jax.train import optim
 from composer_jax.train.config import OptimConfig
@@ -140,10 +140,10 @@ def test_start_drafter_metrics_equal_the_drafters_own_when_nothing_has_moved():
 
 def test_rl_optimizer_freezes_mtp_only_when_it_is_not_trained():
   params = {"mtp": {"w": jnp.ones((2, 2))}, "embed": jnp.ones((2, 2))}
-  base = optim.make_optimizer(OptimConfig(warmup_steps=0), params)
   g = jax.tree.map(jnp.ones_like, params)
   for weight, moves in ((0.0, False), (0.5, True)):
-    opt = placement.rl_optimizer(base, params, rl_step_lib.RLConfig(mtp_weight=weight))
+    opt = optim.make_optimizer(OptimConfig(warmup_steps=0), params,
+                               frozen=rl_step_lib.RLConfig(mtp_weight=weight).frozen_subtrees)
     updates, _ = opt.update(g, opt.init(params), params)
     assert (float(jnp.abs(updates["mtp"]["w"]).max()) > 0) == moves
     assert float(jnp.abs(updates["embed"]).max()) > 0

@@ -259,8 +259,7 @@ def test_queue_to_batch_to_step(setup):
 def test_freeze_subtrees_stops_weight_decay_on_mtp():
   params = {"mtp": {"w": jnp.ones((2, 2))}, "moe_layers": {"moe": {"bias": jnp.ones((1, 4)),
                                                                    "router": jnp.ones((1, 2, 4))}}}
-  opt = placement.freeze_subtrees(optim.make_optimizer(OptimConfig(warmup_steps=0, weight_decay=0.5), params),
-                                    params)
+  opt = optim.make_optimizer(OptimConfig(warmup_steps=0, weight_decay=0.5), params, frozen=("mtp",))
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   updates, _ = opt.update(zero_grads, opt.init(params), params)
   assert float(jnp.abs(updates["mtp"]["w"]).max()) == 0.0                    # frozen: no decay

@@ -109,6 +109,12 @@ class RLConfig:
       raise ValueError(f"rl.temperature={self.temperature} must be > 0 (the rollouts' sampling temperature; greedy "
                        "rollouts give a group nothing to compare)")
 
+  @property
+  def frozen_subtrees(self) -> tuple[str, ...]:
+    """The top-level param subtrees the step's optimizer freezes: the MTP heads unless `mtp_weight` trains them (they
+    get no gradient then, and AdamW's decay would still shrink them)."""
+    return () if self.mtp_weight > 0 else ("mtp",)
+
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:

@@ -3,7 +3,8 @@
 `train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
 also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  trainer = Trainer(placement.build_rl_step(cfg, run.mesh, run.rules), ...)   # state restored or initialised
+  rl_step = placement.build_rl_step(cfg, run.mesh, run.rules)   # checked, optimizer, shardings, jitted
+  trainer = Trainer(rl_step, ...)               # state restored or initialised, the queue consumer at its cursor
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
   source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(policy_version); trainer.step(groups); publisher.publish(params, step); checkpoint
@@ -42,8 +43,8 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
   """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps` from `start`; returns the final params, the last
   metrics and the step it resumed at (0 for a fresh run). The caller holds the workdir (`rl.workdir.claim`).
   Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`)."""
-  trainer = Trainer(placement.build_rl_step(cfg, run.mesh, run.rules), placement.batch_config(cfg), start, cfg.workdir,
-                    cfg.rollout.staleness, log_fn)
+  rl_step, batch_cfg = placement.build_rl_step(cfg, run.mesh, run.rules), placement.batch_config(cfg)
+  trainer = Trainer(rl_step, batch_cfg, start, cfg.workdir, cfg.rollout.staleness, log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
     stack.callback(trainer.close)

@@ -31,7 +31,6 @@ from composer_jax.parallel.rules import ShardingRules, current_rules, use_rules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import step as rl_step
 from composer_jax.rl.config import RLConfig
-from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import optim
 from composer_jax.train import step as step_lib
 
@@ -65,25 +64,19 @@ class RLStep:
     """The state's shapes with their shardings (restoring a checkpoint onto this mesh)."""
     return step_lib.abstract_state(model.abstract_params(self.model_cfg), self.optimizer, self.state)
 
-  def start_state(self, checkpointer: ckpt_lib.Checkpointer, params) -> step_lib.TrainState:
-    """The trainer's state: restored from `checkpointer`'s newest checkpoint, else fresh from `params`
-    (`train.step.start_state`, as the LM loop starts)."""
-    return step_lib.start_state(checkpointer, self.optimizer, self.state, model.abstract_params(self.model_cfg),
-                                lambda: place_tree(params, self.params))
-
 
 def build_step(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh,
                rules: ShardingRules, *, rows: Sequence[int], length: int, trees: bool = False) -> RLStep:
   """The RL step of `model_cfg` on `mesh` under `rules`, for batches of any of `rows` x `length` (checked first).
 
-  The optimizer is `rl_cfg.optim`'s with the MTP heads frozen unless `rl_cfg.mtp_weight > 0` (AdamW's decay would
-  shrink heads that get no gradient); `trees`: batches carry tree groups' `token_adv` and `loss_weight` (and, with
+  The optimizer is `rl_cfg.optim`'s with `rl_cfg.frozen_subtrees` frozen (the MTP heads unless the step trains
+  them); `trees`: batches carry tree groups' `token_adv` and `loss_weight` (and, with
   `rl_cfg.share_prefix`, their shared prefixes' `branch`, `branch_end` and `prev`).
   """
   layout.check_mesh(model_cfg, mesh, rules, rows, length)
   params_sh = model.shardings(model_cfg, mesh, rules)
   abstract = model.abstract_params(model_cfg)
-  optimizer = rl_optimizer(optim.make_optimizer(rl_cfg.optim, abstract), abstract, rl_cfg)
+  optimizer = optim.make_optimizer(rl_cfg.optim, abstract, frozen=rl_cfg.frozen_subtrees)
   state_sh = step_lib.state_shardings(optimizer, abstract, params_sh, rules.mesh_axes("optimizer_state"))
   batch_sh = batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
   fn = make_rl_step(model_cfg, rl_cfg, optimizer, state_sh, batch_sh, params_sh, rules)
@@ -124,22 +117,6 @@ def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = Fals
   out |= {k: NamedSharding(mesh, P()) for k in rl_batch.PER_SEQUENCE}
   out["routing"] = NamedSharding(mesh, P(None, rows_spec, seq_spec))
   return out
-
-
-def rl_optimizer(optimizer: optax.GradientTransformation, params, rl_cfg: RLConfig) -> optax.GradientTransformation:
-  """The RL step's optimizer: `optimizer`, with the MTP modules frozen unless `rl_cfg.mtp_weight` trains them."""
-  return optimizer if rl_cfg.mtp_weight > 0 else freeze_subtrees(optimizer, params)
-
-
-def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...] = ("mtp",)
-                    ) -> optax.GradientTransformation:
-  """`optimizer` with the top-level param subtrees `names` frozen (zero updates, so no weight decay either).
-
-  With `RLConfig.mtp_weight == 0` the MTP heads get no gradient; AdamW's decoupled weight decay would still shrink
-  them every step, so freeze them: `freeze_subtrees(optim.make_optimizer(cfg, params), params)`.
-  """
-  labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k in names else "train", v) for k, v in params.items()}
-  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
 def build_rl_step(cfg, mesh: Mesh, rules: ShardingRules) -> RLStep:

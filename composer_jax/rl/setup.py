@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 
 from jax.sharding import Mesh
 
-from composer_jax import configs
+from composer_jax.configs import to_dict
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl.config import RunConfig, RunInputError
 from composer_jax.sampling.engine import bucket
@@ -116,7 +116,7 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, envs: EnvironmentCache, log=pr
   if os.path.exists(path):
     with open(path) as f:
       frozen = json.load(f)
-    now = json.loads(json.dumps(configs.to_dict(spec)))   # as JSON stores it (tuples become lists)
+    now = json.loads(json.dumps(to_dict(spec)))   # as JSON stores it (tuples become lists)
     if frozen["spec"] != now:
       diff = {k: (v, now.get(k)) for k, v in frozen["spec"].items() if now.get(k) != v}
       raise ValueError(f"{path} froze the tasks of another task source {diff} (frozen, now): use a new workdir")
@@ -124,7 +124,7 @@ def _load(cfg: RunConfig, spec: registry.SetSpec, envs: EnvironmentCache, log=pr
   tasks = registry.load_tasks(spec, envs, log)
   os.makedirs(cfg.workdir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
-    json.dump({"spec": configs.to_dict(spec), "tasks": [t.to_dict() for t in tasks]}, f)
+    json.dump({"spec": to_dict(spec), "tasks": [t.to_dict() for t in tasks]}, f)
   os.replace(path + ".tmp", path)
   return tasks
 

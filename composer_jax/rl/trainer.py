@@ -13,11 +13,13 @@ import os
 import jax
 import numpy as np
 
+from composer_jax import model
 from composer_jax.parallel import distributed
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import placement, processes, setup
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import loop as train_loop
+from composer_jax.train import step as step_lib
 from rollout.queue import QueueConsumer
 from rollout.staleness import StalenessConfig
 
@@ -79,17 +81,19 @@ class Trainer:
     # peer only 30 s: meet in the coordination service first.
     distributed.barrier("rl_trainer_start")
     self.ckpts = ckpt_lib.Checkpointer(workdir, keep=2, async_save=False)
-    resumed = self.ckpts.latest_step() is not None
-    self.state = rl_step.start_state(self.ckpts, self.ref_params)
-    qstate = self.ckpts.restore_meta() if resumed else None
-    if resumed:
-      log_fn(f"Resumed RL at step {int(self.state.step)}")
-    self.start = int(self.state.step)
-    self.cursor = None   # the queue cursor after the last trained step
+    resumed_at = self.ckpts.latest_step()   # the step the state is restored at (None: a fresh run, from step 0)
     self.applied_path = os.path.join(workdir, "applied.jsonl")
     self.primary = distributed.is_primary()   # the one process that polls, logs and commits (`rl/processes.py`)
     if self.primary:
-      _truncate_applied(self.applied_path, self.start)
+      _truncate_applied(self.applied_path, resumed_at or 0)
+    # Restored from the newest checkpoint, else fresh from the reference (as the LM loop starts).
+    self.state = step_lib.start_state(self.ckpts, rl_step.optimizer, rl_step.state,
+                                      model.abstract_params(rl_step.model_cfg), lambda: self.ref_params)
+    qstate = self.ckpts.restore_meta() if resumed_at is not None else None
+    if resumed_at is not None:
+      log_fn(f"Resumed RL at step {int(self.state.step)}")
+    self.start = int(self.state.step)
+    self.cursor = None   # the queue cursor after the last trained step
     self.consumer = QueueConsumer(setup.queue_url(workdir), staleness, state=qstate)
     self._compiled: dict[tuple[int, int], object] = {}   # per batch shape (packed, or a group alone unpacked)
 

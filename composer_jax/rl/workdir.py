@@ -143,17 +143,22 @@ def claim(cfg, allow=()):
   after its input is checked (building the pieces checks it), `cfg` is stored as the run's config, so a run refused
   for its input leaves none that a fixed rerun would differ from. Across processes process 0 does all this; the
   others then build their own from what it froze and fitted (`rl/processes.py`). The run's mesh (`cfg.mesh`) is
-  built here once, for the warm start and the RL step alike."""
-  mesh = mesh_lib.mesh_from_config(cfg.mesh)
+  built here once in each process (after the resume check), for the warm start and the RL step alike."""
   with contextlib.ExitStack() as stack:
     def first():
       stack.enter_context(lock(cfg.workdir))
       check_resume(cfg, allow)
-      run = stack.enter_context(setup.open_run(cfg, mesh))
+      run = _open_run(cfg, stack)
       save_config(cfg)
       return run
     run = processes.on_primary("claim", first)
-    yield run if distributed.is_primary() else stack.enter_context(setup.open_run(cfg, mesh))
+    yield run if distributed.is_primary() else _open_run(cfg, stack)
+
+
+def _open_run(cfg, stack: contextlib.ExitStack) -> setup.Run:
+  """`setup.open_run` on the run's mesh, open until `stack` closes."""
+  mesh = mesh_lib.mesh_from_config(cfg.mesh)
+  return stack.enter_context(setup.open_run(cfg, mesh))
 
 
 def load_run_config(workdir: str):

@@ -28,8 +28,9 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
       decay_steps=cfg.warmup_steps + cfg.decay_steps, end_value=cfg.learning_rate * cfg.final_lr_fraction)
 
 
-def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
-  """AdamW over all trainable params; router correction biases are frozen to the optimizer.
+def make_optimizer(cfg: OptimConfig, params, frozen: tuple[str, ...] = ()) -> optax.GradientTransformation:
+  """AdamW over all trainable params; router correction biases are frozen to the optimizer, and so are the
+  top-level param subtrees named in `frozen` (`freeze_subtrees`).
 
   Stacked layers carry a leading `layers` axis, so "a vector" means the last axis alone is meaningful: we decay
   only leaves whose name marks them as a matrix (no `norm`/`bias` in their path) and of rank ≥ 2.
@@ -43,4 +44,14 @@ def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
       optax.clip_by_global_norm(cfg.grad_clip),
       optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                   weight_decay=cfg.weight_decay, mask=decay_mask))
-  return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+  optimizer = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+  return freeze_subtrees(optimizer, params, frozen) if frozen else optimizer
+
+
+def freeze_subtrees(optimizer: optax.GradientTransformation, params, names: tuple[str, ...]
+                    ) -> optax.GradientTransformation:
+  """`optimizer` with the top-level param subtrees `names` frozen (zero updates, so no weight decay either): a
+  module that gets no gradient (the RL step's MTP heads when it does not train them, `RLConfig.frozen_subtrees`)
+  would otherwise still shrink every step under AdamW's decoupled weight decay."""
+  labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k in names else "train", v) for k, v in params.items()}
+  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)

@@ -142,9 +142,10 @@ def start_state(checkpointer: ckpt_lib.Checkpointer, optimizer: optax.GradientTr
   """A run's state on `shardings`, as the LM loop and the RL trainer both start: restored from `checkpointer`'s
   newest checkpoint (with `data_iter`, restored in place), else the step-0 state of `init_params()` (called only
   then, so a resumed run builds no fresh params)."""
-  if checkpointer.latest_step() is not None:
-    return checkpointer.restore(abstract_state(abstract_params, optimizer, shardings), data_iter)
-  return fresh_state(init_params(), optimizer, shardings)
+  if checkpointer.latest_step() is None:
+    return fresh_state(init_params(), optimizer, shardings)
+  abstract = abstract_state(abstract_params, optimizer, shardings)
+  return checkpointer.restore(abstract, data_iter)
 
 
 def loss_fn(params, batch, model_cfg: ModelConfig, train_cfg: TrainConfig):
