@@ -35,8 +35,10 @@ pretrain: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Two workers, one per core, each taking whole files (a file's module-level servers and caches stay in one process).
+TEST_WORKERS ?= 2
 test: lint $(SGLANG_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow

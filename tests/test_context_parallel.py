@@ -192,6 +192,7 @@ def test_model_loss_and_grads_cp4_tp2_ring():
   _check_model("ring", MESHES[0], 256, ring_block=8)
 
 
+@pytest.mark.slow   # cp4_tp2_ring above is the default run's ring inside the model; the long cases below at 1024
 def test_model_loss_and_grads_cp8_ring_long():
   _check_model("ring", MESHES[1], 512)
 

@@ -62,6 +62,7 @@ def _grad_and_exchanges(cfg, params, tokens, mesh, rules):
                   "ep": count("all-to-all", "ep_capacity")}
 
 
+@pytest.mark.slow   # four policies compiled on context x expert; their values on one device: the test above
 def test_saving_policies_spare_the_ring_and_the_return_exchange():
   """context=4 x expert=2, ring attention and capacity EP (nothing dropped at capacity E/K): "save_attention" and
   "save_attention_ep_return" equal no remat, values and gradients; under "full" the backward runs each layer's
