@@ -155,11 +155,13 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
 
 
 def _read(workdir: str) -> list[dict]:
+  """The run's metrics, one row per step in step order: a step redone after a resume counts as logged last."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    by_step = {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
+  return [by_step[s] for s in sorted(by_step)]
 
 
 def _mean(rows, key, part):

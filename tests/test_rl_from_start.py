@@ -1,5 +1,5 @@
-"""The RL-arm drivers of benchmarks/rl_from_start.py and benchmarks/tree_learning.py: an arm's config loads the
-shared start, a wall-clock budget stops the RL loop as Ctrl-C does, and the learning report's figures."""
+"""The RL-arm drivers of benchmarks/rl_from_start.py, benchmarks/tree_learning.py and benchmarks/mtp_rl.py: an arm's
+config loads the shared start, a wall-clock budget stops the RL loop as Ctrl-C does, and the reports' figures."""
 import json
 import os
 import threading
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from benchmarks import rl_from_start, tree_learning
+from benchmarks import mtp_rl, rl_from_start, tree_learning
 from composer_jax.train import interrupt
 
 
@@ -69,6 +69,14 @@ def test_step_seconds_counts_a_rerun_step_once(tmp_path):
   for step, s in ((1, 2.0), (2, 3.0), (2, 5.0)):
     _log(str(tmp_path), step, s)
   assert rl_from_start.step_seconds(str(tmp_path)) == {1: 2.0, 2: 5.0}
+
+
+def test_mtp_report_reads_a_resumed_run_once_per_step(tmp_path):
+  """A resumed run logs the steps after its checkpoint again: the curve keeps each step once, its last line."""
+  for step, acc in ((1, 0.5), (2, 0.6), (3, 0.7), (2, 0.8), (3, 0.9), (4, 1.0)):
+    _log(str(tmp_path), step, 1.0, mtp_acceptance=acc)
+  assert [(r["step"], r["mtp_acceptance"]) for r in mtp_rl._read(str(tmp_path))] == [(1, 0.5), (2, 0.8), (3, 0.9),
+                                                                                     (4, 1.0)]
 
 
 def test_learning_report_figures(tmp_path):
