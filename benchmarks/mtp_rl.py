@@ -154,16 +154,6 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
   return out
 
 
-def _read(workdir: str) -> list[dict]:
-  """The run's metrics, one row per step in step order: a step redone after a resume counts as logged last."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    by_step = {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
-  return [by_step[s] for s in sorted(by_step)]
-
-
 def _mean(rows, key, part):
   vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
   n = max(1, len(vals) // 5)
@@ -176,7 +166,7 @@ def start_drafter(start_dir: str) -> dict:
   trunk on the SFT rows), per SFT stage that has logged (the curriculum's first stage, then the start)."""
   out = {}
   for stage in ("sft_curriculum", "sft"):
-    rows = _read(os.path.join(start_dir, stage))
+    rows = rl_from_start.logged_steps(os.path.join(start_dir, stage))
     if rows:
       out[stage] = {k: rows[-1].get(k) for k in ("step", "mtp1_agreement", "mtp1_loss", "ce")}
   return out
@@ -190,7 +180,7 @@ def report(workdir: str, name: str, seeds=(0, 1)) -> dict:
   out["start_sft"] = start_drafter(os.path.join(workdir, "start"))
   for arm in ARMS:
     for seed in seeds:
-      rows = _read(arm_dir(workdir, arm, seed))
+      rows = rl_from_start.logged_steps(arm_dir(workdir, arm, seed))
       if not rows:
         continue
       final = rl_from_start.done(arm_dir(workdir, arm, seed))

@@ -76,13 +76,18 @@ def run_start(cfg: RunConfig, log_fn=print) -> dict:
                               "load_avg_end": os.getloadavg()})
 
 
-def step_seconds(workdir: str) -> dict[int, float]:
-  """Each logged RL step's wall-clock (workdir/metrics.jsonl; a step run twice, after a crash past its last
-  checkpoint, counts as logged last)."""
+def logged_steps(workdir: str) -> list[dict]:
+  """workdir/metrics.jsonl, one row per step in step order: a step run twice (redone after a resume past its last
+  checkpoint) as logged last."""
   from composer_jax.train import metrics as metrics_lib
   path = os.path.join(workdir, "metrics.jsonl")
-  rows = metrics_lib.read_metrics(path) if os.path.exists(path) else []
-  return {r["step"]: r["step_s"] for r in rows if "step_s" in r}
+  by_step = {r["step"]: r for r in (metrics_lib.read_metrics(path) if os.path.exists(path) else []) if "step" in r}
+  return [by_step[s] for s in sorted(by_step)]
+
+
+def step_seconds(workdir: str) -> dict[int, float]:
+  """Each logged RL step's wall-clock (`logged_steps`)."""
+  return {r["step"]: r["step_s"] for r in logged_steps(workdir) if "step_s" in r}
 
 
 class StopAfter:

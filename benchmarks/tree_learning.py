@@ -78,20 +78,6 @@ def curve(rows: list[dict]) -> dict:
   return out
 
 
-def _rows(workdir: str) -> list[dict]:
-  """The logged steps, a step logged twice (rerun after a crash past its checkpoint) as logged last."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  by_step = {}
-  with open(path) as f:
-    for line in f:
-      if line.strip():
-        r = json.loads(line)
-        by_step[r["step"]] = r
-  return [by_step[s] for s in sorted(by_step)]
-
-
 def per_leaf(rows: list[dict]) -> dict:
   """Generated tokens per leaf (trajectory) and wall-clock seconds per RL step (asynchronous rollouts: the step
   waits on them), over the logged steps."""
@@ -105,7 +91,7 @@ def report(workdir: str, seeds=(0, 1)) -> dict:
   out = {"load_avg": os.getloadavg(), "arms": {}}
   for arm in ARMS:
     for seed in seeds:
-      rows = _rows(arm_dir(workdir, arm, seed))
+      rows = rl_from_start.logged_steps(arm_dir(workdir, arm, seed))
       if rows:
         final = rl_from_start.done(arm_dir(workdir, arm, seed))
         out["arms"][f"{arm}_seed{seed}"] = {"finished": final is not None, "result": final, "steps": len(rows),

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from benchmarks import mtp_rl, rl_from_start, tree_learning
+from benchmarks import rl_from_start, tree_learning
 from composer_jax.train import interrupt
 
 
@@ -71,12 +71,12 @@ def test_step_seconds_counts_a_rerun_step_once(tmp_path):
   assert rl_from_start.step_seconds(str(tmp_path)) == {1: 2.0, 2: 5.0}
 
 
-def test_mtp_report_reads_a_resumed_run_once_per_step(tmp_path):
+def test_reports_read_a_resumed_run_once_per_step(tmp_path):
   """A resumed run logs the steps after its checkpoint again: the curve keeps each step once, its last line."""
   for step, acc in ((1, 0.5), (2, 0.6), (3, 0.7), (2, 0.8), (3, 0.9), (4, 1.0)):
     _log(str(tmp_path), step, 1.0, mtp_acceptance=acc)
-  assert [(r["step"], r["mtp_acceptance"]) for r in mtp_rl._read(str(tmp_path))] == [(1, 0.5), (2, 0.8), (3, 0.9),
-                                                                                     (4, 1.0)]
+  rows = rl_from_start.logged_steps(str(tmp_path))
+  assert [(r["step"], r["mtp_acceptance"]) for r in rows] == [(1, 0.5), (2, 0.8), (3, 0.9), (4, 1.0)]
 
 
 def test_learning_report_figures(tmp_path):
@@ -85,7 +85,7 @@ def test_learning_report_figures(tmp_path):
   _log(arm, 1, 10.0, trajectories=8, generated_tokens=800, rollout_s=6.0, **{"pass/level_2": 0.25})
   _log(arm, 2, 20.0, trajectories=8, generated_tokens=400, rollout_s=2.0, **{"pass/level_2": 0.5})
   _log(arm, 2, 30.0, trajectories=8, generated_tokens=1200, rollout_s=4.0, **{"pass/level_2": 0.75})   # rerun
-  rows = tree_learning._rows(arm)
+  rows = rl_from_start.logged_steps(arm)
   assert [r["step"] for r in rows] == [1, 2]
   assert tree_learning.per_leaf(rows) == {"generated_tokens_per_leaf": 2000 / 16, "step_s_mean": 20.0}
   c = tree_learning.curve(rows)
