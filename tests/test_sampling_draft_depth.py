@@ -55,6 +55,33 @@ def test_pick_explores_every_depth_then_takes_the_most_tokens_per_second_and_pro
   assert "k=1" in d.describe(8) and "acceptance per draft" in d.describe(8)
 
 
+def test_step_costs_leave_out_the_prefill_so_calls_of_different_turns_compare():
+  """Calls timed as p · prefill + d(k) · steps with p = 20 us/token, d = 1.0 / 1.4 / 2.2 ms. The speculative calls
+  came on turns with long prefills: seconds per step would rank k = 0 first; the fit recovers d and picks k = 1."""
+  d = DraftDepth(max_k=2)
+  d.record(2, 16, np.array([2, 3, 5]), None, 10)   # compiled; acceptance a = (0.8, 0.625): E = 1, 1.8, 2.3
+  p, cost = 2e-5, {0: 1.0e-3, 1: 1.4e-3, 2: 2.2e-3}
+  calls = [(2, 40, 4096), (2, 30, 2048), (0, 100, 512), (0, 80, 256), (1, 60, 3072), (1, 50, 1024)]
+  for k, steps, prefill in calls:
+    d.record(k, 16, None, p * prefill + cost[k] * steps, steps, prefill)
+  np.testing.assert_allclose(d.prefill_cost(16), p, rtol=1e-9)
+  for k in cost:
+    np.testing.assert_allclose(d.step_cost(k, 16), cost[k], rtol=1e-9)
+  per_step = {k: np.mean([(p * f + cost[k] * n) / n for kk, n, f in calls if kk == k]) for k in cost}
+  assert min(per_step, key=per_step.get) == 0                 # prefill included, plain decoding looks cheapest
+  assert d.pick(16) == (1, "best")                           # 1.8 / 1.4 ms > 2.3 / 2.2 ms > 1 / 1.0 ms
+  assert "prefill 20.0 us/token" in d.describe(16)
+
+
+def test_step_costs_fall_back_to_seconds_per_step_when_the_prefill_cannot_be_separated():
+  d = DraftDepth(max_k=1)
+  d.record(0, 8, None, 0.020, 10, 100)   # every call prefills 10 tokens per step: prefill and steps are collinear
+  d.record(0, 8, None, 0.040, 20, 200)
+  d.record(1, 8, np.array([1, 1]), 0.030, 10, 100)
+  assert d.prefill_cost(8) == 0.0
+  np.testing.assert_allclose([d.step_cost(0, 8), d.step_cost(1, 8)], [2e-3, 3e-3])
+
+
 def test_version_log_lines_and_metrics(tmp_path):
   path = tmp_path / "engines" / "w0.jsonl"
   logged = []

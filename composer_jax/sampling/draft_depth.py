@@ -1,20 +1,25 @@
 """Adaptive draft depth: each engine picks how many MTP drafts per step (k, 0 = plain decoding) from what it measured.
 
-A speculative step with k drafts emits E(k) tokens per row and costs c(k) seconds; plain decoding is k = 0 with
-E(0) = 1. The engine runs the k with the most tokens per second, E(k) / c(k), for the call's row bucket:
+A speculative step with k drafts emits E(k) tokens per row and costs d(k) seconds; plain decoding is k = 0 with
+E(0) = 1. The engine runs the k with the most tokens per second, E(k) / d(k), for the call's row bucket:
 
   E(k) = 1 + Σ_{j=1..k} Π_{i<j} a_i     a_i = P(draft i accepted | drafts 0..i-1 accepted), counted from the
                                          accepted run lengths of earlier speculative calls (`Output.stats`)
-  c(k) = seconds per decode step          a call's wall time over its decode steps, mean of the last few timed calls
+  seconds = p · prefill + d(k) · steps  fitted by least squares over the last few timed calls of every k in the
+                                         bucket: `prefill` the tokens the call prefilled (window x unique prompts),
+                                         `steps` its decode steps, p one prefill cost per token shared by all k
+
+A call is prefill and decode in one program, so its seconds cannot be split by timing. Without the p term a call's
+prefill would count as decode cost, the more so for a speculative call (fewer steps to spread it over), and calls of
+different turns (prefix reuse leaves prefill windows of a few to hundreds of tokens) would be compared as if alike.
+When the calls cannot separate the two terms (every call prefilled in proportion to its steps, or a fitted cost not
+positive) d(k) falls back to each k's seconds per step, prefill included.
 
 Drafts are chained from MTP module 0, so draft i does not depend on k: acceptances measured at the largest k give
 every smaller k's E. The first call of each program (a new shape or k) compiles and is not timed. Until every k has a
 cost for the bucket the engine tries the untimed ones in turn; after that it still runs the largest k every
 `probe_every` calls so the acceptance (which moves with the policy) and its cost stay measured. Counts of older
-policy versions are halved at every weight update.
-
-c(k) includes the call's prefill spread over its steps; speculative calls take fewer steps, so this slightly
-overstates their cost (the choice leans to smaller k). Which k runs never changes what is sampled: each k is exact
+policy versions are halved at every weight update. Which k runs never changes what is sampled: each k is exact
 rejection sampling (`speculative.py`), only its random stream differs.
 """
 from __future__ import annotations
@@ -47,9 +52,26 @@ class DraftDepth:
     return float(1 + np.cumprod(self.acceptance()[:k]).sum())
 
   def step_cost(self, k: int, rows: int) -> float | None:
-    """c(k) for `rows`, seconds per decode step (None: not timed yet)."""
-    got = self._costs.get((k, rows))
-    return float(np.mean(got)) if got else None
+    """d(k) for `rows`, seconds per decode step (None: not timed yet)."""
+    return self._fit(rows).get(k)
+
+  def prefill_cost(self, rows: int) -> float:
+    """p for `rows`, seconds per prefilled token (0 when the calls so far cannot separate it)."""
+    return self._fit(rows).get("prefill", 0.0)
+
+  def _fit(self, rows: int) -> dict:
+    """{k: d(k), "prefill": p} from the timed calls of `rows` (see the module docstring)."""
+    calls = [(k, *c) for k in range(self.max_k + 1) for c in self._costs.get((k, rows), ())]
+    ks = sorted({k for k, *_ in calls})
+    if not ks:
+      return {}
+    fallback = {k: float(np.mean([s / n for kk, s, n, _ in calls if kk == k])) for k in ks}
+    x = np.array([[pf] + [n * (kk == k) for k in ks] for kk, _, n, pf in calls], np.float64)
+    y = np.array([s for _, s, _, _ in calls], np.float64)
+    sol, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
+    if rank < x.shape[1] or np.any(sol <= 0):
+      return fallback
+    return {"prefill": float(sol[0]), **{k: float(d) for k, d in zip(ks, sol[1:])}}
 
   def pick(self, rows: int) -> tuple[int, str]:
     """(k for the next call of `rows` rows, why): 'explore' (k not timed yet), 'probe' or 'best'."""
@@ -63,16 +85,18 @@ class DraftDepth:
       return self.max_k, "probe"
     return best, "best"
 
-  def record(self, k: int, rows: int, accept_hist: np.ndarray | None, seconds: float | None, steps: int) -> None:
+  def record(self, k: int, rows: int, accept_hist: np.ndarray | None, seconds: float | None, steps: int,
+             prefill_tokens: int = 0) -> None:
     """One finished call: its accepted-run-length histogram (k ≥ 1: counts of n accepted drafts per row-step,
-    length k + 1) and, unless it compiled, its wall time over `steps` decode steps."""
+    length k + 1) and, unless it compiled, its wall time, decode steps and prefilled tokens."""
     if k and accept_hist is not None:
       h = np.asarray(accept_hist, np.float64)
       reached = h[::-1].cumsum()[::-1]           # row-steps with n >= j
       self.tried[:k] += reached[:k]
       self.passed[:k] += reached[1:k + 1]
     if seconds is not None and steps > 0:
-      self._costs.setdefault((k, rows), collections.deque(maxlen=self._window)).append(seconds / steps)
+      self._costs.setdefault((k, rows), collections.deque(maxlen=self._window)).append(
+          (seconds, steps, prefill_tokens))
 
   def new_policy(self) -> None:
     """New weights: older acceptance counts weigh half (the drafter and the policy both moved)."""
@@ -80,7 +104,7 @@ class DraftDepth:
     self.passed *= 0.5
 
   def describe(self, rows: int) -> str:
-    """One line: the measured acceptance per draft, the cost and expected tokens/s of every k."""
+    """One line: the measured acceptance per draft, the prefill cost, and every k's step cost and tokens/s."""
     parts = []
     for k in range(self.max_k + 1):
       c = self.step_cost(k, rows)
@@ -88,4 +112,5 @@ class DraftDepth:
       parts.append(f"k={k}: {self.tokens_per_step(k):.2f} tok/step, "
                    f"{c * 1e3:.2f} ms/step, {rate}" if c else f"k={k}: {rate}")
     acc = ", ".join(f"{a:.2f}" for a in self.acceptance())
-    return f"acceptance per draft [{acc}]; " + "; ".join(parts)
+    return (f"acceptance per draft [{acc}]; prefill {self.prefill_cost(rows) * 1e6:.1f} us/token; "
+            + "; ".join(parts))

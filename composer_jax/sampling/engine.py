@@ -333,7 +333,8 @@ class JaxEngine:
                          self.last_stats["drafted"], self.last_stats["accepted"],
                          int(hist.sum()) if hist is not None else 0, tokens, timed_s)
     if self.depth is not None:
-      self.depth.record(k, out.tokens_BxLo.shape[0], hist, timed_s, steps)
+      prefill = self.last_stats["prefill_window"] * out.prompt_experts_LmxUxPxK.shape[1]
+      self.depth.record(k, out.tokens_BxLo.shape[0], hist, timed_s, steps, prefill)
 
 
 def sample(params: dict, prompts: Sequence[Sequence[int]], cfg: ModelConfig, *, max_tokens: int = 64,
