@@ -25,8 +25,10 @@ and T=1, per level), the figure the recipe's recorded runs are compared on.
 
 `decode` runs episodes of held-out tasks through the harness with the final policy of `stopped` seed 0 (the start
 while RL has not finished): engines with k = 0 (plain), k adaptive (0..2) and k fixed at 1 and 2, alternating over
-`--rounds` rounds after one warm-up round each (compiles), timing the seconds inside `generate` per episode; tokens
-per trunk forward from the engines' counts.
+`--rounds` rounds after one warm-up round each (compiles), timing the seconds inside `generate` per episode (compiles
+of programs first met in a timed round included) and the tokens per second of the calls that compiled nothing (the
+rate of an engine that has met its programs, as an RL run's engines soon have); tokens per trunk forward from the
+engines' counts.
 
 `report` writes experiments/results/mtp_rl.json and experiments/results/mtp_rl.png (from that JSON) from whatever
 the runs have reached (an arm still running: its steps so far, `finished` false); its last line is one JSON object.
@@ -130,6 +132,9 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
       gen = sum(int(np.sum(s["gen_mask_T"])) for t in trajs for s in t.to_dict()["segments"])
       sampled = line.get("sampled", {})
       per[n].append({"s_per_episode": e.seconds / len(tasks), "tokens": gen,
+                     # calls that compiled nothing: the rate of an engine that has compiled its programs
+                     "timed_tokens_per_s": (line["timed_tokens"] / line["decode_s"] if line.get("decode_s")
+                                            else None),
                      "tokens_per_forward": ((sampled.get("row_steps", 0) + sampled.get("accepted", 0))
                                             / sampled["row_steps"] if sampled.get("row_steps") else 1.0),
                      "acceptance": (sampled["accepted"] / sampled["drafted"] if sampled.get("drafted") else None),
@@ -138,15 +143,20 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
   out = {}
   for n, rows in per.items():
     med = lambda key, rows=rows: statistics.median(r[key] for r in rows)  # noqa: E731
+    timed = [r["timed_tokens_per_s"] for r in rows if r["timed_tokens_per_s"]]
     out[n] = {"s_per_episode": med("s_per_episode"), "tokens_per_forward": med("tokens_per_forward"),
+              "timed_tokens_per_s": statistics.median(timed) if timed else None,
               "tokens_per_episode": med("tokens") / len(tasks), "solved": med("solved"),
               "acceptance": statistics.median([r["acceptance"] for r in rows if r["acceptance"] is not None] or [0.0]),
               "k_calls": rows[-1]["k_calls"], "rounds": rows}
   for n in engines:
     out[n]["speedup_vs_k0"] = out["k0"]["s_per_episode"] / out[n]["s_per_episode"]
+    if out[n]["timed_tokens_per_s"] and out["k0"]["timed_tokens_per_s"]:
+      out[n]["timed_speedup_vs_k0"] = out[n]["timed_tokens_per_s"] / out["k0"]["timed_tokens_per_s"]
   out["adaptive_chose"] = engines["adaptive"].depth.chosen
   out["adaptive_costs_ms"] = {str(k): engines["adaptive"].depth.step_cost(k, base.min_batch_bucket) * 1e3
                               for k in range(3) if engines["adaptive"].depth.step_cost(k, base.min_batch_bucket)}
+  out["adaptive_prefill_us_per_token"] = engines["adaptive"].depth.prefill_cost(base.min_batch_bucket) * 1e6
   out["acceptance_per_draft"] = engines["adaptive"].depth.acceptance().tolist()
   out["episodes"], out["rounds_timed"], out["policy_version"] = len(tasks), rounds, version
   with open(os.path.join(workdir, "decode.json"), "w") as f:
@@ -205,8 +215,8 @@ def report(workdir: str, name: str, seeds=(0, 1)) -> dict:
       summary[f"{arm}/{key}"] = [a["first_fifth"][key], a["last_fifth"][key]]
   if "decode" in out:
     for n in ("k0", "adaptive", "k1", "k2"):
-      summary[f"decode/{n}"] = {k: out["decode"][n][k] for k in ("s_per_episode", "tokens_per_forward",
-                                                                   "speedup_vs_k0")}
+      summary[f"decode/{n}"] = {k: out["decode"][n].get(k) for k in ("s_per_episode", "tokens_per_forward",
+                                                                       "speedup_vs_k0", "timed_speedup_vs_k0")}
   return summary
 
 
