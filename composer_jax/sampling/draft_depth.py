@@ -76,10 +76,11 @@ class DraftDepth:
   def pick(self, rows: int) -> tuple[int, str]:
     """(k for the next call of `rows` rows, why): 'explore' (k not timed yet), 'probe' or 'best'."""
     self._calls += 1
-    untimed = [k for k in range(self.max_k + 1) if self.step_cost(k, rows) is None]
+    cost = self._fit(rows)   # one fit per call: the step costs of every k come from the same solve
+    untimed = [k for k in range(self.max_k + 1) if k not in cost]
     if untimed:
       return (self.max_k if self.max_k in untimed else untimed[0]), "explore"
-    best = max(range(self.max_k + 1), key=lambda k: self.tokens_per_step(k) / self.step_cost(k, rows))
+    best = max(range(self.max_k + 1), key=lambda k: self.tokens_per_step(k) / cost[k])
     self.chosen = best
     if best < self.max_k and self._calls % self.probe_every == 0:
       return self.max_k, "probe"
@@ -105,12 +106,12 @@ class DraftDepth:
 
   def describe(self, rows: int) -> str:
     """One line: the measured acceptance per draft, the prefill cost, and every k's step cost and tokens/s."""
-    parts = []
+    cost, parts = self._fit(rows), []
     for k in range(self.max_k + 1):
-      c = self.step_cost(k, rows)
+      c = cost.get(k)
       rate = f"{self.tokens_per_step(k) / c:.0f} tok/s/row" if c else "untimed"
       parts.append(f"k={k}: {self.tokens_per_step(k):.2f} tok/step, "
                    f"{c * 1e3:.2f} ms/step, {rate}" if c else f"k={k}: {rate}")
     acc = ", ".join(f"{a:.2f}" for a in self.acceptance())
-    return (f"acceptance per draft [{acc}]; prefill {self.prefill_cost(rows) * 1e6:.1f} us/token; "
+    return (f"acceptance per draft [{acc}]; prefill {cost.get('prefill', 0.0) * 1e6:.1f} us/token; "
             + "; ".join(parts))
