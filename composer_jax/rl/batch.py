@@ -126,9 +126,13 @@ def pieces(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list
 
 def segment_lengths(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[int]:
   """Tokens of each packed sequence a group contributes (`pieces`), in batch order."""
-  rows = tree_lib.group_rows(trajectories)
+  return _lengths(trajectories, tree_lib.group_rows(trajectories), pieces(trajectories, cfg))
+
+
+def _lengths(trajectories: Sequence[dict], rows: Sequence[tuple[int, int]], pieces_: Sequence) -> list[int]:
+  """Tokens of each of a group's `pieces_` (of its `rows`, `tree.group_rows`)."""
   seg_len = lambda k: len(trajectories[rows[k][0]]["segments"][rows[k][1]]["tokens_T"])  # noqa: E731
-  return [sum(seg_len(k) - start for k, start in piece) for piece in pieces(trajectories, cfg)]
+  return [sum(seg_len(k) - start for k, start in piece) for piece in pieces_]
 
 
 class Packer:
@@ -190,7 +194,8 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
           raise ValueError(f"task {traj.get('task_id')!r} segment {si} has {len(seg['tokens_T'])} tokens, more "
                            f"than the batch length {L}: raise the length or cap rollout contexts")
   group_pieces = [pieces(g, cfg) for g in groups]
-  places = _place(groups, cfg)   # (row, offset) of each piece, in batch order
+  # (row, offset) of each piece, in batch order
+  places = _place([_lengths(g, r, p) for g, r, p in zip(groups, rows, group_pieces, strict=True)], cfg)
   # R rows: pack_rows, or S for a lone group too large for them (the step's second compiled shape)
   R = cfg.pack_rows if cfg.pack_rows and all(r < cfg.pack_rows for r, _ in places) else S
   share = trees and cfg.share_prefix
@@ -281,10 +286,10 @@ def _write_piece(out: dict, group: Sequence[dict], rows: Sequence[tuple[int, int
     where_prev, o = where, o + T - start
 
 
-def _place(groups: Sequence[Sequence[dict]], cfg: BatchConfig) -> list[tuple[int, int]]:
-  """(row, offset) of every sequence: a row each unpacked; packed, `Packer` into `pack_rows` rows, or into S rows
-  when the step is one group too large for them (`take_groups` gives such a group a step of its own)."""
-  lengths = [segment_lengths(g, cfg) for g in groups]   # the pieces of `make_batch`, in its order
+def _place(lengths: Sequence[Sequence[int]], cfg: BatchConfig) -> list[tuple[int, int]]:
+  """(row, offset) of every sequence, given each group's piece lengths: a row each unpacked; packed, `Packer` into
+  `pack_rows` rows, or into S rows when the step is one group too large for them (`take_groups` gives such a group
+  a step of its own)."""
   n_pieces = sum(map(len, lengths))
   if not cfg.pack_rows:
     return [(i, 0) for i in range(n_pieces)]
@@ -297,7 +302,7 @@ def _place(groups: Sequence[Sequence[dict]], cfg: BatchConfig) -> list[tuple[int
       places += got
     else:
       return places
-  raise ValueError(f"{len(groups)} groups do not pack into {cfg.pack_rows} rows of {cfg.length} tokens; take the "
+  raise ValueError(f"{len(lengths)} groups do not pack into {cfg.pack_rows} rows of {cfg.length} tokens; take the "
                    "step's groups with rl.sources.take_groups (it checks each group with the same Packer)")
 
 
