@@ -47,7 +47,8 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
   with contextlib.ExitStack() as stack:
     # Process 0 alone rolls out and logs; every process trains, publishes and checkpoints (`rl/processes.py`).
     progress = stack.enter_context(_Progress(cfg.workdir, cfg.rl.steps, cfg.progress_bar, log_fn))
-    rl_step, batch_cfg = placement.build_rl_step(cfg, run.mesh, run.rules), placement.batch_config(cfg)
+    batch_cfg = placement.batch_config(cfg)
+    rl_step = placement.build_rl_step(cfg, run.mesh, run.rules)   # checked, optimizer, shardings, jitted
     trainer = Trainer(rl_step, batch_cfg, start, cfg.workdir, cfg.rollout.staleness, log_fn)
     stack.callback(trainer.close)
     publisher = publishers.make(cfg, trainer.params, trainer.start, log_fn)   # before the workers attach to it

@@ -15,7 +15,6 @@ from the same groups and `place` keeps only the slices its own devices hold, so 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -27,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
 from composer_jax.parallel import layout
-from composer_jax.parallel.rules import ShardingRules, current_rules, use_rules
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import step as rl_step
 from composer_jax.rl.config import RLConfig
@@ -45,7 +44,7 @@ class RLStep:
   params: dict            # shardings of the policy's params, and of the frozen reference alike
   state: step_lib.TrainState   # shardings of the train state
   batch: dict             # shardings of the batch fields
-  fn: Callable            # `make_rl_step`'s jitted function
+  fn: Callable            # `rl.step.make_rl_step`'s jitted function
 
   def __call__(self, state, batch, ref_params):
     # The expert- and context-parallel regions read the mesh from context at trace time.
@@ -73,36 +72,14 @@ def build_step(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh,
   them); `trees`: batches carry tree groups' `token_adv` and `loss_weight` (and, with
   `rl_cfg.share_prefix`, their shared prefixes' `branch`, `branch_end` and `prev`).
   """
+  batch_sh = batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
   layout.check_mesh(model_cfg, mesh, rules, rows, length)
   params_sh = model.shardings(model_cfg, mesh, rules)
   abstract = model.abstract_params(model_cfg)
   optimizer = optim.make_optimizer(rl_cfg.optim, abstract, frozen=rl_cfg.frozen_subtrees)
   state_sh = step_lib.state_shardings(optimizer, abstract, params_sh, rules.mesh_axes("optimizer_state"))
-  batch_sh = batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
-  fn = make_rl_step(model_cfg, rl_cfg, optimizer, state_sh, batch_sh, params_sh, rules)
+  fn = rl_step.make_rl_step(model_cfg, rl_cfg, optimizer, state_sh, batch_sh, params_sh, rules)
   return RLStep(model_cfg, mesh, rules, optimizer, params_sh, state_sh, batch_sh, fn)
-
-
-def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shardings, batch_sharding,
-                 ref_shardings, rules: ShardingRules | None = None):
-  """`rl.step.rl_step` jitted with explicit shardings (as `train.step.make_train_step`), the state donated, traced under
-  `use_rules(rules)` (given: the table the params were placed with, which the per-device head, the EP region and
-  the activation constraints read; None: the table in force where it is traced).
-
-  `batch_sharding` may be a pytree of shardings matching the batch (e.g. `routing` sharded on its B axis, which
-  is axis 1) or one sharding for every leaf. The metrics come back replicated, so every process of a
-  multi-process run can read them. Call it inside `jax.set_mesh(mesh)` when the model has shard_map regions
-  (`rl.placement.RLStep` does).
-  """
-  step = functools.partial(rl_step.rl_step, model_cfg=model_cfg, rl_cfg=rl_cfg, optimizer=optimizer)
-
-  def fn(state, batch, ref_params):
-    with use_rules(rules if rules is not None else current_rules()):
-      return step(state, batch, ref_params)
-  fn.__name__ = fn.__qualname__ = "rl_step"       # the compiled module stays jit_rl_step (the scale plan reads it)
-  mesh = jax.tree.leaves(state_shardings)[0].mesh
-  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding, ref_shardings),
-                 out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
 def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = False, share_prefix: bool = False) -> dict:
