@@ -36,7 +36,7 @@ unchanged.
 
 A prefix inside the segment where the branches start is, by default, repeated in each branch's row as context
 (attention separates whole sequences, `segment_ids`). With `share_prefix` it is stored once: a tree group's rows of
-one segment index are laid out as one packed sequence (`rollout.tree.row_pieces`: in path order, each leaf's row
+one segment index are laid out as one packed sequence (`row_pieces`: in path order, each leaf's row
 after the prefix it shares with the one before; cut into several where it would pass L), and three more fields
 say what each token sees and follows:
 
@@ -117,11 +117,45 @@ def field_shapes(rows: int, length: int, sequences: int, n_moe_layers: int, top_
 
 def pieces(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[list[tuple[int, int]]]:
   """The packed sequences a group's rows are stored as: a sequence each, or with `cfg.share_prefix` a tree
-  group's `rollout.tree.row_pieces` (members: (index into `group_rows`, first token offset stored))."""
+  group's `row_pieces` (members: (index into `group_rows`, first token offset stored))."""
   rows = tree_lib.group_rows(trajectories)
   if cfg is not None and cfg.share_prefix and tree_lib.is_tree_group(trajectories):
-    return tree_lib.row_pieces(trajectories, rows, cfg.length)
+    return row_pieces(trajectories, rows, cfg.length)
   return [[(k, 0)] for k in range(len(rows))]
+
+
+def row_pieces(trajectories: Sequence[dict], rows: Sequence[tuple[int, int]], length: int,
+               tree: tree_lib.Tree | None = None) -> list[list[tuple[int, int]]]:
+  """How a tree group's rows (`rollout.tree.group_rows`) are stored with each shared prefix once: pieces of rows,
+  each laid out as one packed sequence, as (index into `rows`, first token offset it stores) per member.
+
+  The rows of one segment index go in path order: the first member of a piece stores its whole segment, each next
+  one only its tokens after the prefix it shares with the member before it (in path order that is the longest
+  prefix it shares with any earlier member, and every shorter one is a prefix of it). A piece is cut where the
+  next member would take it past `length` tokens; that member starts a piece of its own, its prefix repeated.
+  """
+  tree = tree or tree_lib.build(trajectories)
+  by_segment: dict[int, list[int]] = {}
+  for k, (_, si) in enumerate(rows):
+    by_segment.setdefault(si, []).append(k)
+  out = []
+  for si, ks in sorted(by_segment.items()):
+    ks.sort(key=lambda k: tree.paths[rows[k][0]])
+    piece, used = [], 0
+    for k in ks:
+      T = len(trajectories[rows[k][0]]["segments"][si]["tokens_T"])
+      start = 0
+      if piece:
+        before = rows[piece[-1][0]][0]
+        shared = tree_lib.shared_tokens(tree, before, rows[k][0], si)
+        start = min(T, len(trajectories[before]["segments"][si]["tokens_T"]), T if shared is None else shared)
+      if piece and used + T - start > length:
+        out.append(piece)
+        piece, used, start = [], 0, 0
+      piece.append((k, start))
+      used += T - start
+    out.append(piece)
+  return out
 
 
 def segment_lengths(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[int]:
