@@ -3,8 +3,8 @@
 `train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
 also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  rl_step = placement.build_rl_step(cfg, run.mesh, run.rules)   # checked, optimizer, shardings, jitted
-  trainer = Trainer(rl_step, ...)               # state restored or initialised, the queue consumer at its cursor
+  rl_start = placement.start_rl_step(cfg, run.mesh, run.rules, start)   # checked, optimizer, shardings, state, jit
+  trainer = Trainer(rl_start, ...)              # the applied log at its step, the queue consumer at its cursor
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
   source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(policy_version); trainer.step(groups); publisher.publish(params, step); checkpoint
@@ -48,8 +48,8 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
     # Process 0 alone rolls out and logs; every process trains, publishes and checkpoints (`rl/processes.py`).
     progress = stack.enter_context(_Progress(cfg.workdir, cfg.rl.steps, cfg.progress_bar, log_fn))
     batch_cfg = placement.batch_config(cfg)
-    rl_step = placement.build_rl_step(cfg, run.mesh, run.rules)   # checked, optimizer, shardings, jitted
-    trainer = Trainer(rl_step, batch_cfg, start, cfg.workdir, cfg.rollout.staleness, log_fn)
+    rl_start = placement.start_rl_step(cfg, run.mesh, run.rules, start)   # checked ... restored or fresh, jitted
+    trainer = Trainer(rl_start, batch_cfg, cfg.workdir, cfg.rollout.staleness, log_fn)
     stack.callback(trainer.close)
     publisher = publishers.make(cfg, trainer.params, trainer.start, log_fn)   # before the workers attach to it
     stack.callback(publisher.close)
