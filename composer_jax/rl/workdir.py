@@ -147,8 +147,9 @@ def claim(cfg, allow=()):
   """The run's pieces (`setup.open_run`) for a block that holds `cfg.workdir`'s lock. Process 0 takes the lock,
   checks the resume and stores `cfg` as the run's config, then opens the run on the run's mesh (`cfg.mesh`, built
   here once in each process, for the warm start and the RL step alike); building its pieces checks its input, and a
-  run refused for it puts the stored config back as it was, so it leaves none that a fixed rerun would differ from.
-  The other processes open theirs after process 0, from what it froze and fitted (`rl/processes.py`)."""
+  run refused for it (or stopped before it is open) puts the stored config back as it was, so it leaves none that a
+  fixed rerun would differ from. The other processes open theirs after process 0, from what it froze and fitted
+  (`rl/processes.py`)."""
   with contextlib.ExitStack() as stack:
     def first():
       stack.enter_context(lock(cfg.workdir))
@@ -161,7 +162,7 @@ def claim(cfg, allow=()):
     replaced = processes.on_primary("claim", first)
     try:
       run = processes.primary_first("open_run", opened)
-    except RunInputError:
+    except BaseException:   # refused for its input (or stopped): the run never started
       if distributed.is_primary():   # the stored config as it was
         path = os.path.join(cfg.workdir, RUN_CONFIG)
         if replaced is None:
