@@ -135,8 +135,8 @@ def decode(dry: bool, repeats: int, workdir: str | None) -> dict:
                "adaptive": JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True, draft_tokens=2,
                                                                       adaptive_draft=True))}
     prompts = rb._prompts(cfg, b, prompt_len, seed=b)
-    for _ in range(3):   # the adaptive engine times k = 2, 0, 1 (a compile and a timed call each) before it chooses
-      rb.jax_decode(engines["adaptive"], prompts, tokens, 1)
+    # the adaptive engine's first call decodes with every k (compiling each) and chooses; later calls run its choice
+    rb.jax_decode(engines["adaptive"], prompts, tokens, 1)
     best = {name: 0.0 for name in engines}
     for _ in range(repeats):
       for name, e in engines.items():

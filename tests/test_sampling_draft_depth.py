@@ -17,69 +17,74 @@ from rollout.engines.protocol import GenerateRequest, SamplingParams
 def test_acceptance_and_tokens_per_step_from_run_lengths():
   d = DraftDepth(max_k=2)
   # 10 row-steps at k = 2: n = 0 twice, n = 1 three times, n = 2 five times.
-  d.record(2, 8, np.array([2, 3, 5]), None, 0)
+  d.record(2, "s", np.array([2, 3, 5]), None, 0)
   # draft 0 reached 10 times, accepted 8; draft 1 reached 8 times, accepted 5.
   np.testing.assert_allclose(d.acceptance(), [0.8, 5 / 8])
   assert d.tokens_per_step(0) == 1.0
   np.testing.assert_allclose(d.tokens_per_step(1), 1.8)
   np.testing.assert_allclose(d.tokens_per_step(2), 1 + 0.8 + 0.8 * 5 / 8)   # = 1 + (8 + 5) / 10 accepted per step
   # A k = 1 call adds to draft 0 only: 4 row-steps, 1 accepted.
-  d.record(1, 8, np.array([3, 1]), None, 0)
+  d.record(1, "s", np.array([3, 1]), None, 0)
   np.testing.assert_allclose(d.acceptance(), [9 / 14, 5 / 8])
   d.new_policy()                                     # halving keeps the rates, weighs new counts double
   np.testing.assert_allclose(d.acceptance(), [9 / 14, 5 / 8])
-  d.record(1, 8, np.array([7, 0]), None, 0)
+  d.record(1, "s", np.array([7, 0]), None, 0)
   np.testing.assert_allclose(d.acceptance()[0], 4.5 / 14)
 
 
-def test_pick_explores_every_depth_then_takes_the_most_tokens_per_second_and_probes():
+def _explore(d, shape, cost_ms, hist):
+  """The first call: every k decoded on one prefill, K..0 then 0..K, each at `cost_ms[k]` per step (10 steps)."""
+  ks, why = d.pick(shape, lambda k: False)
+  assert why == "explore" and ks == [2, 1, 0, 0, 1, 2]
+  for k in ks:
+    d.record(k, shape, hist[k], cost_ms[k] * 1e-2, 10)
+  assert d.settle()
+
+
+def test_explores_every_depth_on_the_first_call_then_takes_the_most_tokens_per_second():
   d = DraftDepth(max_k=2, probe_every=3)
-  assert d.pick(8) == (2, "explore")
-  d.record(2, 8, np.array([2, 3, 5]), None, 10)      # compiled: no cost recorded, acceptance counted
-  assert d.pick(8) == (2, "explore")
-  d.record(2, 8, np.array([2, 3, 5]), 0.030, 10)     # 3 ms/step
-  assert d.pick(8) == (0, "explore")
-  d.record(0, 8, None, 0.010, 10)                    # 1 ms/step
-  assert d.pick(8) == (1, "explore")
-  d.record(1, 8, np.array([1, 4]), 0.020, 10)        # 2 ms/step
-  # draft 0: 16 + 4 accepted of 20 + 5; draft 1: 10 of 16.
-  a0, a1 = 20 / 25, 10 / 16
-  np.testing.assert_allclose(d.acceptance(), [a0, a1])
-  # tokens/s per row: k=0 1/1ms = 1000; k=1 1.8/2ms = 900; k=2 (1 + .8 + .8·.625)/3ms = 767 -> k = 0.
-  assert d.pick(8) == (0, "best")                    # call 5
-  assert d.pick(8) == (2, "probe")                   # call 6: every 3rd call runs k = 2
-  assert d.chosen == 0
-  assert d.pick(4) == (2, "explore")                 # costs are per row bucket
-  d.record(0, 8, None, 0.040, 10)                    # plain steps got slower (mean of 1 and 4 ms = 2.5 ms)
-  assert d.pick(8) == (1, "best")                    # k=1: (1 + a0) / 2 ms = 900 > 1 / 2.5 ms = 400
-  assert "k=1" in d.describe(8) and "acceptance per draft" in d.describe(8)
+  # Acceptance a = (0.8, 0.625) over the k = 2 runs (10 row-steps each), nothing new from k = 1: E = 1, 1.8, 2.3.
+  _explore(d, "s", {0: 1.0, 1: 1.4, 2: 2.2}, {0: None, 1: np.array([0, 0]), 2: np.array([2, 3, 5])})
+  np.testing.assert_allclose(d.acceptance(), [0.8, 0.625])
+  # tokens/s per row: k=0 1 / 1.0 ms = 1000; k=1 1.8 / 1.4 ms = 1286; k=2 2.3 / 2.2 ms = 1045 -> k = 1.
+  assert d.chosen == 1 and d.explored_shape == "s"
+  np.testing.assert_allclose(d.relative_rate(2, 1), (2.3 / 2.2) / (1.8 / 1.4))
+  np.testing.assert_allclose(d.step_cost(1, "s"), 1.4e-3)
+  assert d.step_cost(1, "t") is None                 # costs are per decode shape
+  assert "k=1: 1.80 tok/step, 1.40 ms/step, 1286 tok/s/row" in d.describe("s")
 
 
-def test_step_costs_leave_out_the_prefill_so_calls_of_different_turns_compare():
-  """Calls timed as p · prefill + d(k) · steps with p = 20 us/token, d = 1.0 / 1.4 / 2.2 ms. The speculative calls
-  came on turns with long prefills: seconds per step would rank k = 0 first; the fit recovers d and picks k = 1."""
+def test_probes_only_shapes_where_other_depths_are_compiled_and_switches_with_hysteresis():
+  d = DraftDepth(max_k=2, probe_every=2, margin=0.05)
+  _explore(d, "s", {0: 1.0, 1: 1.4, 2: 2.2}, {0: None, 1: np.array([0, 0]), 2: np.array([2, 3, 5])})
+  compiled_on_s = lambda k: True                     # noqa: E731  every k was compiled on "s" by the exploration
+  only_chosen = lambda k: k == 1                     # noqa: E731  a shape met after it: only the chosen k compiled
+  # A shape where only k = 1 exists never probes (a probe there would compile); on "s" every 2nd call probes,
+  # the other depths in turn.
+  got = [d.pick("t", only_chosen) for _ in range(5)]
+  assert got == [([1], "best")] * 5
+  got = [d.pick("s", compiled_on_s) for _ in range(4)]
+  assert got == [([1], "best"), ([2], "probe"), ([1], "best"), ([0], "probe")]
+  # k = 2's steps get cheaper, to 3% more tokens/s than k = 1: (2.3 / 1.8) · 1.4 ms / d2 = 1.03. Within the
+  # margin, the choice stays (the window of 8 runs now holds only the new cost).
+  d2 = 2.3 / 1.8 * 1.4e-3 / 1.03
+  for _ in range(8):
+    d.record(2, "s", None, d2 * 10, 10)
+  np.testing.assert_allclose(d.relative_rate(2, 1), 1.03, rtol=1e-9)
+  assert not d.settle() and d.chosen == 1
+  # The drafts get better: 400 more row-steps accepting both drafts, a = (416 / 420, 410 / 416), so
+  # E(2) / E(1) = (1 + a0 + a0 a1) / (1 + a0) and k = 2 beats k = 1 by more than the margin -> switch.
+  for _ in range(40):
+    d.record(2, "s", np.array([0, 0, 10]), None, 0)
+  a0, a1 = 416 / 420, 410 / 416
+  np.testing.assert_allclose(d.relative_rate(2, 1), (1 + a0 + a0 * a1) / (1 + a0) * 1.4e-3 / d2, rtol=1e-9)
+  assert d.settle() and d.chosen == 2
+
+
+def test_a_first_exploration_where_no_depth_beats_the_largest_keeps_it():
   d = DraftDepth(max_k=2)
-  d.record(2, 16, np.array([2, 3, 5]), None, 10)   # compiled; acceptance a = (0.8, 0.625): E = 1, 1.8, 2.3
-  p, cost = 2e-5, {0: 1.0e-3, 1: 1.4e-3, 2: 2.2e-3}
-  calls = [(2, 40, 4096), (2, 30, 2048), (0, 100, 512), (0, 80, 256), (1, 60, 3072), (1, 50, 1024)]
-  for k, steps, prefill in calls:
-    d.record(k, 16, None, p * prefill + cost[k] * steps, steps, prefill)
-  np.testing.assert_allclose(d.prefill_cost(16), p, rtol=1e-9)
-  for k in cost:
-    np.testing.assert_allclose(d.step_cost(k, 16), cost[k], rtol=1e-9)
-  per_step = {k: np.mean([(p * f + cost[k] * n) / n for kk, n, f in calls if kk == k]) for k in cost}
-  assert min(per_step, key=per_step.get) == 0                 # prefill included, plain decoding looks cheapest
-  assert d.pick(16) == (1, "best")                           # 1.8 / 1.4 ms > 2.3 / 2.2 ms > 1 / 1.0 ms
-  assert "prefill 20.0 us/token" in d.describe(16)
-
-
-def test_step_costs_fall_back_to_seconds_per_step_when_the_prefill_cannot_be_separated():
-  d = DraftDepth(max_k=1)
-  d.record(0, 8, None, 0.020, 10, 100)   # every call prefills 10 tokens per step: prefill and steps are collinear
-  d.record(0, 8, None, 0.040, 20, 200)
-  d.record(1, 8, np.array([1, 1]), 0.030, 10, 100)
-  assert d.prefill_cost(8) == 0.0
-  np.testing.assert_allclose([d.step_cost(0, 8), d.step_cost(1, 8)], [2e-3, 3e-3])
+  _explore(d, "s", {0: 1.0, 1: 1.0, 2: 1.0}, {0: None, 1: np.array([5, 5]), 2: np.array([0, 0, 10])})
+  assert d.chosen == 2
 
 
 def test_version_log_lines_and_metrics(tmp_path):
@@ -138,8 +143,12 @@ def test_adaptive_engine_changes_k_between_calls_and_greedy_output_stays_plain(t
       np.testing.assert_array_equal(a.output_ids, b.output_ids)
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     ks.append(eng.last_stats["draft_tokens"])
-  assert ks[:4] == [1, 1, 0, 0]                      # explored (each k's first call compiles, its second is timed)
-  assert ks[5] == 1 or ks[4] == 1                    # k = 1 is chosen or probed (every 2nd call) afterwards
+  # Call 1 decoded its prefill with k = 1, 0, 0, 1 and returned k = 1's output; then the choice runs, and every
+  # 2nd call probes the other k (compiled for this shape by the exploration).
+  chosen = eng.depth.chosen
+  assert ks == [1, chosen, 1 - chosen, chosen, 1 - chosen, chosen]
+  assert eng.compiles == 3                           # one prefill program for both k, one decode program per k
+  assert eng.last_stats["compiles"] == 0 and eng.last_stats["decode_s"] > 0
   assert any(line.startswith("engine e: draft depth k=") for line in logged)
   eng.update_weights(params, policy_version=1)       # the served version's line is written
   (line,) = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
