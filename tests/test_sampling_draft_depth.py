@@ -33,17 +33,19 @@ def test_acceptance_and_tokens_per_step_from_run_lengths():
 
 
 def _explore(d, shape, cost_ms, hist):
-  """The first call: every k decoded on one prefill, K..0 then 0..K, each at `cost_ms[k]` per step (10 steps)."""
+  """The first call: every k decoded on one prefill, K..0 (untimed: each program's first run, here 10x slower),
+  then 0..K and K..0 at `cost_ms[k]` per step (10 steps)."""
   ks, why = d.pick(shape, lambda k: False)
-  assert why == "explore" and ks == [2, 1, 0, 0, 1, 2]
-  for k in ks:
-    d.record(k, shape, hist[k], cost_ms[k] * 1e-2, 10)
+  assert why == "explore" and ks == [2, 1, 0, 0, 1, 2, 2, 1, 0]
+  for i, k in enumerate(ks):
+    d.record(k, shape, hist[k], cost_ms[k] * 1e-2 * (10 if i < 3 else 1), 10)
   assert d.settle()
 
 
 def test_explores_every_depth_on_the_first_call_then_takes_the_most_tokens_per_second():
   d = DraftDepth(max_k=2, probe_every=3)
-  # Acceptance a = (0.8, 0.625) over the k = 2 runs (10 row-steps each), nothing new from k = 1: E = 1, 1.8, 2.3.
+  # Acceptance a = (0.8, 0.625) over the k = 2 runs (10 row-steps each, all three counted), nothing new from k = 1:
+  # E = 1, 1.8, 2.3.
   _explore(d, "s", {0: 1.0, 1: 1.4, 2: 2.2}, {0: None, 1: np.array([0, 0]), 2: np.array([2, 3, 5])})
   np.testing.assert_allclose(d.acceptance(), [0.8, 0.625])
   # tokens/s per row: k=0 1 / 1.0 ms = 1000; k=1 1.8 / 1.4 ms = 1286; k=2 2.3 / 2.2 ms = 1045 -> k = 1.
@@ -72,11 +74,11 @@ def test_probes_only_shapes_where_other_depths_are_compiled_and_switches_with_hy
     d.record(2, "s", None, d2 * 10, 10)
   np.testing.assert_allclose(d.relative_rate(2, 1), 1.03, rtol=1e-9)
   assert not d.settle() and d.chosen == 1
-  # The drafts get better: 400 more row-steps accepting both drafts, a = (416 / 420, 410 / 416), so
+  # The drafts get better: 400 more row-steps accepting both drafts, a = (424 / 430, 415 / 424), so
   # E(2) / E(1) = (1 + a0 + a0 a1) / (1 + a0) and k = 2 beats k = 1 by more than the margin -> switch.
   for _ in range(40):
     d.record(2, "s", np.array([0, 0, 10]), None, 0)
-  a0, a1 = 416 / 420, 410 / 416
+  a0, a1 = 424 / 430, 415 / 424
   np.testing.assert_allclose(d.relative_rate(2, 1), (1 + a0 + a0 * a1) / (1 + a0) * 1.4e-3 / d2, rtol=1e-9)
   assert d.settle() and d.chosen == 2
 
@@ -143,10 +145,10 @@ def test_adaptive_engine_changes_k_between_calls_and_greedy_output_stays_plain(t
       np.testing.assert_array_equal(a.output_ids, b.output_ids)
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     ks.append(eng.last_stats["draft_tokens"])
-  # Call 1 decoded its prefill with k = 1, 0, 0, 1 and returned k = 1's output; then the choice runs, and every
-  # 2nd call probes the other k (compiled for this shape by the exploration).
-  chosen = eng.depth.chosen
-  assert ks == [1, chosen, 1 - chosen, chosen, 1 - chosen, chosen]
+  # Call 1 decoded its prefill with k = 1, 0, 0, 1, 1, 0 and returned k = 1's output; then the choice runs, and every
+  # 2nd call probes the other k than the one chosen (compiled for this shape by the exploration; a probe may switch
+  # the choice, timings on a busy CPU being close at this size).
+  assert ks[0] == 1 and ks[2] != ks[1] and ks[4] != ks[3]
   assert eng.compiles == 3                           # one prefill program for both k, one decode program per k
   assert eng.last_stats["compiles"] == 0 and eng.last_stats["decode_s"] > 0
   assert any(line.startswith("engine e: draft depth k=") for line in logged)

@@ -16,9 +16,10 @@ their cost ratios there).
 
 Every (k, shape) is its own compiled program, and compiles, not steps, dominated a short multi-turn run when every k
 was explored on every new shape. So the choice is one per engine, made once and then kept unless beaten:
-  * explore: the engine's first call runs its prefill once and then the decode of every k on it (K..0, then 0..K,
-    so load drifts cancel), each program compiled once on that shape; the call returns k = K's output (fixed before
-    anything ran, so the choice of output never depends on what was sampled);
+  * explore: the engine's first call runs its prefill once and then the decode of every k on it, each program
+    compiled once on that shape: K..0 untimed (a program's first run after its compile touches fresh memory), then
+    0..K and K..0 timed (so load drifts cancel); the call returns k = K's output (fixed before anything ran, so the
+    choice of output never depends on what was sampled);
   * then every call runs the chosen k, compiling only what an engine fixed at that k compiles;
   * probe: every `probe_every`-th call whose shape has another k compiled runs that k instead (the others in turn),
     so the acceptance of deeper drafts (it moves with the policy) and the other costs stay measured without a
@@ -50,6 +51,7 @@ class DraftDepth:
     self._window = window
     self._probe_due = 0                           # calls that could probe since the last probe
     self._probes = 0
+    self._untimed: set[int] = set()               # depths whose next run is their first after compiling
     self.chosen: int | None = None                # None until the first call's exploration is recorded
     self.explored_shape: Hashable | None = None
 
@@ -79,8 +81,8 @@ class DraftDepth:
     the engine's first call), 'probe' (another k already compiled for `shape`) or 'best'."""
     if self.chosen is None:
       down = list(range(self.max_k, -1, -1))
-      self.explored_shape = shape
-      return down + down[::-1], "explore"
+      self.explored_shape, self._untimed = shape, set(down)
+      return down + down[::-1] + down, "explore"
     others = [k for k in range(self.max_k + 1) if k != self.chosen and compiled(k)]
     if others:
       self._probe_due += 1
@@ -99,7 +101,9 @@ class DraftDepth:
       reached = h[::-1].cumsum()[::-1]           # row-steps with n >= j
       self.tried[:k] += reached[:k]
       self.passed[:k] += reached[1:k + 1]
-    if seconds is not None and steps > 0:
+    if k in self._untimed:
+      self._untimed.discard(k)
+    elif seconds is not None and steps > 0:
       self._costs.setdefault((k, shape), collections.deque(maxlen=self._window)).append(seconds / steps)
 
   def settle(self) -> bool:

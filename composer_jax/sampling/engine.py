@@ -174,7 +174,9 @@ class JaxEngine:
     self.depth = (DraftDepth(engine_cfg.draft_tokens, engine_cfg.draft_probe_every)
                   if engine_cfg.speculative and engine_cfg.adaptive_draft else None)
     self._programs: set[tuple] = set()
-    self.compiles, self.compile_s = 0, 0.0   # programs this engine compiled, and the seconds that took
+    # programs this engine met first, and the seconds compiling them took (jax's in-process cache may already hold
+    # one that another engine of the same model compiled: then it costs ~0 s)
+    self.compiles, self.compile_s = 0, 0.0
 
   def update_weights(self, params: dict, policy_version: int) -> None:
     """Swaps in new weights (same structure and shapes; placed on the current weights' devices)."""
