@@ -152,9 +152,9 @@ def split_overhead(engine, calls: list, rounds: int) -> dict:
       if how == "one":
         jax.device_get(one_program(engine.params, batch, engine.cfg, Lo, k, **static))
       else:
-        (cache, logits, h, experts), _ = engine._program(engine_lib._prefill, (batch,), **static)
+        (cache, logits, h, experts), _, _ = engine._program(engine_lib._prefill, (batch,), **static)
         args = (batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None), cache, logits, h)
-        out, _ = engine._program(engine_lib._decode, args, max_len=Lo, draft_tokens=k)
+        out, _, _ = engine._program(engine_lib._decode, args, max_len=Lo, draft_tokens=k)
         jax.device_get(out._replace(prompt_experts_LmxUxPxK=experts))
       if r:
         times[(i, k, how)].append(time.perf_counter() - t0)
@@ -227,9 +227,9 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
       out[n]["timed_speedup_vs_k0"] = out[n]["timed_tokens_per_s"] / out["k0"]["timed_tokens_per_s"]
   depth = engines["adaptive"].depth
   out["adaptive_chose"], out["adaptive_log"] = depth.chosen, choices
-  # the decode step costs it measured on the shape it explored (every k compiled there), decode programs alone
-  out["adaptive_costs_ms"] = {str(k): depth.step_cost(k, depth.explored_shape) * 1e3 for k in range(3)
-                              if depth.step_cost(k, depth.explored_shape)}
+  # each k's decode tokens/s over the chosen k's, on the recent calls that decoded with both
+  out["adaptive_rates_vs_chosen"] = {str(k): depth.relative_rate(k, depth.chosen) for k in range(3)
+                                     if k != depth.chosen}
   out["acceptance_per_draft"] = depth.acceptance().tolist()
   out["split_overhead"] = split_overhead(engines["k2"], first_calls, rounds)
   out["episodes"], out["rounds_timed"], out["policy_version"] = len(tasks), rounds, version

@@ -17,76 +17,73 @@ from rollout.engines.protocol import GenerateRequest, SamplingParams
 def test_acceptance_and_tokens_per_step_from_run_lengths():
   d = DraftDepth(max_k=2)
   # 10 row-steps at k = 2: n = 0 twice, n = 1 three times, n = 2 five times.
-  d.record(2, "s", np.array([2, 3, 5]), None, 0)
+  d.record([(2, np.array([2, 3, 5]), 30, None)])
   # draft 0 reached 10 times, accepted 8; draft 1 reached 8 times, accepted 5.
   np.testing.assert_allclose(d.acceptance(), [0.8, 5 / 8])
   assert d.tokens_per_step(0) == 1.0
   np.testing.assert_allclose(d.tokens_per_step(1), 1.8)
   np.testing.assert_allclose(d.tokens_per_step(2), 1 + 0.8 + 0.8 * 5 / 8)   # = 1 + (8 + 5) / 10 accepted per step
-  # A k = 1 call adds to draft 0 only: 4 row-steps, 1 accepted.
-  d.record(1, "s", np.array([3, 1]), None, 0)
+  # A k = 1 run adds to draft 0 only: 4 row-steps, 1 accepted.
+  d.record([(1, np.array([3, 1]), 5, None), (0, None, 5, None)])
   np.testing.assert_allclose(d.acceptance(), [9 / 14, 5 / 8])
   d.new_policy()                                     # halving keeps the rates, weighs new counts double
   np.testing.assert_allclose(d.acceptance(), [9 / 14, 5 / 8])
-  d.record(1, "s", np.array([7, 0]), None, 0)
+  d.record([(1, np.array([7, 0]), 7, None)])
   np.testing.assert_allclose(d.acceptance()[0], 4.5 / 14)
 
 
-def _explore(d, shape, cost_ms, hist):
-  """The first call: every k decoded on one prefill, K..0 (untimed: each program's first run, here 10x slower),
-  then 0..K and K..0 at `cost_ms[k]` per step (10 steps)."""
-  ks, why = d.pick(shape, lambda k: False)
-  assert why == "explore" and ks == [2, 1, 0, 0, 1, 2, 2, 1, 0]
-  for i, k in enumerate(ks):
-    d.record(k, shape, hist[k], cost_ms[k] * 1e-2 * (10 if i < 3 else 1), 10)
-  assert d.settle()
+def _runs(ks, seconds, tokens=100):
+  return [(k, None, tokens, seconds[k]) for k in ks]
 
 
-def test_explores_every_depth_on_the_first_call_then_takes_the_most_tokens_per_second():
-  d = DraftDepth(max_k=2, probe_every=3)
-  # Acceptance a = (0.8, 0.625) over the k = 2 runs (10 row-steps each, all three counted), nothing new from k = 1:
-  # E = 1, 1.8, 2.3.
-  _explore(d, "s", {0: 1.0, 1: 1.4, 2: 2.2}, {0: None, 1: np.array([0, 0]), 2: np.array([2, 3, 5])})
-  np.testing.assert_allclose(d.acceptance(), [0.8, 0.625])
-  # tokens/s per row: k=0 1 / 1.0 ms = 1000; k=1 1.8 / 1.4 ms = 1286; k=2 2.3 / 2.2 ms = 1045 -> k = 1.
-  assert d.chosen == 1 and d.explored_shape == "s"
-  np.testing.assert_allclose(d.relative_rate(2, 1), (2.3 / 2.2) / (1.8 / 1.4))
-  np.testing.assert_allclose(d.step_cost(1, "s"), 1.4e-3)
-  assert d.step_cost(1, "t") is None                 # costs are per decode shape
-  assert "k=1: 1.80 tok/step, 1.40 ms/step, 1286 tok/s/row" in d.describe("s")
+def test_explores_every_depth_on_paired_calls_then_takes_the_most_tokens_per_second():
+  d = DraftDepth(max_k=2, explore_calls=3)
+  # Explore: every call decodes with every k, the returned one (first) in turn; a run just compiled is untimed.
+  ks, why = d.pick(lambda k: False)
+  assert (ks, why) == ([1, 2, 0], "explore")
+  d.record([(1, None, 100, None), (2, None, 100, None), (0, None, 100, None)])   # all compiled: no pair
+  assert not d.settle() and d.chosen is None
+  ks, _ = d.pick(lambda k: True)
+  assert ks == [2, 0, 1]
+  d.record(_runs(ks, {0: 1.0, 1: 0.5, 2: 0.8}))      # 100 tokens each: 100, 200, 125 tokens/s
+  assert not d.settle()                              # 2 of 3 exploring calls
+  ks, _ = d.pick(lambda k: True)
+  assert ks == [0, 1, 2]
+  d.record([(0, None, 300, 2.0), (1, None, 240, 1.0), (2, None, 200, 1.0)])
+  # Pooled over both timed calls: k=0 400 / 3.0 s, k=1 340 / 1.5 s, k=2 300 / 1.8 s -> k = 1 (against k = 2: 1.36).
+  np.testing.assert_allclose(d.rate(1, 2), (340 / 1.5, 300 / 1.8))
+  np.testing.assert_allclose(d.relative_rate(0, 2), (400 / 3.0) / (300 / 1.8))
+  assert d.settle() and d.chosen == 1
+  assert "k=0: 1.00 tok/step, 133 tok/s vs 227 for k=1" in d.describe()
 
 
-def test_probes_only_shapes_where_other_depths_are_compiled_and_switches_with_hysteresis():
-  d = DraftDepth(max_k=2, probe_every=2, margin=0.05)
-  _explore(d, "s", {0: 1.0, 1: 1.4, 2: 2.2}, {0: None, 1: np.array([0, 0]), 2: np.array([2, 3, 5])})
-  compiled_on_s = lambda k: True                     # noqa: E731  every k was compiled on "s" by the exploration
-  only_chosen = lambda k: k == 1                     # noqa: E731  a shape met after it: only the chosen k compiled
-  # A shape where only k = 1 exists never probes (a probe there would compile); on "s" every 2nd call probes,
-  # the other depths in turn.
-  got = [d.pick("t", only_chosen) for _ in range(5)]
-  assert got == [([1], "best")] * 5
-  got = [d.pick("s", compiled_on_s) for _ in range(4)]
-  assert got == [([1], "best"), ([2], "probe"), ([1], "best"), ([0], "probe")]
-  # k = 2's steps get cheaper, to 3% more tokens/s than k = 1: (2.3 / 1.8) · 1.4 ms / d2 = 1.03. Within the
-  # margin, the choice stays (the window of 8 runs now holds only the new cost).
-  d2 = 2.3 / 1.8 * 1.4e-3 / 1.03
-  for _ in range(8):
-    d.record(2, "s", None, d2 * 10, 10)
-  np.testing.assert_allclose(d.relative_rate(2, 1), 1.03, rtol=1e-9)
+def test_probes_pair_the_chosen_depth_with_a_compiled_one_and_switch_with_hysteresis():
+  d = DraftDepth(max_k=2, probe_every=2, explore_calls=1, window=4, margin=0.1)
+  d.pick(lambda k: True)
+  d.record(_runs([1, 2, 0], {0: 1.0, 1: 0.5, 2: 0.8}))
+  assert d.settle() and d.chosen == 1
+  only_chosen = lambda k: k == 1                     # noqa: E731  a shape where only the chosen k is compiled
+  # Such a shape never probes (a probe there would compile); where the others exist every 2nd call probes, paired
+  # with the chosen k (first: its output is returned), the others in turn.
+  assert [d.pick(only_chosen) for _ in range(3)] == [([1], "best")] * 3
+  assert [d.pick(lambda k: True) for _ in range(4)] == [([1], "best"), ([1, 2], "probe"), ([1], "best"),
+                                                        ([1, 0], "probe")]
+  # k = 2 gets 5% faster than k = 1 on the last 4 paired calls (the window): within the margin, no switch.
+  for _ in range(4):
+    d.record(_runs([1, 2], {1: 1.05, 2: 1.0}))
+  np.testing.assert_allclose(d.relative_rate(2, 1), 1.05)
   assert not d.settle() and d.chosen == 1
-  # The drafts get better: 400 more row-steps accepting both drafts, a = (424 / 430, 415 / 424), so
-  # E(2) / E(1) = (1 + a0 + a0 a1) / (1 + a0) and k = 2 beats k = 1 by more than the margin -> switch.
-  for _ in range(40):
-    d.record(2, "s", np.array([0, 0, 10]), None, 0)
-  a0, a1 = 424 / 430, 415 / 424
-  np.testing.assert_allclose(d.relative_rate(2, 1), (1 + a0 + a0 * a1) / (1 + a0) * 1.4e-3 / d2, rtol=1e-9)
+  # 20% faster: switch.
+  for _ in range(4):
+    d.record(_runs([1, 2], {1: 1.2, 2: 1.0}))
   assert d.settle() and d.chosen == 2
 
 
-def test_a_first_exploration_where_no_depth_beats_the_largest_keeps_it():
-  d = DraftDepth(max_k=2)
-  _explore(d, "s", {0: 1.0, 1: 1.0, 2: 1.0}, {0: None, 1: np.array([5, 5]), 2: np.array([0, 0, 10])})
-  assert d.chosen == 2
+def test_a_depth_never_timed_beside_another_leaves_the_largest():
+  d = DraftDepth(max_k=2, explore_calls=1)
+  d.pick(lambda k: False)
+  d.record([(k, None, 100, None) for k in (1, 2, 0)])
+  assert d.settle() and d.chosen == 2
 
 
 def test_version_log_lines_and_metrics(tmp_path):
@@ -137,7 +134,7 @@ def test_adaptive_engine_changes_k_between_calls_and_greedy_output_stays_plain(t
   plain = JaxEngine(params, CFG, ecfg).generate(reqs)
   logged = []
   eng = JaxEngine(params, CFG, dataclasses.replace(ecfg, speculative=True, draft_tokens=1, adaptive_draft=True,
-                                                   draft_probe_every=2),
+                                                   draft_probe_every=2, draft_explore_calls=2),
                   stats_path=str(tmp_path / "e.jsonl"), name="e", log_fn=logged.append)
   ks = []
   for _ in range(6):
@@ -145,10 +142,9 @@ def test_adaptive_engine_changes_k_between_calls_and_greedy_output_stays_plain(t
       np.testing.assert_array_equal(a.output_ids, b.output_ids)
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     ks.append(eng.last_stats["draft_tokens"])
-  # Call 1 decoded its prefill with k = 1, 0, 0, 1, 1, 0 and returned k = 1's output; then the choice runs, and every
-  # 2nd call probes the other k than the one chosen (compiled for this shape by the exploration; a probe may switch
-  # the choice, timings on a busy CPU being close at this size).
-  assert ks[0] == 1 and ks[2] != ks[1] and ks[4] != ks[3]
+  # Calls 1-2 decode their prefill with both k, returning k = 1's output, then k = 0's; then the choice runs, and
+  # every 2nd call also decodes with the other k (compiled for this shape by the exploration).
+  assert ks[:2] == [1, 0] and eng.depth.probes == 2  # calls 4 and 6 probed
   assert eng.compiles == 3                           # one prefill program for both k, one decode program per k
   assert eng.last_stats["compiles"] == 0 and eng.last_stats["decode_s"] > 0
   assert any(line.startswith("engine e: draft depth k=") for line in logged)
@@ -159,5 +155,5 @@ def test_adaptive_engine_changes_k_between_calls_and_greedy_output_stays_plain(t
 
 
 def test_adaptive_draft_needs_speculative_settings():
-  with pytest.raises(ValueError, match="max_k >= 1"):
+  with pytest.raises(ValueError, match="max_k, probe_every and explore_calls >= 1"):
     DraftDepth(max_k=0)

@@ -60,11 +60,12 @@ class EngineConfig:
     speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
     draft_tokens: drafts per speculative step (module 0 chained on its own output after the first); with
       `adaptive_draft` the most the engine may choose.
-    adaptive_draft: the engine runs the k in 0..draft_tokens (0: plain decoding) with the most tokens per second by
-      its measured acceptance and decode step cost, chosen once on its first call (which decodes with every k) and
-      changed only when another k is clearly faster (`draft_depth.py`); the choice is logged when it changes.
-    draft_probe_every: with `adaptive_draft`, every this many calls whose shapes have other depths compiled run one
-      of those instead, so the acceptance of deeper drafts and the other costs keep being measured without compiles.
+    adaptive_draft: the engine runs the k in 0..draft_tokens (0: plain decoding) whose decode programs emitted the
+      most tokens per second on the same calls, chosen after its first `draft_explore_calls` calls (each decodes
+      with every k) and changed only when another k is clearly faster (`draft_depth.py`); logged when it changes.
+    draft_probe_every: with `adaptive_draft`, every this many calls whose shapes have other depths compiled also
+      decode with one of those, so the rates keep being measured as the policy moves, without compiles.
+    draft_explore_calls: with `adaptive_draft`, how many first calls decode with every k before the choice.
     max_batch: most rows per compiled call (larger requests are split).
     min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
       batch so every call reuses one compiled program.
@@ -86,7 +87,8 @@ class EngineConfig:
   speculative: bool = False
   draft_tokens: int = 1
   adaptive_draft: bool = False
-  draft_probe_every: int = 8
+  draft_probe_every: int = 32
+  draft_explore_calls: int = 8
   max_batch: int = 64
   min_batch_bucket: int = 1
   min_prompt_bucket: int = 16
@@ -171,7 +173,7 @@ class JaxEngine:
     self.last_stats: dict[str, int] = {}
     self.log_fn = log_fn
     self.version_log = VersionLog(stats_path, name, log_fn)
-    self.depth = (DraftDepth(engine_cfg.draft_tokens, engine_cfg.draft_probe_every)
+    self.depth = (DraftDepth(engine_cfg.draft_tokens, engine_cfg.draft_probe_every, engine_cfg.draft_explore_calls)
                   if engine_cfg.speculative and engine_cfg.adaptive_draft else None)
     self._programs: set[tuple] = set()
     # programs this engine met first, and the seconds compiling them took (jax's in-process cache may already hold
@@ -222,12 +224,14 @@ class JaxEngine:
     self.version_log.flush()
 
   def _program(self, fn, args: tuple, **static):
-    """Runs the jitted `fn(self.params, *args, cfg=self.cfg, **static)` → (its outputs, ready, and the seconds they
-    took). A program met for the first time is compiled ahead (`lower().compile()`, which fills jit's own cache)
-    and counted in `compiles` / `compile_s`, so the seconds returned never include a compile."""
+    """Runs the jitted `fn(self.params, *args, cfg=self.cfg, **static)` → (its outputs, ready, the seconds they
+    took, whether it was compiled for this run). A program met for the first time is compiled ahead
+    (`lower().compile()`, which fills jit's own cache) and counted in `compiles` / `compile_s`, so the seconds
+    returned never include a compile."""
     key = _key(fn, args, **static)
+    fresh = key not in self._programs
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      if key not in self._programs:
+      if fresh:
         t0 = time.perf_counter()
         fn.lower(self.params, *args, cfg=self.cfg, **static).compile()
         self.compile_s += time.perf_counter() - t0
@@ -235,7 +239,7 @@ class JaxEngine:
         self._programs.add(key)
       t0 = time.perf_counter()
       out = jax.block_until_ready(fn(self.params, *args, cfg=self.cfg, **static))
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, fresh
 
   def prefill_static(self, P: int, Lo: int, window: int) -> dict:
     """`_prefill`'s static arguments for a call of prompt width P, output bucket Lo and prefill window: the
@@ -342,25 +346,24 @@ class JaxEngine:
     batch = batch._replace(**placement_lib.rows(per_row, self.mesh, self.placement))
     P = batch.prompts_UxP.shape[1]
     compiles, compile_s = self.compiles, self.compile_s
-    (cache, logits_BxV, h_BxHxD, prompt_experts), prefill_s = self._program(
+    (cache, logits_BxV, h_BxHxD, prompt_experts), prefill_s, _ = self._program(
         _prefill, (batch,), **self.prefill_static(P, Lo, window))
     args = (batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None), cache, logits_BxV, h_BxHxD)
-    shape = (Lo, _shapes(args))
-    ks, why = self._pick_draft_tokens(shape, args, Lo)
+    ks, why = self._pick_draft_tokens(args, Lo)
     runs = [(k, *self._program(_decode, args, max_len=Lo, draft_tokens=k)) for k in ks]
-    (k, out, _), decode_s = runs[0], sum(s for _, _, s in runs)
+    (k, out, _, _), decode_s = runs[0], sum(s for _, _, s, _ in runs)
     out = jax.device_get(out._replace(prompt_experts_LmxUxPxK=prompt_experts,
                                       cache=out.cache if self.engine_cfg.prefix_cache_bytes else None))
     self.last_stats.update(prefill_s=prefill_s, decode_s=decode_s, compiles=self.compiles - compiles,
                            compile_s=self.compile_s - compile_s)
     self._record(requests, out, k, prefill_s + decode_s)
     if self.depth is not None:
-      for kk, o, seconds in runs:
-        stats = jax.device_get(o.stats)
-        self.depth.record(kk, shape, stats.get("accept_hist"), seconds, int(stats["steps"]))
+      n = len(requests)
+      self.depth.record([(kk, jax.device_get(o.stats.get("accept_hist")), int(np.asarray(o.length_B)[:n].sum()),
+                          None if fresh else seconds) for kk, o, seconds, fresh in runs])
       if self.depth.settle() and self.log_fn is not None:
         self.log_fn(f"engine {self.version_log.engine}: draft depth k={self.depth.chosen} after {why} "
-                    f"({self.depth.describe(shape)})")
+                    f"({self.depth.describe()})")
     rows_B = np.asarray(batch.row_prompt_B)
     if self.engine_cfg.prefix_cache_bytes:
       self._keep(requests, out, rows_B, P, k)
@@ -380,12 +383,12 @@ class JaxEngine:
                                     else np.asarray(out.entropies_BxLo[b, :n], np.float32)))
     return results
 
-  def _pick_draft_tokens(self, shape, args: tuple, Lo: int) -> tuple[list[int], str]:
+  def _pick_draft_tokens(self, args: tuple, Lo: int) -> tuple[list[int], str]:
     """The depths this call decodes with (the first one's output is returned) and why: the configured k, or
     `depth`'s choice, exploring or probing only where `depth` says (`draft_depth.py`)."""
     if self.depth is None:
       return [self._draft_tokens], "fixed"
-    return self.depth.pick(shape, lambda k: _key(_decode, args, max_len=Lo, draft_tokens=k) in self._programs)
+    return self.depth.pick(lambda k: _key(_decode, args, max_len=Lo, draft_tokens=k) in self._programs)
 
   def _record(self, requests: list[GenerateRequest], out: Output, k: int, seconds: float) -> None:
     """`last_stats` and the version log of a finished call (`seconds`: its programs' run time, compiles
