@@ -12,10 +12,10 @@ Sections, each a key of the JSON object printed as the last line:
 - `train_small`: the `small` config's LM train step (bf16, the trainer's jitted step with explicit shardings)
   tokens/s, and MFU against the H200's 989 TFLOP/s bf16 dense peak (model FLOPs: `train_step.model_flops_per_step`).
 - `decode`: the embedded engine's greedy decode tokens/s at batch 1 and 32, plain and MTP speculative
-  (1 draft token), and their ratio; and the adaptive engine (k chosen in 0..2 from its measured acceptance and step
-  cost, `sampling/draft_depth.py`): its tokens/s, ratio, the k it chose and tokens per trunk forward. The MTP heads
-  are random unless `--pretrain_workdir` gives trained params, and
-  `mtp_heads` says which: random heads accept few drafts, so that speedup measures the machinery, not MTP.
+  (1 draft token), and their ratio; and the adaptive engine (k chosen in 0..2 from each k's decode tokens/s on the
+  same calls, `sampling/draft_depth.py`): its tokens/s, ratio, the k it chose and tokens per trunk forward. The MTP
+  heads are random unless `--pretrain_workdir` gives trained params, and `mtp_heads` says which: random heads
+  accept few drafts, so that speedup measures the machinery, not MTP.
 - `ep_ragged`: the dropless expert-parallel MoE layer (`lax.ragged_all_to_all`, which XLA:CPU lacks) run on a
   one-device mesh, against the dense one-hot reference (`experts.experts_dense`). `--dry` swaps in the padded
   all-to-all reference exchange.
@@ -133,10 +133,10 @@ def decode(dry: bool, repeats: int, workdir: str | None) -> dict:
     engines = {"plain": JaxEngine(params, cfg, ecfg),
                "mtp": JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True, draft_tokens=1)),
                "adaptive": JaxEngine(params, cfg, dataclasses.replace(ecfg, speculative=True, draft_tokens=2,
-                                                                      adaptive_draft=True))}
+                                                                      adaptive_draft=True, draft_explore_calls=2))}
     prompts = rb._prompts(cfg, b, prompt_len, seed=b)
-    for _ in range(3):   # the adaptive engine times k = 2, 0, 1 (a compile and a timed call each) before it chooses
-      rb.jax_decode(engines["adaptive"], prompts, tokens, 1)
+    for _ in range(2):   # the adaptive engine's 2 exploring calls decode with every k (the first compiles), then it
+      rb.jax_decode(engines["adaptive"], prompts, tokens, 1)   # chooses; later calls run its choice
     best = {name: 0.0 for name in engines}
     for _ in range(repeats):
       for name, e in engines.items():

@@ -26,9 +26,12 @@ and T=1, per level), the figure the recipe's recorded runs are compared on.
 `decode` runs episodes of held-out tasks through the harness with the final policy of `stopped` seed 0 (the start
 while RL has not finished): engines with k = 0 (plain), k adaptive (0..2) and k fixed at 1 and 2, alternating over
 `--rounds` rounds after one warm-up round each (compiles), timing the seconds inside `generate` per episode (compiles
-of programs first met in a timed round included) and the tokens per second of the calls that compiled nothing (the
-rate of an engine that has met its programs, as an RL run's engines soon have); tokens per trunk forward from the
-engines' counts.
+of programs first met in a timed round included, and counted per round) and the tokens per second of the calls'
+programs with compiles left out (the rate of an engine that has met its programs, as an RL run's engines soon have);
+tokens per trunk forward from the engines' counts. Then the split's own cost: the engine runs a call as two programs
+(prefill, then decode, so the decode is timed alone); the same two composed into one program, as the engine ran a
+call before, on the first two calls of the episodes (a full prefill, then a window over reused rows), k = 0, 1, 2,
+alternated over `--rounds` rounds after a warm-up, medians.
 
 `report` writes experiments/results/mtp_rl.json and experiments/results/mtp_rl.png (from that JSON) from whatever
 the runs have reached (an arm still running: its steps so far, `finished` false); its last line is one JSON object.
@@ -104,6 +107,68 @@ def decode(recipe: str, workdir: str, episodes: int, rounds: int) -> dict:
     return _decode(cfg, params, version, run.tokenizer, run.heldout, run.envs, rounds, workdir)
 
 
+def _recording(engine, calls: list, n: int):
+  """`engine` with the requests of its first `n` calls appended to `calls`."""
+  inner = engine.generate
+
+  def generate(requests):
+    if len(calls) < n:
+      calls.append(list(requests))
+    return inner(requests)
+  engine.generate = generate
+  return engine
+
+
+def split_overhead(engine, calls: list, rounds: int) -> dict:
+  """Seconds per call of the engine's two programs (prefill, then decode, each run to completion) against the same
+  two composed into one program, on `calls` in order (each after the previous one's output entered the prefix cache,
+  so later calls prefill windows), for every k up to the engine's: medians over `rounds` alternated rounds after a
+  warm-up (compiles)."""
+  import functools
+
+  import jax
+
+  from composer_jax.sampling import engine as engine_lib
+
+  @functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens", "slots", "window", "hidden"))
+  def one_program(params, batch, cfg, max_len, draft_tokens, slots, window, hidden):
+    cache, logits, h, experts = engine_lib._prefill(params, batch, cfg, slots, window, hidden)
+    out = engine_lib._decode(params, batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None), cache, logits,
+                             h, cfg, max_len, draft_tokens)
+    return out._replace(prompt_experts_LmxUxPxK=experts)
+
+  batches = []
+  engine.prefix_cache.clear()
+  for requests in calls:
+    batch, Lo, window = engine._batch(requests)
+    batches.append((batch, Lo, engine.prefill_static(batch.prompts_UxP.shape[1], Lo, window)))
+    engine.generate(requests)
+  ks = range(engine._draft_tokens + 1)
+  times = {(i, k, how): [] for i in range(len(batches)) for k in ks for how in ("one", "two")}
+  for r in range(rounds + 1):
+    for (i, k, how) in (list(times) if r % 2 == 0 else list(times)[::-1]):
+      batch, Lo, static = batches[i]
+      t0 = time.perf_counter()
+      if how == "one":
+        jax.device_get(one_program(engine.params, batch, engine.cfg, Lo, k, **static))
+      else:
+        (cache, logits, h, experts), _, _ = engine._program(engine_lib._prefill, (batch,), **static)
+        args = (batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None), cache, logits, h)
+        out, _, _ = engine._program(engine_lib._decode, args, max_len=Lo, draft_tokens=k)
+        jax.device_get(out._replace(prompt_experts_LmxUxPxK=experts))
+      if r:
+        times[(i, k, how)].append(time.perf_counter() - t0)
+  out = {}
+  for i, (_, _, static) in enumerate(batches):
+    for k in ks:
+      one, two = (statistics.median(times[(i, k, how)]) for how in ("one", "two"))
+      out[f"call{i}_window{static['window']}_k{k}"] = {"one_program_s": one, "two_programs_s": two,
+                                                        "two_over_one": two / one}
+  out["median_two_over_one"] = statistics.median(v["two_over_one"] for v in out.values())
+  out["rounds"], out["load_avg"] = rounds, os.getloadavg()
+  return out
+
+
 def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
   import dataclasses
 
@@ -118,13 +183,18 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
               "adaptive": base,
               "k1": dataclasses.replace(base, adaptive_draft=False, draft_tokens=1),
               "k2": dataclasses.replace(base, adaptive_draft=False, draft_tokens=2)}
-  engines = {n: _timed(JaxEngine(params, cfg.model, e, policy_version=version)) for n, e in variants.items()}
+  choices: list[str] = []
+  engines = {n: _timed(JaxEngine(params, cfg.model, e, policy_version=version, name=n, log_fn=choices.append))
+             for n, e in variants.items()}
+  first_calls: list = []
+  _recording(engines["k0"], first_calls, 2)
   per = {n: [] for n in engines}
   for r in range(rounds + 1):
     order = list(engines) if r % 2 == 0 else list(engines)[::-1]
     for n in order:
       e = engines[n]
       e.seconds, e.version_log.current = 0.0, None
+      compiles, compile_s = e.compiles, e.compile_s
       trajs = harness.run_episodes(e, tok, tasks, envs, cfg.harness)
       line = e.version_log.current or {}
       if r == 0:
@@ -132,7 +202,8 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
       gen = sum(int(np.sum(s["gen_mask_T"])) for t in trajs for s in t.to_dict()["segments"])
       sampled = line.get("sampled", {})
       per[n].append({"s_per_episode": e.seconds / len(tasks), "tokens": gen,
-                     # calls that compiled nothing: the rate of an engine that has compiled its programs
+                     "compiles": e.compiles - compiles, "compile_s": e.compile_s - compile_s,
+                     # the calls' programs without their compiles: the rate of an engine that has compiled them
                      "timed_tokens_per_s": (line["timed_tokens"] / line["decode_s"] if line.get("decode_s")
                                             else None),
                      "tokens_per_forward": ((sampled.get("row_steps", 0) + sampled.get("accepted", 0))
@@ -148,17 +219,21 @@ def _decode(cfg, params, version, tok, tasks, envs, rounds, workdir) -> dict:
               "timed_tokens_per_s": statistics.median(timed) if timed else None,
               "tokens_per_episode": med("tokens") / len(tasks), "solved": med("solved"),
               "acceptance": statistics.median([r["acceptance"] for r in rows if r["acceptance"] is not None] or [0.0]),
-              "k_calls": rows[-1]["k_calls"], "rounds": rows}
+              "k_calls": rows[-1]["k_calls"], "compiles_timed_rounds": sum(r["compiles"] for r in rows),
+              "compiles": engines[n].compiles, "compile_s": engines[n].compile_s, "rounds": rows}
   for n in engines:
     out[n]["speedup_vs_k0"] = out["k0"]["s_per_episode"] / out[n]["s_per_episode"]
     if out[n]["timed_tokens_per_s"] and out["k0"]["timed_tokens_per_s"]:
       out[n]["timed_speedup_vs_k0"] = out[n]["timed_tokens_per_s"] / out["k0"]["timed_tokens_per_s"]
-  out["adaptive_chose"] = engines["adaptive"].depth.chosen
-  out["adaptive_costs_ms"] = {str(k): engines["adaptive"].depth.step_cost(k, base.min_batch_bucket) * 1e3
-                              for k in range(3) if engines["adaptive"].depth.step_cost(k, base.min_batch_bucket)}
-  out["adaptive_prefill_us_per_token"] = engines["adaptive"].depth.prefill_cost(base.min_batch_bucket) * 1e6
-  out["acceptance_per_draft"] = engines["adaptive"].depth.acceptance().tolist()
+  depth = engines["adaptive"].depth
+  out["adaptive_chose"], out["adaptive_log"] = depth.chosen, choices
+  # each k's decode tokens/s over the chosen k's, on the recent calls that decoded with both
+  out["adaptive_rates_vs_chosen"] = {str(k): depth.relative_rate(k, depth.chosen) for k in range(3)
+                                     if k != depth.chosen}
+  out["acceptance_per_draft"] = depth.acceptance().tolist()
+  out["split_overhead"] = split_overhead(engines["k2"], first_calls, rounds)
   out["episodes"], out["rounds_timed"], out["policy_version"] = len(tasks), rounds, version
+  out["load_avg_end"] = os.getloadavg()
   with open(os.path.join(workdir, "decode.json"), "w") as f:
     json.dump(out, f, indent=1)
   return out

@@ -123,14 +123,21 @@ def test_weight_update_empties_the_cache_and_the_bound_holds(params):
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
-def test_window_prefill_lowers_for_cuda(params, speculative):
-  """The prefill over reused rows (a window narrower than the prompt) lowers for GPU, not only for this CPU."""
+def test_window_prefill_and_decode_lower_for_cuda(params, speculative):
+  """The prefill over reused rows (a window narrower than the prompt) and the decode program after it lower for GPU,
+  not only for this CPU."""
   from composer_jax.sampling import engine as engine_lib
   engine = JaxEngine(params, CFG, dataclasses.replace(ECFG, speculative=speculative))
   reqs = [GenerateRequest((1, 2, 3, 4, 5, 6, 7, 8, 9), _sampling(i)) for i in range(2)]
   results = engine.generate(reqs)
   batch, Lo, window = engine._batch(_next_turn(reqs, results, np.random.default_rng(0), 1))
-  assert 0 < window < batch.prompts_UxP.shape[1]
-  lowered = engine_lib._run.trace(engine.params, batch, engine.cfg, Lo, engine._draft_tokens, window).lower(
-      lowering_platforms=("cuda",))
+  P, k = batch.prompts_UxP.shape[1], engine._draft_tokens
+  assert 0 < window < P
+  static = dict(cfg=engine.cfg, **engine.prefill_static(P, Lo, window))
+  prefill = engine_lib._prefill.trace(engine.params, batch, **static)
+  assert prefill.lower(lowering_platforms=("cuda",)).as_text()
+  cache, logits, h, _ = jax.eval_shape(lambda: engine_lib._prefill(engine.params, batch, **static))
+  decode_batch = batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None)
+  lowered = engine_lib._decode.trace(engine.params, decode_batch, cache, logits, h, cfg=engine.cfg, max_len=Lo,
+                                     draft_tokens=k).lower(lowering_platforms=("cuda",))
   assert "while" in lowered.as_text()

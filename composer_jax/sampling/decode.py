@@ -1,7 +1,9 @@
-"""Jitted batched generation: prefill each unique prompt once, copy its cache to its samples, decode in a
-`lax.while_loop` that stops when every row has finished (stop token or its own max_tokens).
+"""Batched generation in two programs: `prefill` each unique prompt once and copy its cache to its samples, then
+`decode` in a `lax.while_loop` that stops when every row has finished (stop token or its own max_tokens). The engine
+jits them apart (`engine.py`), so a call's decode time is measured alone and one prefill program serves every draft
+depth of a speculative engine (`speculative.decode_speculative` continues the same prefill).
 
-All shapes are fixed per (U, P, B, Lo) bucket, so a new batch of the same bucket reuses the compiled program.
+All shapes are fixed per (U, P, B, Lo) bucket, so a new batch of the same bucket reuses the compiled programs.
 Row b samples from prompt `row_prompt_B[b]`; the while loop keeps feeding tokens until each row's last output
 token has itself been fed through the model, so its routed experts are recorded too.
 
@@ -47,7 +49,7 @@ class Output(NamedTuple):
   logprobs_BxLo: jax.Array     # policy logprob of each token (sampler.policy_logprobs)
   experts_BxLoxLmxK: jax.Array
   length_B: jax.Array
-  prompt_experts_LmxUxPxK: jax.Array
+  prompt_experts_LmxUxPxK: jax.Array | None   # from the prefill (the decode programs return None here)
   stats: dict                 # decode steps; speculative: drafted, accepted (scalars), accept_hist [k + 1]
   cache: dict                 # the final cache [.., B, S, ..] (split layers): row b's slots up to its last fed
                               # token hold its prompt's and outputs' rows (what the prefix cache keeps)
@@ -111,13 +113,14 @@ def _out_buffers(B: int, Lo: int, cfg: ModelConfig, extra: int = EXTRA):
           jnp.zeros((B, Lo + extra, n_moe, cfg.num_experts_per_tok), jnp.int32))
 
 
-def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, window: int = 0) -> Output:
-  """Plain (non-speculative) batched generation of up to `max_len` tokens per row (jit with cfg, max_len, window
-  static; `window`: see `prefill`)."""
+def decode(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, cache: dict, logits_BxV: jax.Array
+           ) -> Output:
+  """Plain (non-speculative) decoding of up to `max_len` tokens per row after `prefill` (its cache of >= P + max_len
+  + EXTRA slots and last logits; jit with cfg and max_len static). `Output.prompt_experts_LmxUxPxK` is None (the
+  prefill's)."""
   U, P = batch.prompts_UxP.shape
   B, Lo = batch.row_prompt_B.shape[0], max_len
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  cache, logits_BxV, _, prompt_experts = prefill(params, batch, cfg, P + Lo + EXTRA, window=window)
   pad_B = batch.pad_U[batch.row_prompt_B]
   params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
@@ -150,4 +153,4 @@ def generate(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, window:
   state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, ents, routes, batch.max_tokens_B.astype(jnp.int32))
   i, _, cache, toks, lps, ents, routes, end_B = greedy_or_sampled(batch, cond, body, state)
   stats = {"steps": i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
-  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats, cache, ents[:, :Lo])
+  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, None, stats, cache, ents[:, :Lo])

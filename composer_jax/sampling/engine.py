@@ -12,6 +12,11 @@ only its last `window` prompt slots run (a power of two >= its longest uncached 
 Speculative decoding (`EngineConfig.speculative`) drafts with the engine's own MTP weights, swapped with the trunk's;
 with `adaptive_draft` every call runs the draft depth k in 0..draft_tokens that the engine's measurements favour
 (`draft_depth.py`), and each policy version's acceptance is logged (`spec_log.py`).
+
+A call runs as two programs, `_prefill` then `_decode`: the decode program is timed alone (what the draft-depth
+choice needs), and a speculative engine's prefill does not depend on k (its cache and kept hiddens fit the largest),
+so every k shares it. Every program is compiled ahead the first time its shapes are met, so the times the engine
+records never include a compile (`compiles` / `compile_s` count those).
 """
 from __future__ import annotations
 
@@ -33,11 +38,11 @@ from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import placement as placement_lib
-from composer_jax.sampling.decode import Batch, Output, generate
+from composer_jax.sampling.decode import EXTRA, Batch, Output, decode, prefill
 from composer_jax.sampling.draft_depth import DraftDepth
 from composer_jax.sampling.prefix_cache import Entry, PrefixCache
 from composer_jax.sampling.spec_log import VersionLog
-from composer_jax.sampling.speculative import generate_speculative
+from composer_jax.sampling.speculative import decode_speculative, slack
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from rollout.evaluation.result_cache import code_fingerprint
 
@@ -55,10 +60,12 @@ class EngineConfig:
     speculative: draft with MTP module 0 and verify (needs a model with MTP modules).
     draft_tokens: drafts per speculative step (module 0 chained on its own output after the first); with
       `adaptive_draft` the most the engine may choose.
-    adaptive_draft: each call runs the k in 0..draft_tokens (0: plain decoding) with the most tokens per second by
-      the engine's measured acceptance and step cost (`draft_depth.py`); the choice is logged when it changes.
-    draft_probe_every: with `adaptive_draft`, run k = draft_tokens every this many calls when a smaller k is chosen,
-      so the acceptance keeps being measured as the policy moves.
+    adaptive_draft: the engine runs the k in 0..draft_tokens (0: plain decoding) whose decode programs emitted the
+      most tokens per second on the same calls, chosen after its first `draft_explore_calls` calls (each decodes
+      with every k) and changed only when another k is clearly faster (`draft_depth.py`); logged when it changes.
+    draft_probe_every: with `adaptive_draft`, every this many calls whose shapes have other depths compiled also
+      decode with one of those, so the rates keep being measured as the policy moves, without compiles.
+    draft_explore_calls: with `adaptive_draft`, how many first calls decode with every k before the choice.
     max_batch: most rows per compiled call (larger requests are split).
     min_batch_bucket: smallest row count (and unique-prompt count) a call is padded to; set it to the usual
       batch so every call reuses one compiled program.
@@ -80,7 +87,8 @@ class EngineConfig:
   speculative: bool = False
   draft_tokens: int = 1
   adaptive_draft: bool = False
-  draft_probe_every: int = 8
+  draft_probe_every: int = 32
+  draft_explore_calls: int = 8
   max_batch: int = 64
   min_batch_bucket: int = 1
   min_prompt_bucket: int = 16
@@ -104,14 +112,39 @@ def generation_moe_impl(cfg: ModelConfig, choice: str, platform: str | None = No
   return "ragged" if impl == "capacity" else impl
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens", "window"))
-def _run(params, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int, window: int) -> Output:
-  """draft_tokens = 0: plain decoding; window = 0: prefill from scratch (see `decode.prefill`)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "slots", "window", "hidden"))
+def _prefill(params, batch: Batch, cfg: ModelConfig, slots: int, window: int, hidden: int):
+  """The prefill program → (cache of `slots` slots, last logits [B, V], the trunk hiddens of the last `hidden` prompt
+  slots [B, hidden, D] (hidden = 0: plain decoding only, no MTP module run, None), prompt experts); window = 0:
+  from scratch (see `decode.prefill`). It does not depend on the draft depth, so it serves every k."""
+  if hidden and 0 < window < hidden:
+    raise ValueError(f"a prefill window of {window} slots is narrower than the {hidden} hiddens speculation reads")
   if cfg.moe_impl == "dense":
-    params = with_dense_layout(params)   # the dense path's weight layout, once per call rather than per step
+    params = with_dense_layout(params)   # the dense path's weight layout, once per program rather than per step
+  cache, logits_BxV, h_BxLxD, experts = prefill(params, batch, cfg, slots, mtp=hidden > 0, window=window)
+  return cache, logits_BxV, h_BxLxD[:, -hidden:] if hidden else None, experts
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "draft_tokens"))
+def _decode(params, batch: Batch, cache: dict, logits_BxV, h_BxHxD, cfg: ModelConfig, max_len: int,
+            draft_tokens: int) -> Output:
+  """The decode program after `_prefill` (draft_tokens = 0: plain decoding)."""
+  if cfg.moe_impl == "dense":
+    params = with_dense_layout(params)
   if draft_tokens:
-    return generate_speculative(params, batch, cfg, max_len, draft_tokens, window)
-  return generate(params, batch, cfg, max_len, window)
+    return decode_speculative(params, batch, cfg, max_len, draft_tokens, cache, logits_BxV, h_BxHxD)
+  return decode(params, batch, cfg, max_len, cache, logits_BxV)
+
+
+def _shapes(tree) -> tuple:
+  """What a program's arguments contribute to its compile key: their tree structure, shapes and dtypes."""
+  return jax.tree.structure(tree), tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(tree))
+
+
+def _key(fn, args: tuple, **static) -> tuple:
+  """A program's compile key within one engine (its params and cfg are fixed): the function, its static
+  arguments and the shapes of the others."""
+  return fn.__name__, tuple(static.items()), _shapes(args)
 
 
 class JaxEngine:
@@ -140,9 +173,12 @@ class JaxEngine:
     self.last_stats: dict[str, int] = {}
     self.log_fn = log_fn
     self.version_log = VersionLog(stats_path, name, log_fn)
-    self.depth = (DraftDepth(engine_cfg.draft_tokens, engine_cfg.draft_probe_every)
+    self.depth = (DraftDepth(engine_cfg.draft_tokens, engine_cfg.draft_probe_every, engine_cfg.draft_explore_calls)
                   if engine_cfg.speculative and engine_cfg.adaptive_draft else None)
-    self._compiled: set[tuple] = set()
+    self._programs: set[tuple] = set()
+    # programs this engine met first, and the seconds compiling them took (jax's in-process cache may already hold
+    # one that another engine of the same model compiled: then it costs ~0 s)
+    self.compiles, self.compile_s = 0, 0.0
 
   def update_weights(self, params: dict, policy_version: int) -> None:
     """Swaps in new weights (same structure and shapes; placed on the current weights' devices)."""
@@ -187,26 +223,39 @@ class JaxEngine:
     """Writes the served version's speculative counts (`version_log`)."""
     self.version_log.flush()
 
-  def _pick_draft_tokens(self, rows: int) -> int:
-    """This call's k: fixed by the config, or chosen by `depth` (logged when the choice changes)."""
-    if self.depth is None:
-      return self._draft_tokens
-    before = self.depth.chosen
-    k, why = self.depth.pick(rows)
-    if self.log_fn is not None and why == "best" and k != before:
-      self.log_fn(f"engine {self.version_log.engine}: draft depth k={k} for {rows} rows ({self.depth.describe(rows)})")
-    return k
+  def _program(self, fn, args: tuple, **static):
+    """Runs the jitted `fn(self.params, *args, cfg=self.cfg, **static)` → (its outputs, ready, the seconds they
+    took, whether it was compiled for this run). A program met for the first time is compiled ahead
+    (`lower().compile()`, which fills jit's own cache) and counted in `compiles` / `compile_s`, so the seconds
+    returned never include a compile."""
+    key = _key(fn, args, **static)
+    fresh = key not in self._programs
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      if fresh:
+        t0 = time.perf_counter()
+        fn.lower(self.params, *args, cfg=self.cfg, **static).compile()
+        self.compile_s += time.perf_counter() - t0
+        self.compiles += 1
+        self._programs.add(key)
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(fn(self.params, *args, cfg=self.cfg, **static))
+    return out, time.perf_counter() - t0, fresh
+
+  def prefill_static(self, P: int, Lo: int, window: int) -> dict:
+    """`_prefill`'s static arguments for a call of prompt width P, output bucket Lo and prefill window: the
+    cache's slots and the hiddens kept fit the largest k, so any k can decode after it."""
+    K = self._draft_tokens
+    return dict(slots=P + Lo + (slack(K) if K else EXTRA), window=window, hidden=K + 1 if K else 0)
 
   @property
   def _draft_tokens(self) -> int:
     """The configured drafts per step (0: plain); an adaptive engine picks each call's k up to it."""
     return self.engine_cfg.draft_tokens if self.engine_cfg.speculative else 0
 
-  def _batch(self, requests: list[GenerateRequest], draft_tokens: int | None = None) -> tuple[Batch, int, int]:
-    """(device batch, output bucket, prefill window (0: from scratch)) for a call drafting `draft_tokens` per step
-    (default: the configured number)."""
+  def _batch(self, requests: list[GenerateRequest]) -> tuple[Batch, int, int]:
+    """(device batch, output bucket, prefill window (0: from scratch)). The window and the reused rows are those
+    of the configured (largest) draft depth whatever k the call then runs, so every k shares the prefill."""
     cfg, ecfg = self.cfg, self.engine_cfg
-    draft_tokens = self._draft_tokens if draft_tokens is None else draft_tokens
     for r in requests:
       if not r.prompt_ids:
         raise ValueError(f"request {r.request_id!r} has an empty prompt")
@@ -234,7 +283,7 @@ class JaxEngine:
     self._calls += 1
     own = np.random.default_rng([self.engine_cfg.seed, self._calls]).integers(0, 2**32, size=B, dtype=np.uint64)
     seeds = np.array([own[b] if sp.seed is None else sp.seed % 2**32 for b, sp in enumerate(params)], np.uint32)
-    window, prefix_cache, prefix_experts = self._reuse(list(uniq), prompts, pad, draft_tokens)
+    window, prefix_cache, prefix_experts = self._reuse(list(uniq), prompts, pad, self._draft_tokens)
     batch = Batch(prompts_UxP=jnp.asarray(prompts), pad_U=jnp.asarray(pad),
                   row_prompt_B=jnp.asarray(rows + [0] * (B - len(requests)), jnp.int32),
                   temperature_B=jnp.asarray([sp.temperature for sp in params], jnp.float32),
@@ -292,21 +341,32 @@ class JaxEngine:
                                      rows, experts.astype(np.int32), max(0, m + n - W) if W > 1 else 0))
 
   def _generate_chunk(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    k = self._pick_draft_tokens(bucket(len(requests), self.engine_cfg.min_batch_bucket))
-    batch, Lo, window = self._batch(requests, k)
-    program = (k, Lo, window, batch.prompts_UxP.shape, batch.row_prompt_B.shape)
+    batch, Lo, window = self._batch(requests)
     per_row = {f: v for f, v in batch._asdict().items() if not f.startswith("prefix")}
     batch = batch._replace(**placement_lib.rows(per_row, self.mesh, self.placement))
-    t0 = time.perf_counter()
-    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      out = _run(self.params, batch, self.cfg, Lo, k, window)
-    out = jax.device_get(out if self.engine_cfg.prefix_cache_bytes else out._replace(cache=None))
-    seconds = time.perf_counter() - t0
-    self._record(requests, out, k, seconds if program in self._compiled else None)
-    self._compiled.add(program)
+    P = batch.prompts_UxP.shape[1]
+    compiles, compile_s = self.compiles, self.compile_s
+    (cache, logits_BxV, h_BxHxD, prompt_experts), prefill_s, _ = self._program(
+        _prefill, (batch,), **self.prefill_static(P, Lo, window))
+    args = (batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None), cache, logits_BxV, h_BxHxD)
+    ks, why = self._pick_draft_tokens(args, Lo)
+    runs = [(k, *self._program(_decode, args, max_len=Lo, draft_tokens=k)) for k in ks]
+    (k, out, _, _), decode_s = runs[0], sum(s for _, _, s, _ in runs)
+    out = jax.device_get(out._replace(prompt_experts_LmxUxPxK=prompt_experts,
+                                      cache=out.cache if self.engine_cfg.prefix_cache_bytes else None))
+    self.last_stats.update(prefill_s=prefill_s, decode_s=decode_s, compiles=self.compiles - compiles,
+                           compile_s=self.compile_s - compile_s)
+    self._record(requests, out, k, prefill_s + decode_s)
+    if self.depth is not None:
+      n = len(requests)
+      self.depth.record([(kk, jax.device_get(o.stats.get("accept_hist")), int(np.asarray(o.length_B)[:n].sum()),
+                          None if fresh else seconds) for kk, o, seconds, fresh in runs])
+      if self.depth.settle() and self.log_fn is not None:
+        self.log_fn(f"engine {self.version_log.engine}: draft depth k={self.depth.chosen} after {why} "
+                    f"({self.depth.describe()})")
     rows_B = np.asarray(batch.row_prompt_B)
     if self.engine_cfg.prefix_cache_bytes:
-      self._keep(requests, out, rows_B, batch.prompts_UxP.shape[1], k)
+      self._keep(requests, out, rows_B, P, k)
     results = []
     for b, r in enumerate(requests):
       n = int(out.length_B[b])
@@ -323,18 +383,22 @@ class JaxEngine:
                                     else np.asarray(out.entropies_BxLo[b, :n], np.float32)))
     return results
 
-  def _record(self, requests: list[GenerateRequest], out: Output, k: int, timed_s: float | None) -> None:
-    """`last_stats` and the version log of a finished call; the draft-depth chooser's measurements."""
+  def _pick_draft_tokens(self, args: tuple, Lo: int) -> tuple[list[int], str]:
+    """The depths this call decodes with (the first one's output is returned) and why: the configured k, or
+    `depth`'s choice, exploring or probing only where `depth` says (`draft_depth.py`)."""
+    if self.depth is None:
+      return [self._draft_tokens], "fixed"
+    return self.depth.pick(lambda k: _key(_decode, args, max_len=Lo, draft_tokens=k) in self._programs)
+
+  def _record(self, requests: list[GenerateRequest], out: Output, k: int, seconds: float) -> None:
+    """`last_stats` and the version log of a finished call (`seconds`: its programs' run time, compiles
+    excluded)."""
     hist = out.stats.get("accept_hist")
-    steps = int(out.stats["steps"])
     self.last_stats.update({n: int(v) for n, v in out.stats.items() if n != "accept_hist"}, draft_tokens=k)
     tokens = int(np.asarray(out.length_B)[:len(requests)].sum())
     self.version_log.add(self.policy_version, all(r.params.temperature <= 0 for r in requests), k,
                          self.last_stats["drafted"], self.last_stats["accepted"],
-                         int(hist.sum()) if hist is not None else 0, tokens, timed_s)
-    if self.depth is not None:
-      prefill = self.last_stats["prefill_window"] * out.prompt_experts_LmxUxPxK.shape[1]
-      self.depth.record(k, out.tokens_BxLo.shape[0], hist, timed_s, steps, prefill)
+                         int(hist.sum()) if hist is not None else 0, tokens, seconds)
 
 
 def sample(params: dict, prompts: Sequence[Sequence[int]], cfg: ModelConfig, *, max_tokens: int = 64,

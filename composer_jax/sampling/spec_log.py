@@ -13,7 +13,7 @@ the engine moves to new weights (or is closed) it appends the finished version's
 `VersionLogReader.metrics()` reads the lines appended since its last call (every engine's file), sums them per
 version and returns the newest version's as `spec/*` metrics: acceptance (accepted / drafted), tokens per trunk
 forward ((row_steps + accepted) / row_steps over speculative calls) for sampled and greedy calls, the mean k, and
-tokens per second of the calls that were timed (a call that compiled is not). Older versions' lines read in the
+tokens per second of the calls' programs (compiles left out). Older versions' lines read in the
 same call (a slow worker's) stay in the files only.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class VersionLog:
 
   def add(self, version: int, greedy: bool, k: int, drafted: int, accepted: int, row_steps: int, tokens: int,
           seconds: float | None) -> None:
-    """One call of `version`; `seconds` its wall time, None when it compiled."""
+    """One call of `version`; `seconds` the run time of its programs without compiles (None: not timed)."""
     if self.current is not None and self.current["version"] != version:
       self.flush()
     if self.current is None:

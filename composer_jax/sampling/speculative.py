@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from composer_jax.model.config import ModelConfig
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import sampler
-from composer_jax.sampling.decode import Batch, Output, _first_token, _out_buffers, greedy_or_sampled, is_stop, prefill
+from composer_jax.sampling.decode import Batch, Output, _first_token, _out_buffers, greedy_or_sampled, is_stop
 
 DRAFT, ACCEPT, FINAL = 1, 2, 3  # key streams (stream 0 draws plain tokens; FINAL the residual-or-bonus token)
 
@@ -121,21 +121,26 @@ def _end_at_stops(end_B, fed_BxW, n_B, idx_B, active_B, stop_BxZ):
   return end_B
 
 
-def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int = 1,
-                         window: int = 0) -> Output:
-  """Like `decode.generate`, drafting `draft_tokens` tokens per step with MTP module 0 (needs MTP modules).
+def slack(draft_tokens: int) -> int:
+  """Cache and output-buffer slots past P + Lo a speculative step may write: W tokens past a row's pointer, which
+  is < Lo while the row is active."""
+  return draft_tokens + 2
 
-  `window` (see `decode.prefill`) must be 0 or >= draft_tokens + 1: the first step's module-0 window needs the
-  trunk hiddens of the last draft_tokens + 1 prompt slots."""
+
+def decode_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, draft_tokens: int, cache: dict,
+                       logits_BxV: jax.Array, h_BxHxD: jax.Array) -> Output:
+  """Like `decode.decode`, drafting `draft_tokens` tokens per step with MTP module 0 (needs MTP modules), after a
+  `prefill` with `mtp=True` into >= P + max_len + slack(draft_tokens) slots; `h_BxHxD` holds the trunk hiddens of
+  the last H >= draft_tokens + 1 prompt slots (the first step's module-0 window reads the last draft_tokens + 1), so
+  one prefill serves every k up to H - 1."""
   k, W = draft_tokens, draft_tokens + 1
   _, P = batch.prompts_UxP.shape
   _check(params, cfg, k, P)
-  if 0 < window < W:
-    raise ValueError(f"a prefill window of {window} slots is narrower than draft_tokens + 1 = {W}")
+  if h_BxHxD.shape[1] < W:
+    raise ValueError(f"the prefill kept the hiddens of {h_BxHxD.shape[1]} slots, fewer than draft_tokens + 1 = {W}")
   B, Lo = batch.row_prompt_B.shape[0], max_len
-  extra = W + 1  # a step writes W tokens past a row's pointer, which is < Lo while the row is active
+  extra = slack(k)
   keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  cache, logits_BxV, h_BxLxD, prompt_experts = prefill(params, batch, cfg, P + Lo + extra, mtp=True, window=window)
   pad_B = batch.pad_U[batch.row_prompt_B]
   params, cache = cm.split_layers(params), cm.split_layers(cache)
   tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
@@ -188,11 +193,11 @@ def generate_speculative(params: dict, batch: Batch, cfg: ModelConfig, max_len: 
 
   z = jnp.zeros((), jnp.int32)
   tok_BxW = jnp.concatenate([batch.prompts_UxP[batch.row_prompt_B][:, P - k:], tok_B[:, None]], 1)
-  state = (jnp.full((B,), P, jnp.int32), h_BxLxD[:, -W:], tok_BxW, cache, toks, lps, routes,
+  state = (jnp.full((B,), P, jnp.int32), h_BxHxD[:, -W:], tok_BxW, cache, toks, lps, routes,
            jnp.zeros((k + 1,), jnp.int32), z, batch.max_tokens_B.astype(jnp.int32))
   state = greedy_or_sampled(batch, cond, body, state)
   _, _, _, cache, toks, lps, routes, hist, steps, end_B = state
   # hist[n]: row-steps that accepted n drafts in a row (its sum: the rows' trunk forwards).
   stats = {"steps": steps, "drafted": k * hist.sum(), "accepted": (jnp.arange(k + 1) * hist).sum(),
            "accept_hist": hist}
-  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, prompt_experts, stats, cache)
+  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, None, stats, cache)
