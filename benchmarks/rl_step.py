@@ -77,7 +77,7 @@ def rl_runner(cfg, params, batch, rl_cfg):
   ref = jax.tree.map(jnp.copy, params)
   bsh = placement.batch_shardings(mesh)
   batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, bsh)
-  fn = placement.make_rl_step(cfg, rl_cfg, opt, shardings, bsh, p_shard)
+  fn = rl_step.make_rl_step(cfg, rl_cfg, opt, shardings, bsh, p_shard)
 
   def one():
     box[0], box[1] = fn(box[0], batch, ref)

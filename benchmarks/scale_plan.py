@@ -8,7 +8,7 @@ r"""Training steps compiled (never run) for H200 clusters, at full depth: memory
 For each stage (`STAGES`: 32k pretraining, the 256k long-context extension with ring attention, an RL batch, and
 8k/32k rows for the 16B shape) and each mesh of the variant's `PLANS` entry, a separate process with that many
 fake CPU devices (`--xla_force_host_platform_device_count`, set before jax is imported) builds the real step with
-the project's public functions (`train.step.make_train_step`, `rl.placement.make_rl_step`; params from
+the project's public functions (`train.step.make_train_step`, `rl.step.make_rl_step`; params from
 `model.shardings`, the AdamW of `train.optim`), lowers it on abstract inputs carrying their shardings and compiles
 it: **the program a GPU would run** — every layer, `lax.scan` over each stack (`scan_layers=True`; unrolled
 layers let XLA:CPU schedule the recomputation early, so remat saved nothing), remat as the stage names it

@@ -171,7 +171,7 @@ def build_case(variant: str, stage: Stage, axes: dict[str, int], n_moe_layers: i
     case["fn"] = step_lib.make_train_step(cfg, TrainConfig(), optimizer, s_shard, b_shard, rules)
     case["args"], case["module"] = (case["state"], case["batch"]), "jit_train_step"
   else:
-    # The run's own builder (`rl.placement.build_step`, as `rl.trainer.Trainer` calls it): one RL step program.
+    # The run's own builder (`rl.placement.build_step`: the placement and jit of `start_rl_step`): one RL step program.
     step = placement.build_step(cfg, RL_CONFIG(), mesh, rules, rows=(rows,), length=stage.seq)
     case["batch"], b_shard = _rl_batch(mesh, rules, rows, stage.seq, cfg)
     case["state"], case["optimizer"] = step.abstract_state(), step.optimizer

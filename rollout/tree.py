@@ -238,37 +238,3 @@ def shared_tokens(tree: Tree, i: int, j: int, segment: int) -> int | None:
     raise ValueError(f"leaves {i} and {j} are at one path {node_name(tree.paths[i])}")
   s, o = tree.starts[i][c]
   return None if segment < s else o if segment == s else 0
-
-
-def row_pieces(trajectories: Sequence[dict], rows: Sequence[tuple[int, int]], length: int,
-               tree: Tree | None = None) -> list[list[tuple[int, int]]]:
-  """How a tree group's rows (`group_rows`) are stored with each shared prefix once: pieces of rows, each laid
-  out as one packed sequence, as (index into `rows`, first token offset it stores) per member.
-
-  The rows of one segment index go in path order: the first member of a piece stores its whole segment, each next
-  one only its tokens after the prefix it shares with the member before it (in path order that is the longest
-  prefix it shares with any earlier member, and every shorter one is a prefix of it). A piece is cut where the
-  next member would take it past `length` tokens; that member starts a piece of its own, its prefix repeated.
-  """
-  tree = tree or build(trajectories)
-  by_segment: dict[int, list[int]] = {}
-  for k, (_, si) in enumerate(rows):
-    by_segment.setdefault(si, []).append(k)
-  out = []
-  for si, ks in sorted(by_segment.items()):
-    ks.sort(key=lambda k: tree.paths[rows[k][0]])
-    piece, used = [], 0
-    for k in ks:
-      T = len(trajectories[rows[k][0]]["segments"][si]["tokens_T"])
-      start = 0
-      if piece:
-        before = rows[piece[-1][0]][0]
-        shared = shared_tokens(tree, before, rows[k][0], si)
-        start = min(T, len(trajectories[before]["segments"][si]["tokens_T"]), T if shared is None else shared)
-      if piece and used + T - start > length:
-        out.append(piece)
-        piece, used, start = [], 0, 0
-      piece.append((k, start))
-      used += T - start
-    out.append(piece)
-  return out

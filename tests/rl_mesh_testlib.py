@@ -58,9 +58,8 @@ def train(workdir: str, steps: int, mesh, rules, kill_at: int = 0) -> Trainer:
   """Trains (or resumes) to `steps`; process 0 appends each step's metrics to `workdir/steps.jsonl`."""
   cfg = run_config(workdir, steps)
   ref = model.init(jax.random.key(0), cfg.model, mesh, rules)   # the warm start, as the run loads it: on the mesh
-  trainer = Trainer(placement.build_rl_step(cfg, mesh, rules), placement.batch_config(cfg),
-                    ref, cfg.workdir, cfg.rollout.staleness,
-                    log_fn=lambda s: None)
+  trainer = Trainer(placement.start_rl_step(cfg, mesh, rules, ref), placement.batch_config(cfg), cfg.workdir,
+                    cfg.rollout.staleness, log_fn=lambda s: None)
   for step_no in range(trainer.start + 1, steps + 1):
     groups = sources.take_groups(trainer.consumer, cfg, step_no - 1) if trainer.primary else None
     m = trainer.step(step_no, groups)

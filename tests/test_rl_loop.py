@@ -13,6 +13,7 @@ from composer_jax import configs
 from composer_jax.rl import loop
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
+from composer_jax.train import metrics as metrics_lib
 from experiments.configs import rl as rl_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def test_sync_loop_trains_on_fresh_groups_only(tmp_path):
     assert k in m[-1]
   assert int(out["last"]["step"]) == 2 and (tmp_path / "reward.png").exists()
   # The length penalty is on in every variant, so its term is plotted beside the others that fired.
-  assert all(r["reward/length"] < 0 for r in m) and "reward/length" in loop.penalty_terms(m)
+  assert all(r["reward/length"] < 0 for r in m) and "reward/length" in metrics_lib.penalty_terms(m)
   assert (tmp_path / "reward_terms.png").exists()
 
 

@@ -308,8 +308,8 @@ def test_a_curriculum_trains_its_levels_first_then_every_level_from_there(tmp_pa
 
 
 def test_a_warm_start_resumes_after_its_last_finished_stage(tmp_path, monkeypatch):
-  """A finished stage is loaded, not redone: after the curriculum's first stage the SFT on every level continues from
-  its params (the init checkpoint is not loaded again); after the last stage the start is its params."""
+  """A finished stage is not redone: after the curriculum's first stage the SFT on every level continues from its
+  exported params (not the init checkpoint's); after the last stage the start is its params, loaded."""
   d = rl_configs.get_config("colab")
   d.tasks.levels, d.sft.demo_accuracy = (1, 2), 1.0
   d.sft.update(curriculum_levels=(1,), curriculum_steps=7, steps=5, init_checkpoint="/init")
@@ -321,8 +321,8 @@ def test_a_warm_start_resumes_after_its_last_finished_stage(tmp_path, monkeypatc
   run = setup.Run(None, [], [], [], None, str(tmp_path), False, None, ShardingRules())
   os.makedirs(tmp_path / "sft_curriculum" / "params")
   assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == "params of sft"
-  assert loaded == [str(tmp_path / "sft_curriculum")]
-  assert trained == [(str(tmp_path / "sft"), f"loaded {tmp_path / 'sft_curriculum'}")]
+  assert loaded == []   # the stage loads the params it starts from (`run_sft`)
+  assert trained == [(str(tmp_path / "sft"), str(tmp_path / "sft_curriculum"))]
   os.makedirs(tmp_path / "sft" / "params")
   assert warmstart.warm_start(cfg.sft_plan, run, log_fn=lambda s: None) == f"loaded {tmp_path / 'sft'}"
   assert len(trained) == 1

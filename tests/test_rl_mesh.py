@@ -20,6 +20,7 @@ from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.parallel.rules import ShardingRules, use_rules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import placement
+from composer_jax.rl import step as rl_step_lib
 from composer_jax.rl.config import RLConfig
 from composer_jax.train import loop as train_loop
 from tests import tree_testlib as tl
@@ -124,8 +125,7 @@ def test_the_step_is_traced_under_its_own_rules():
   ref = state.params
 
   def lowered(rules_arg, ambient):
-    fn = placement.make_rl_step(CFG, RLConfig(), step.optimizer, step.state, step.batch, step.params,
-                                  rules_arg)
+    fn = rl_step_lib.make_rl_step(CFG, RLConfig(), step.optimizer, step.state, step.batch, step.params, rules_arg)
     with use_rules(ambient), jax.set_mesh(mesh):
       return fn.lower(state, batch, ref).as_text()
 

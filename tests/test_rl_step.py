@@ -155,7 +155,7 @@ def test_sharded_rl_step_raises_the_logprob_of_rewarded_samples(setup):
   bsh = placement.batch_shardings(mesh)
   batch = jax.device_put(batch, bsh)
   ref = jax.device_put(params, p_shard)      # the reference is the starting policy
-  step = placement.make_rl_step(CFG, rl_step_lib.RLConfig(), optimizer, shardings, bsh, p_shard)
+  step = rl_step_lib.make_rl_step(CFG, rl_step_lib.RLConfig(), optimizer, shardings, bsh, p_shard)
   gen = np.asarray(batch["gen_mask"])
   before = (np.asarray(lp8) * gen).sum(1)
   with compile_testlib.lowerings() as first:

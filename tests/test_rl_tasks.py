@@ -137,9 +137,10 @@ def test_the_readmes_task_file_command_runs_end_to_end(tmp_path):
   assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
 
 
-def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_naming_the_flags():
+def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_naming_the_flags(tmp_path):
   """The issue's mined and SWE sets: `max_turn_tokens=48` cut the oracle's write_file of the gold patch, reported
-  minutes in as "the oracle failed 4 tasks: check the sandbox/grader". Now checked before the demonstrations."""
+  minutes in as "the oracle failed 4 tasks: check the sandbox/grader". Now checked before the demonstrations, where
+  the run's tokenizer is read (`setup.run_tokenizer`; here the one already in the workdir)."""
   from composer_jax.rl.config import RunInputError
   from composer_jax.train import tokenizer as tokenizer_lib
   from rollout.tasks.task import Environment, HiddenTests, Task
@@ -148,18 +149,20 @@ def test_a_repository_sets_oracle_that_does_not_fit_the_budgets_is_refused_namin
               tests=HiddenTests(command="pytest", fail_to_pass=("tests/test_calc.py::test_h",)),
               gold_patch=f"diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -0,0 +1,60 @@\n{body}")
   tok = tokenizer_lib.train_tokenizer([task.gold_patch], tokenizer_lib.TokenizerConfig(vocab_size=512))
-  colab = configs.from_dict(RunConfig, rl_configs.get_config("colab,tasks=file,set_file=x.json"), workdir="/tmp/x")
+  tokenizer_lib.save_tokenizer(tok, setup.tokenizer_dir(str(tmp_path)))
+  colab = configs.from_dict(RunConfig, rl_configs.get_config("colab,tasks=file,set_file=x.json"),
+                            workdir=str(tmp_path))
   small = configs.replace(colab, **{"harness.max_turn_tokens": 48, "harness.summary_max_tokens": 48,
                                     "harness.context_budget": 320})
   with pytest.raises(RunInputError, match=r"harness\.max_turn_tokens=48, harness\.context_budget=320; its gold "
                                           r"patches need (\d+) and (\d+)\): rerun with --config\.harness\."
                                           r"max_turn_tokens=\1 --config\.harness\.summary_max_tokens=\1 "
                                           r"--config\.harness\.context_budget=\2"):
-    setup.check_budgets(small, tok, [task])
+    setup.run_tokenizer(small, [task])
   need = max(budget_lib.oracle_turn_tokens(task, tok))
   assert 48 < need <= colab.harness.max_turn_tokens   # rl.py's budgets for repository sources hold this one
-  setup.check_budgets(colab, tok, [task])
-  setup.check_budgets(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir="/tmp/x"), tok, [task])
+  setup.run_tokenizer(colab, [task])
+  setup.run_tokenizer(configs.from_dict(RunConfig, rl_configs.get_config("colab"), workdir=str(tmp_path)), [task])
 
 
 @pytest.mark.slow   # ~6 min on the loaded 2-core machine: mining, demonstrations, 20 SFT steps, 2 RL steps, 2 evals

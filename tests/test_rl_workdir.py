@@ -51,6 +51,29 @@ def test_a_resume_with_another_config_is_refused_naming_the_fields(tmp_path):
     pass
 
 
+def test_a_run_refused_for_its_input_leaves_the_stored_config_as_it_was(tmp_path, monkeypatch):
+  """The config is stored with the lock, before the run's input is checked: a refused fresh run removes it, a
+  refused resume (here one growing the run) puts the earlier run's back, so a fixed rerun is compared with that."""
+  from composer_jax.rl.config import RunInputError
+
+  def refused(cfg, mesh=None):
+    raise RunInputError("bad input")
+  cfg = _cfg(tmp_path)
+  real = setup.open_run
+  monkeypatch.setattr(setup, "open_run", refused)
+  with pytest.raises(RunInputError, match="bad input"), workdir_lib.claim(cfg):
+    pass
+  assert workdir_lib.stored_config(str(tmp_path)) is None
+  monkeypatch.setattr(setup, "open_run", real)
+  with workdir_lib.claim(cfg):
+    pass
+  monkeypatch.setattr(setup, "open_run", refused)
+  with pytest.raises(RunInputError, match="bad input"), workdir_lib.claim(configs.replace(cfg, **{"rl.steps": 9}),
+                                                                          allow=("rl.steps",)):
+    pass
+  assert workdir_lib.stored_config(str(tmp_path)) == cfg
+
+
 def test_another_model_is_refused_before_any_work(tmp_path, monkeypatch):
   """The issue's `rl.py:test` then `rl.py:colab` into one workdir: refused at once, not a restore traceback."""
   with workdir_lib.claim(_cfg(tmp_path)):

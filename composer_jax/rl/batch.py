@@ -36,7 +36,7 @@ unchanged.
 
 A prefix inside the segment where the branches start is, by default, repeated in each branch's row as context
 (attention separates whole sequences, `segment_ids`). With `share_prefix` it is stored once: a tree group's rows of
-one segment index are laid out as one packed sequence (`rollout.tree.row_pieces`: in path order, each leaf's row
+one segment index are laid out as one packed sequence (`row_pieces`: in path order, each leaf's row
 after the prefix it shares with the one before; cut into several where it would pass L), and three more fields
 say what each token sees and follows:
 
@@ -117,18 +117,56 @@ def field_shapes(rows: int, length: int, sequences: int, n_moe_layers: int, top_
 
 def pieces(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[list[tuple[int, int]]]:
   """The packed sequences a group's rows are stored as: a sequence each, or with `cfg.share_prefix` a tree
-  group's `rollout.tree.row_pieces` (members: (index into `group_rows`, first token offset stored))."""
+  group's `row_pieces` (members: (index into `group_rows`, first token offset stored))."""
   rows = tree_lib.group_rows(trajectories)
   if cfg is not None and cfg.share_prefix and tree_lib.is_tree_group(trajectories):
-    return tree_lib.row_pieces(trajectories, rows, cfg.length)
+    return row_pieces(trajectories, rows, cfg.length)
   return [[(k, 0)] for k in range(len(rows))]
+
+
+def row_pieces(trajectories: Sequence[dict], rows: Sequence[tuple[int, int]], length: int,
+               tree: tree_lib.Tree | None = None) -> list[list[tuple[int, int]]]:
+  """How a tree group's rows (`rollout.tree.group_rows`) are stored with each shared prefix once: pieces of rows,
+  each laid out as one packed sequence, as (index into `rows`, first token offset it stores) per member.
+
+  The rows of one segment index go in path order: the first member of a piece stores its whole segment, each next
+  one only its tokens after the prefix it shares with the member before it (in path order that is the longest
+  prefix it shares with any earlier member, and every shorter one is a prefix of it). A piece is cut where the
+  next member would take it past `length` tokens; that member starts a piece of its own, its prefix repeated.
+  """
+  tree = tree or tree_lib.build(trajectories)
+  by_segment: dict[int, list[int]] = {}
+  for k, (_, si) in enumerate(rows):
+    by_segment.setdefault(si, []).append(k)
+  out = []
+  for si, ks in sorted(by_segment.items()):
+    ks.sort(key=lambda k: tree.paths[rows[k][0]])
+    piece, used = [], 0
+    for k in ks:
+      T = len(trajectories[rows[k][0]]["segments"][si]["tokens_T"])
+      start = 0
+      if piece:
+        before = rows[piece[-1][0]][0]
+        shared = tree_lib.shared_tokens(tree, before, rows[k][0], si)
+        start = min(T, len(trajectories[before]["segments"][si]["tokens_T"]), T if shared is None else shared)
+      if piece and used + T - start > length:
+        out.append(piece)
+        piece, used, start = [], 0, 0
+      piece.append((k, start))
+      used += T - start
+    out.append(piece)
+  return out
 
 
 def segment_lengths(trajectories: Sequence[dict], cfg: BatchConfig | None = None) -> list[int]:
   """Tokens of each packed sequence a group contributes (`pieces`), in batch order."""
-  rows = tree_lib.group_rows(trajectories)
+  return _lengths(trajectories, tree_lib.group_rows(trajectories), pieces(trajectories, cfg))
+
+
+def _lengths(trajectories: Sequence[dict], rows: Sequence[tuple[int, int]], pieces_: Sequence) -> list[int]:
+  """Tokens of each of a group's `pieces_` (of its `rows`, `tree.group_rows`)."""
   seg_len = lambda k: len(trajectories[rows[k][0]]["segments"][rows[k][1]]["tokens_T"])  # noqa: E731
-  return [sum(seg_len(k) - start for k, start in piece) for piece in pieces(trajectories, cfg)]
+  return [sum(seg_len(k) - start for k, start in piece) for piece in pieces_]
 
 
 class Packer:
@@ -190,7 +228,8 @@ def make_batch(groups: Sequence[Sequence[dict]], cfg: BatchConfig, *, staleness:
           raise ValueError(f"task {traj.get('task_id')!r} segment {si} has {len(seg['tokens_T'])} tokens, more "
                            f"than the batch length {L}: raise the length or cap rollout contexts")
   group_pieces = [pieces(g, cfg) for g in groups]
-  places = _place(groups, cfg)   # (row, offset) of each piece, in batch order
+  # (row, offset) of each piece, in batch order
+  places = _place([_lengths(g, r, p) for g, r, p in zip(groups, rows, group_pieces, strict=True)], cfg)
   # R rows: pack_rows, or S for a lone group too large for them (the step's second compiled shape)
   R = cfg.pack_rows if cfg.pack_rows and all(r < cfg.pack_rows for r, _ in places) else S
   share = trees and cfg.share_prefix
@@ -281,10 +320,10 @@ def _write_piece(out: dict, group: Sequence[dict], rows: Sequence[tuple[int, int
     where_prev, o = where, o + T - start
 
 
-def _place(groups: Sequence[Sequence[dict]], cfg: BatchConfig) -> list[tuple[int, int]]:
-  """(row, offset) of every sequence: a row each unpacked; packed, `Packer` into `pack_rows` rows, or into S rows
-  when the step is one group too large for them (`take_groups` gives such a group a step of its own)."""
-  lengths = [segment_lengths(g, cfg) for g in groups]   # the pieces of `make_batch`, in its order
+def _place(lengths: Sequence[Sequence[int]], cfg: BatchConfig) -> list[tuple[int, int]]:
+  """(row, offset) of every sequence, given each group's piece lengths: a row each unpacked; packed, `Packer` into
+  `pack_rows` rows, or into S rows when the step is one group too large for them (`take_groups` gives such a group
+  a step of its own)."""
   n_pieces = sum(map(len, lengths))
   if not cfg.pack_rows:
     return [(i, 0) for i in range(n_pieces)]
@@ -297,7 +336,7 @@ def _place(groups: Sequence[Sequence[dict]], cfg: BatchConfig) -> list[tuple[int
       places += got
     else:
       return places
-  raise ValueError(f"{len(groups)} groups do not pack into {cfg.pack_rows} rows of {cfg.length} tokens; take the "
+  raise ValueError(f"{len(lengths)} groups do not pack into {cfg.pack_rows} rows of {cfg.length} tokens; take the "
                    "step's groups with rl.sources.take_groups (it checks each group with the same Packer)")
 
 

@@ -135,7 +135,7 @@ def reward_terms_by_quarter(workdir: str) -> dict[str, list[float]]:
   if not os.path.exists(path):
     return {}
   rows = metrics_lib.read_metrics(path)
-  return metrics_lib.part_means(rows, ["reward", "reward/task", *loop.penalty_terms(rows)])
+  return metrics_lib.part_means(rows, ["reward", "reward/task", *metrics_lib.penalty_terms(rows)])
 
 
 def earlier_rl_seconds(workdir: str, resumed_at: int) -> float:

@@ -3,8 +3,8 @@
 `train_rl(cfg, start, run)` runs (or resumes) one RL job in `cfg.workdir` from `start` (the warm start's params,
 also the frozen KL reference) with the run's tokenizer, pool and workspaces (`run`, `setup.open_run`):
 
-  rl_step = placement.build_rl_step(cfg, run.mesh, run.rules)   # checked, optimizer, shardings, jitted
-  trainer = Trainer(rl_step, ...)               # state restored or initialised, the queue consumer at its cursor
+  rl_start = placement.start_rl_step(cfg, run.mesh, run.rules, start)   # checked, optimizer, shardings, state, jit
+  trainer = Trainer(rl_start, ...)              # the applied log at its step, the queue consumer at its cursor
   publisher = publishers.make(cfg, ...)         # in place | weight files for workers | HF checkpoint + SGLang fleet
   source = sources.make(cfg, ..., run, ...)     # in-process (sync) | worker processes (async), via the queue
   for step: groups = source.next(policy_version); trainer.step(groups); publisher.publish(params, step); checkpoint
@@ -15,13 +15,13 @@ its own with `python -m composer_jax.rl.loop <workdir>` (it reads the workdir's 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Callable
 
 import jax
 
+from composer_jax.parallel import distributed
 from composer_jax.rl import placement, processes, publishers, setup, sources, warmstart
 from composer_jax.rl import workdir as workdir_lib
 from composer_jax.rl.config import RunConfig
@@ -43,17 +43,18 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
   """Runs (or resumes) the RL job of `cfg` to `cfg.rl.steps` from `start`; returns the final params, the last
   metrics and the step it resumed at (0 for a fresh run). The caller holds the workdir (`rl.workdir.claim`).
   Ctrl-C stops it after the step in flight, checkpointed (`train.interrupt.Interrupted`)."""
-  rl_step, batch_cfg = placement.build_rl_step(cfg, run.mesh, run.rules), placement.batch_config(cfg)
-  trainer = Trainer(rl_step, batch_cfg, start, cfg.workdir, cfg.rollout.staleness, log_fn)
   last: dict = {}
   with contextlib.ExitStack() as stack:
+    # Process 0 alone rolls out and logs; every process trains, publishes and checkpoints (`rl/processes.py`).
+    progress = stack.enter_context(_Progress(cfg.workdir, cfg.rl.steps, cfg.progress_bar, log_fn))
+    batch_cfg = placement.batch_config(cfg)
+    rl_start = placement.start_rl_step(cfg, run.mesh, run.rules, start)   # checked ... restored or fresh, jitted
+    trainer = Trainer(rl_start, batch_cfg, cfg.workdir, cfg.rollout.staleness, log_fn)
     stack.callback(trainer.close)
     publisher = publishers.make(cfg, trainer.params, trainer.start, log_fn)   # before the workers attach to it
     stack.callback(publisher.close)
-    # Process 0 alone rolls out and logs; every process trains, publishes and checkpoints (`rl/processes.py`).
     source = sources.make(cfg, publisher.engine, run, trainer.consumer, log_fn) if trainer.primary else None
     stack.callback(lambda: source and source.close())
-    progress = stack.enter_context(_Progress(cfg, trainer.start, log_fn, trainer.primary))
     engine_stats = VersionLogReader(publishers.engine_stats_dir(cfg))   # speculative decoding per policy version
     # Ctrl-C: one process stops after the step in flight (processes of a multi-process run would not agree on it).
     stop = stack.enter_context(interrupt.StopAtStep("RL", enabled=jax.process_count() == 1))
@@ -76,24 +77,27 @@ def train_rl(cfg: RunConfig, start, run: setup.Run, log_fn: Callable[[str], None
   # The final policy in workdir/weights whatever the publisher, so every RL workdir can be evaluated as one.
   processes.publish_weights(publishers.weights_dir(cfg), trainer.params, int(trainer.state.step), unless_latest=True)
   if trainer.primary:
-    _plot(cfg.workdir)
+    metrics_lib.plot_rewards(cfg.workdir)
   return {"params": trainer.params, "ref_params": trainer.ref_params, "last": last, "resumed_at": trainer.start}
 
 
 class _Progress:
-  """Metrics (workdir/metrics.jsonl + TensorBoard) and the progress bar, or a log line per step without one."""
+  """Metrics (workdir/metrics.jsonl + TensorBoard) and the progress bar (`bar`), or a log line per step without
+  one; process 0 alone logs. The bar starts at the first step logged (a resumed run's: after its checkpoint)."""
 
-  def __init__(self, cfg: RunConfig, start: int, log_fn, primary: bool = True):
-    self.writer, self.log_fn, self.bar = metrics_lib.MetricWriter(cfg.workdir) if primary else None, log_fn, None
-    if cfg.progress_bar and primary:
-      from tqdm import tqdm
-      self.bar = tqdm(total=cfg.rl.steps, initial=start, desc="rl", dynamic_ncols=True)
+  def __init__(self, workdir: str, steps: int, bar: bool, log_fn):
+    primary = distributed.is_primary()
+    self.writer, self.log_fn = metrics_lib.MetricWriter(workdir) if primary else None, log_fn
+    self.steps, self.show_bar, self.bar = steps, bar and primary, None
 
   def log(self, step_no: int, m: dict) -> dict:
     if self.writer is None:   # not process 0
       return {"step": step_no, **m}
     self.writer.write(step_no, m)
-    if self.bar is not None:
+    if self.show_bar:
+      if self.bar is None:
+        from tqdm import tqdm
+        self.bar = tqdm(total=self.steps, initial=step_no - 1, desc="rl", dynamic_ncols=True)
       self.bar.update(1)
       self.bar.set_postfix(reward=f"{m['reward']:.2f}", pass_rate=f"{m['pass_rate']:.2f}", kl=f"{m['kl']:.3f}")
     else:
@@ -109,29 +113,6 @@ class _Progress:
       self.writer.close()
     if self.bar is not None:
       self.bar.close()
-
-
-def penalty_terms(rows: list[dict]) -> list[str]:
-  """The reward's penalty terms (`reward/<term>` but the task's 0/1) that were nonzero at some step."""
-  keys = sorted({k for row in rows for k in row if k.startswith("reward/") and k != "reward/task"})
-  return [k for k in keys if any(v for _, v in metrics_lib.measured_points(rows, k))]
-
-
-def _plot(workdir: str) -> None:
-  """workdir/reward.png: reward and pass rate per step, and the pass rate per level of a procedural mix;
-  workdir/reward_terms.png: each penalty term of the reward per step (its 10-step mean)."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  try:
-    rows = metrics_lib.read_metrics(path)
-    levels = sorted({k for row in rows for k in row if k.startswith("pass/level_")})
-    metrics_lib.plot_metrics(path, os.path.join(workdir, "reward.png"), ("reward", "pass_rate", *levels),
-                             title="RL reward and pass rate per step", smooth=10)
-    terms = penalty_terms(rows)
-    if terms:
-      metrics_lib.plot_lines(path, os.path.join(workdir, "reward_terms.png"), tuple(terms),
-                             title="reward terms per step (10-step mean)", ylabel="mean over the step's episodes")
-  except Exception as e:  # noqa: BLE001 - a missing matplotlib must not fail a finished run
-    print(f"(no reward plot: {e})")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""The RL step's whole set-up, built once: its optimizer, shardings and jitted function, and the batch shape.
+"""The RL step's whole set-up, built once: its optimizer, shardings and jitted function, the state it starts from,
+and the batch shape.
 
-`build_rl_step(cfg, mesh, rules)` builds the run's step from its config on the run's mesh (`build_step` for
-explicit parts): the trainer runs what it returns, and `benchmarks/scale_plan.py` compiles what it returns on the
-plan's meshes, so the program the plan measures is the program the run executes. It checks the mesh against the
+`start_rl_step(cfg, mesh, rules, ref_params)` builds the run's step from its config on the run's mesh in call order
+(checks, optimizer, shardings, the state restored from the run's checkpoints or fresh from the warm start, the
+jitted step) and hands the trainer all of it (`RLStart`). `build_rl_step(cfg, mesh, rules)` builds the same step
+(`build_step` for explicit parts), which `benchmarks/scale_plan.py` compiles on the plan's meshes, so the program
+the plan measures is the program the run executes. It checks the mesh against the
 model and the step's shape first (`parallel.layout.check_mesh`): a mesh axis that does not divide the experts, the
 heads, a step's rows or its length is one error naming the axis, the sizes and the field to change.
 `batch_config(cfg)` is the batch shape the sources pack and the trainer places.
@@ -15,8 +18,8 @@ from the same groups and `place` keeps only the slices its own devices hold, so 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -26,11 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
-from composer_jax.parallel import layout
-from composer_jax.parallel.rules import ShardingRules, current_rules, use_rules
+from composer_jax.parallel import distributed, layout
+from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import step as rl_step
 from composer_jax.rl.config import RLConfig
+from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import optim
 from composer_jax.train import step as step_lib
 
@@ -45,7 +49,7 @@ class RLStep:
   params: dict            # shardings of the policy's params, and of the frozen reference alike
   state: step_lib.TrainState   # shardings of the train state
   batch: dict             # shardings of the batch fields
-  fn: Callable            # `make_rl_step`'s jitted function
+  fn: Callable            # `rl.step.make_rl_step`'s jitted function
 
   def __call__(self, state, batch, ref_params):
     # The expert- and context-parallel regions read the mesh from context at trace time.
@@ -73,36 +77,30 @@ def build_step(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh,
   them); `trees`: batches carry tree groups' `token_adv` and `loss_weight` (and, with
   `rl_cfg.share_prefix`, their shared prefixes' `branch`, `branch_end` and `prev`).
   """
+  p = _placed(model_cfg, rl_cfg, mesh, rules, rows, length, trees)
+  fn = rl_step.make_rl_step(model_cfg, rl_cfg, p.optimizer, p.state, p.batch, p.params, rules)
+  return RLStep(model_cfg, mesh, rules, p.optimizer, p.params, p.state, p.batch, fn)
+
+
+class _Placed(NamedTuple):
+  batch: dict                  # shardings of the batch fields
+  params: dict                 # shardings of the params
+  abstract: dict               # the params' shapes
+  optimizer: optax.GradientTransformation
+  state: step_lib.TrainState   # shardings of the train state
+
+
+def _placed(model_cfg: ModelConfig, rl_cfg: RLConfig, mesh: Mesh, rules: ShardingRules, rows: Sequence[int],
+            length: int, trees: bool) -> _Placed:
+  """The step's batch shardings, its checks, the params' shardings and abstract params, the optimizer and the
+  state's shardings, in that order."""
+  batch_sh = batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
   layout.check_mesh(model_cfg, mesh, rules, rows, length)
   params_sh = model.shardings(model_cfg, mesh, rules)
   abstract = model.abstract_params(model_cfg)
   optimizer = optim.make_optimizer(rl_cfg.optim, abstract, frozen=rl_cfg.frozen_subtrees)
   state_sh = step_lib.state_shardings(optimizer, abstract, params_sh, rules.mesh_axes("optimizer_state"))
-  batch_sh = batch_shardings(mesh, rules, trees=trees, share_prefix=trees and rl_cfg.share_prefix)
-  fn = make_rl_step(model_cfg, rl_cfg, optimizer, state_sh, batch_sh, params_sh, rules)
-  return RLStep(model_cfg, mesh, rules, optimizer, params_sh, state_sh, batch_sh, fn)
-
-
-def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shardings, batch_sharding,
-                 ref_shardings, rules: ShardingRules | None = None):
-  """`rl.step.rl_step` jitted with explicit shardings (as `train.step.make_train_step`), the state donated, traced under
-  `use_rules(rules)` (given: the table the params were placed with, which the per-device head, the EP region and
-  the activation constraints read; None: the table in force where it is traced).
-
-  `batch_sharding` may be a pytree of shardings matching the batch (e.g. `routing` sharded on its B axis, which
-  is axis 1) or one sharding for every leaf. The metrics come back replicated, so every process of a
-  multi-process run can read them. Call it inside `jax.set_mesh(mesh)` when the model has shard_map regions
-  (`rl.placement.RLStep` does).
-  """
-  step = functools.partial(rl_step.rl_step, model_cfg=model_cfg, rl_cfg=rl_cfg, optimizer=optimizer)
-
-  def fn(state, batch, ref_params):
-    with use_rules(rules if rules is not None else current_rules()):
-      return step(state, batch, ref_params)
-  fn.__name__ = fn.__qualname__ = "rl_step"       # the compiled module stays jit_rl_step (the scale plan reads it)
-  mesh = jax.tree.leaves(state_shardings)[0].mesh
-  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding, ref_shardings),
-                 out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  return _Placed(batch_sh, params_sh, abstract, optimizer, state_sh)
 
 
 def batch_shardings(mesh, rules: ShardingRules | None = None, trees: bool = False, share_prefix: bool = False) -> dict:
@@ -124,6 +122,31 @@ def build_rl_step(cfg, mesh: Mesh, rules: ShardingRules) -> RLStep:
   run's: `setup.Run.mesh`, `Run.rules`)."""
   return build_step(cfg.model, cfg.rl, mesh, rules, rows=cfg.step_rows, length=cfg.harness.context_budget,
                     trees=cfg.rollout.tree is not None)
+
+
+class RLStart(NamedTuple):
+  """What the RL trainer is handed: its step, the state it starts from, the frozen reference, its checkpoints."""
+  step: RLStep
+  state: step_lib.TrainState
+  ref_params: dict          # the warm start, placed on the params' shardings
+  ckpts: ckpt_lib.Checkpointer
+
+
+def start_rl_step(cfg, mesh: Mesh, rules: ShardingRules, ref_params) -> RLStart:
+  """The run's RL step (as `build_rl_step` builds it) and where it starts, in call order: the checks, the optimizer
+  and the shardings; the state, restored from the newest checkpoint in `cfg.workdir` (`workdir/checkpoints`), else
+  the step-0 state of the warm start `ref_params` (as the LM loop starts, `train.step.start_state`); the jitted
+  step."""
+  trees = cfg.rollout.tree is not None
+  p = _placed(cfg.model, cfg.rl, mesh, rules, cfg.step_rows, cfg.harness.context_budget, trees)
+  ref = place_tree(ref_params, p.params)
+  # Processes get here at different times, and a gloo (CPU) collective, as orbax's first sync, waits for a late
+  # peer only 30 s: meet in the coordination service first.
+  distributed.barrier("rl_trainer_start")
+  ckpts = ckpt_lib.Checkpointer(cfg.workdir, keep=2, async_save=False)
+  state = step_lib.start_state(ckpts, p.optimizer, p.state, p.abstract, lambda: ref)
+  fn = rl_step.make_rl_step(cfg.model, cfg.rl, p.optimizer, p.state, p.batch, p.params, rules)
+  return RLStart(RLStep(cfg.model, mesh, rules, p.optimizer, p.params, p.state, p.batch, fn), state, ref, ckpts)
 
 
 def batch_config(cfg) -> rl_batch.BatchConfig:

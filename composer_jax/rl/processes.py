@@ -70,6 +70,13 @@ def on_primary(name: str, fn: Callable[[], object], share: Callable[[object], ob
   return got["value"]
 
 
+def primary_first(name: str, fn: Callable[[], object]):
+  """`fn()` on process 0, then in every other process once it returned there (each builds its own from what
+  process 0 froze or fitted); a failure on process 0 is raised in every process, as `on_primary` raises it."""
+  value = on_primary(name, fn)
+  return value if distributed.is_primary() else fn()
+
+
 def share_groups(groups: list[ConsumedGroup] | None, kv) -> list[ConsumedGroup]:
   """This step's groups in every process: process 0's `groups` (the others pass None) as it polled them, their
   records read back from `kv` (the queue's store) by key elsewhere. One process: `groups` as they are."""

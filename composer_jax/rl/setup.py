@@ -62,8 +62,7 @@ def open_run(cfg: RunConfig, mesh: Mesh | None = None) -> Iterator[Run]:
   envs = EnvironmentCache(make_factory(cfg.rollout.workspaces))
   try:
     pool, heldout, dev = _checked_tasks(cfg, envs)
-    tok = run_tokenizer(cfg, pool)
-    check_budgets(cfg, tok, pool)
+    tok = run_tokenizer(cfg, pool)   # checked against the budgets
     yield Run(tok, pool, heldout, dev, envs, cfg.workdir, cfg.progress_bar, mesh, cfg.mesh.rules())
   finally:
     envs.factory.close()
@@ -155,7 +154,12 @@ def fit_tokenizer_to_source(spec, envs, system_prompt: str, cfg: tokenizer_lib.T
 def run_tokenizer(cfg: RunConfig, pool: list[Task]):
   """The run's tokenizer: already in the workdir, else the init checkpoint's, else fitted to training tasks (with a
   curriculum, to those of its first levels: measured, a BPE fitted to the mix left the level-2 start at 17-22%
-  greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md)."""
+  greedy where one fitted to level 1 reached 56-78%, experiments/results/curriculum.md).
+
+  Checked against the harness budgets, which are in its tokens: raises `RunInputError` when the oracle of a finite
+  set's `pool` (its gold patch written through the agent's tools) does not fit `harness.max_turn_tokens` or one
+  `harness.context_budget`, naming the values that fit (`rollout.evaluation.budget.fit_budget`, as evaluation sizes
+  its budgets). Procedural tasks are sized by their config (a multi-segment level needs its summaries by design)."""
   tok_dir = tokenizer_dir(cfg.workdir)
   if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
     source = tok_dir
@@ -170,20 +174,12 @@ def run_tokenizer(cfg: RunConfig, pool: list[Task]):
     tok = tokenizer_lib.load_tokenizer(source)
   if source != tok_dir:
     tokenizer_lib.save_tokenizer(tok, tok_dir)
-  return tok
-
-
-def check_budgets(cfg: RunConfig, tokenizer, tasks) -> None:
-  """Raises `RunInputError` when the oracle of a finite set's `tasks` (its gold patch written through the agent's
-  tools) does not fit `harness.max_turn_tokens` or one `harness.context_budget`, naming the values that fit
-  (`rollout.evaluation.budget.fit_budget`, as evaluation sizes its budgets). Procedural tasks are sized by their
-  config (a multi-segment level needs its summaries by design)."""
   if cfg.tasks.kind == "procedural":
-    return
+    return tok
   h = cfg.harness
-  fitted = budget.fit_budget(tasks, tokenizer, h)
+  fitted = budget.fit_budget(pool, tok, h)
   if (fitted.max_turn_tokens, fitted.context_budget) == (h.max_turn_tokens, h.context_budget):
-    return
+    return tok
   flags = (f"--config.harness.max_turn_tokens={fitted.max_turn_tokens} "
            f"--config.harness.summary_max_tokens={fitted.max_turn_tokens} "
            f"--config.harness.context_budget={fitted.context_budget}")

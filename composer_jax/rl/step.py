@@ -1,5 +1,5 @@
-"""The RL step: `rl_step(state, batch, ref_params) -> (state, metrics)`, one optimizer step per batch (jitted on its
-mesh by `rl.placement.make_rl_step`).
+"""The RL step: `rl_step(state, batch, ref_params) -> (state, metrics)`, one optimizer step per batch, and
+`make_rl_step`, the step jitted on its mesh (as `train.step` holds `train_step` and `make_train_step`).
 
 Shapes: B rows, L length, V vocab, E experts, K experts per token, Lm MoE layers. The batch is
 `composer_jax.rl.batch.make_batch`'s; `state` is `composer_jax.train.step.TrainState` and the optimizer the
@@ -24,14 +24,18 @@ replay, pass 3 runs on the trainer's own routing and the mismatch is measured ag
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax import model
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.moe import select_experts
+from composer_jax.parallel.rules import ShardingRules, current_rules, use_rules
 from composer_jax.rl import losses
 from composer_jax.rl.config import RLConfig
 from composer_jax.train import losses as lm_losses
@@ -239,3 +243,25 @@ def rl_step(state: TrainState, batch: dict, ref_params: dict, *, model_cfg: Mode
   params = train_step_lib.update_router_bias(params, loads, rl_cfg.bias_update_rate)
   metrics.update(train_step_lib.update_metrics(grads, updates, params, aux["expert_load"]))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def make_rl_step(model_cfg: ModelConfig, rl_cfg: RLConfig, optimizer, state_shardings, batch_sharding,
+                 ref_shardings, rules: ShardingRules | None = None):
+  """`rl_step` jitted with explicit shardings (as `train.step.make_train_step`), the state donated, traced under
+  `use_rules(rules)` (given: the table the params were placed with, which the per-device head, the EP region and
+  the activation constraints read; None: the table in force where it is traced).
+
+  `batch_sharding` may be a pytree of shardings matching the batch (e.g. `routing` sharded on its B axis, which
+  is axis 1) or one sharding for every leaf. The metrics come back replicated, so every process of a
+  multi-process run can read them. Call it inside `jax.set_mesh(mesh)` when the model has shard_map regions
+  (`rl.placement.RLStep` does).
+  """
+  step = functools.partial(rl_step, model_cfg=model_cfg, rl_cfg=rl_cfg, optimizer=optimizer)
+
+  def fn(state, batch, ref_params):
+    with use_rules(rules if rules is not None else current_rules()):
+      return step(state, batch, ref_params)
+  fn.__name__ = fn.__qualname__ = "rl_step"       # the compiled module stays jit_rl_step (the scale plan reads it)
+  mesh = jax.tree.leaves(state_shardings)[0].mesh
+  return jax.jit(fn, in_shardings=(state_shardings, batch_sharding, ref_shardings),
+                 out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)

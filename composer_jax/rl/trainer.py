@@ -13,13 +13,11 @@ import os
 import jax
 import numpy as np
 
-from composer_jax import model
 from composer_jax.parallel import distributed
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl import placement, processes, setup
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import loop as train_loop
-from composer_jax.train import step as step_lib
 from rollout.queue import QueueConsumer
 from rollout.staleness import StalenessConfig
 
@@ -69,32 +67,28 @@ def level_pass_rates(groups: list) -> dict[str, float]:
 
 
 class Trainer:
-  """The jitted RL step (`rl_step`, `build_rl_step`: placed on its mesh) on the run's state in `workdir`, on batches
-  of `batch_cfg`'s shape; `ref_params` (the warm start) is the frozen KL reference. Groups come from the queue in
-  `workdir`, filtered by `staleness`."""
+  """The jitted RL step on the run's state (`start`: `placement.start_rl_step`, restored or fresh, with the frozen KL
+  reference and the run's checkpoints), on batches of `batch_cfg`'s shape. Groups come from the queue in `workdir`,
+  filtered by `staleness`."""
 
-  def __init__(self, rl_step: placement.RLStep, batch_cfg: rl_batch.BatchConfig, ref_params, workdir: str,
+  def __init__(self, start: placement.RLStart, batch_cfg: rl_batch.BatchConfig, workdir: str,
                staleness: StalenessConfig, log_fn=print):
-    self.rl_step, self.batch_cfg = rl_step, batch_cfg
-    self.ref_params = placement.place_tree(ref_params, rl_step.params)
-    # Processes get here at different times, and a gloo (CPU) collective, as orbax's first sync, waits for a late
-    # peer only 30 s: meet in the coordination service first.
-    distributed.barrier("rl_trainer_start")
-    self.ckpts = ckpt_lib.Checkpointer(workdir, keep=2, async_save=False)
-    resumed_at = self.ckpts.latest_step()   # the step the state is restored at (None: a fresh run, from step 0)
+    self.rl_step = start.step
+    self.state = start.state
+    self.ref_params = start.ref_params
+    self.ckpts: ckpt_lib.Checkpointer = start.ckpts
+    self.batch_cfg = batch_cfg
+    self.start = int(self.state.step)   # the step the state was restored at (0: a fresh run)
     self.applied_path = os.path.join(workdir, "applied.jsonl")
     self.primary = distributed.is_primary()   # the one process that polls, logs and commits (`rl/processes.py`)
     if self.primary:
-      _truncate_applied(self.applied_path, resumed_at or 0)
-    # Restored from the newest checkpoint, else fresh from the reference (as the LM loop starts).
-    self.state = step_lib.start_state(self.ckpts, rl_step.optimizer, rl_step.state,
-                                      model.abstract_params(rl_step.model_cfg), lambda: self.ref_params)
-    qstate = self.ckpts.restore_meta() if resumed_at is not None else None
-    if resumed_at is not None:
-      log_fn(f"Resumed RL at step {int(self.state.step)}")
-    self.start = int(self.state.step)
+      _truncate_applied(self.applied_path, self.start)
+    resumed = self.ckpts.latest_step() is not None
+    if resumed:
+      log_fn(f"Resumed RL at step {self.start}")
     self.cursor = None   # the queue cursor after the last trained step
-    self.consumer = QueueConsumer(setup.queue_url(workdir), staleness, state=qstate)
+    self.consumer = QueueConsumer(setup.queue_url(workdir), staleness,
+                                  state=self.ckpts.restore_meta() if resumed else None)
     self._compiled: dict[tuple[int, int], object] = {}   # per batch shape (packed, or a group alone unpacked)
 
   @property

@@ -75,7 +75,8 @@ def write_jsonl(path: str, transcripts: Sequence[Sequence[dict]]) -> None:
 def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequence, workdir: str, *, steps: int,
             seq_len: int, batch_size: int, learning_rate: float, seed: int = 0, init_params=None,
             progress_bar: bool = False, log_fn: Callable[[str], None] = print, mesh=None, rules=None):
-  """SFT on transcripts in `workdir`; exports `workdir/params` and returns the params and last metrics.
+  """SFT on transcripts in `workdir` from `init_params` (params, a directory of exported params loaded here, or
+  None: a random init); exports `workdir/params` and returns the params and last metrics.
 
   On `mesh` under `rules` (default: one device); across processes, process 0 writes the files and each process
   trains on its rows of each global batch. Resumable: it checkpoints every tenth of its steps (at most every 100),
@@ -100,6 +101,8 @@ def run_sft(model_cfg: ModelConfig, tokenizer, train: Sequence, heldout: Sequenc
                      mtp_loss="self_distill" if model_cfg.num_nextn_predict_layers else "none", mtp_weight=0.3,
                      bias_update_rate=1e-3, progress_bar=progress_bar)
   ocfg = OptimConfig(learning_rate=learning_rate, warmup_steps=max(1, steps // 10), decay_steps=steps)
+  if isinstance(init_params, str):   # a finished stage's (or checkpoint's) exported params, onto the mesh it trains on
+    init_params = stages.load_params(init_params, model_cfg, mesh, rules)
   params, last = train_loop.train(model_cfg=model_cfg, train_cfg=tcfg, optim_cfg=ocfg, workdir=workdir,
                                   train_iter=iter(data.train), eval_batches=lambda: iter(data.eval),
                                   init_params=init_params, mesh=mesh, rules=rules, log_fn=log_fn)
@@ -154,8 +157,9 @@ def _saved(workdir: str) -> list[str]:
 
 def sft(plan: SFTPlan, run: setup.Run, init_params, workdir: str, *, steps: int, learning_rate: float, seed: int,
         keep: Callable[[object], bool] | None = None, log_fn: Callable[[str], None] = print):
-  """SFT of the run's model on its demonstrations in `workdir` (a warm start's stage, or the equal-time control);
-  with `keep`, on those of the procedural levels it keeps (a curriculum's first stage).
+  """SFT of the run's model on its demonstrations in `workdir` (a warm start's stage, or the equal-time control)
+  from `init_params` (as `run_sft` takes them); with `keep`, on those of the procedural levels it keeps (a
+  curriculum's first stage).
 
   Demonstrations are made once per task (re-running thousands of sandboxed episodes would only cost time): a
   resumed stage reads its own back, the control reads the warm start's (`run.workdir/sft`), and the warm start
@@ -248,22 +252,18 @@ def sft_stages(plan: SFTPlan, workdir: str) -> list[tuple[str, int, Callable[[ob
   return [(os.path.join(workdir, CURRICULUM_DIR), plan.sft.curriculum_steps, lambda level: level in levels), last]
 
 
-def load_params(plan: SFTPlan, run: setup.Run, workdir: str):
-  """The params an SFT stage exported into `workdir`, on the run's mesh, where SFT trains."""
-  return stages.load_params(workdir, plan.model, run.mesh, run.rules)
-
-
 def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = print):
   """The starting params: `sft.init_checkpoint`'s (or a random init) trained through each SFT stage in turn; a
-  finished stage is loaded, not redone, and with `sft.steps=0` the checkpoint is the start as it is."""
+  finished stage is not redone: the next one starts from its exported params, and with every stage finished (or
+  `sft.steps=0`, the checkpoint as it is) they are the start. Exported params are loaded on the run's mesh, where
+  SFT trains (`run_sft`)."""
   todo = sft_stages(plan, run.workdir) if plan.sft.steps else []
   finished = [i for i, (stage, _, _) in enumerate(todo) if os.path.isdir(os.path.join(stage, "params"))]
-  params, last = None, None
+  start = plan.sft.init_checkpoint or None   # where the params to start from are exported (None: a random init)
   if finished:
-    params = load_params(plan, run, todo[finished[-1]][0])
+    start = todo[finished[-1]][0]
     todo = todo[finished[-1] + 1:]
-  elif plan.sft.init_checkpoint:
-    params = load_params(plan, run, plan.sft.init_checkpoint)
+  params, last = start, None
   for stage, steps, keep in todo:
     if keep is not None:
       log_fn(f"SFT curriculum: levels {list(plan.sft.curriculum_levels)} first")
@@ -271,4 +271,6 @@ def warm_start(plan: SFTPlan, run: setup.Run, log_fn: Callable[[str], None] = pr
                        keep=keep, log_fn=log_fn)
   if last is not None:
     log_fn(f"SFT done: loss {last.get('loss', float('nan')):.3f} eval_loss {last.get('eval_loss', float('nan')):.3f}")
+  if not todo and start:   # nothing left to train: the start is the last finished stage's (or the checkpoint's)
+    params = stages.load_params(start, plan.model, run.mesh, run.rules)
   return params

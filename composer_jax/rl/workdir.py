@@ -127,38 +127,52 @@ def check_resume(cfg, allow=()) -> None:
                      f"--workdir{hint}")
 
 
-def save_config(cfg) -> str:
-  """Pickles `cfg` into its workdir (atomically: a reader never sees half a file)."""
+def save_config(cfg) -> bytes | None:
+  """Pickles `cfg` into its workdir (atomically: a reader never sees half a file); returns the stored config it
+  replaced, pickled (None: there was none), for `claim` to put back when the run's input is refused."""
   os.makedirs(cfg.workdir, exist_ok=True)
   path = os.path.join(cfg.workdir, RUN_CONFIG)
+  replaced = None
+  if os.path.exists(path):
+    with open(path, "rb") as f:
+      replaced = f.read()
   with open(path + ".tmp", "wb") as f:
     pickle.dump(cfg, f)
   os.replace(path + ".tmp", path)
-  return path
+  return replaced
 
 
 @contextlib.contextmanager
 def claim(cfg, allow=()):
-  """The run's pieces (`setup.open_run`) for a block that holds `cfg.workdir`'s lock: after the resume check, and
-  after its input is checked (building the pieces checks it), `cfg` is stored as the run's config, so a run refused
-  for its input leaves none that a fixed rerun would differ from. Across processes process 0 does all this; the
-  others then build their own from what it froze and fitted (`rl/processes.py`). The run's mesh (`cfg.mesh`) is
-  built here once in each process (after the resume check), for the warm start and the RL step alike."""
+  """The run's pieces (`setup.open_run`) for a block that holds `cfg.workdir`'s lock. Process 0 takes the lock,
+  checks the resume and stores `cfg` as the run's config, then opens the run on the run's mesh (`cfg.mesh`, built
+  here once in each process, for the warm start and the RL step alike); building its pieces checks its input, and a
+  run refused for it (or stopped before it is open) puts the stored config back as it was, so it leaves none that a
+  fixed rerun would differ from. The other processes open theirs after process 0, from what it froze and fitted
+  (`rl/processes.py`)."""
   with contextlib.ExitStack() as stack:
     def first():
       stack.enter_context(lock(cfg.workdir))
       check_resume(cfg, allow)
-      run = _open_run(cfg, stack)
-      save_config(cfg)
-      return run
-    run = processes.on_primary("claim", first)
-    yield run if distributed.is_primary() else _open_run(cfg, stack)
+      return save_config(cfg)
 
-
-def _open_run(cfg, stack: contextlib.ExitStack) -> setup.Run:
-  """`setup.open_run` on the run's mesh, open until `stack` closes."""
-  mesh = mesh_lib.mesh_from_config(cfg.mesh)
-  return stack.enter_context(setup.open_run(cfg, mesh))
+    def opened() -> setup.Run:
+      mesh = mesh_lib.mesh_from_config(cfg.mesh)
+      return stack.enter_context(setup.open_run(cfg, mesh))
+    replaced = processes.on_primary("claim", first)
+    try:
+      run = processes.primary_first("open_run", opened)
+    except BaseException:   # refused for its input (or stopped): the run never started
+      if distributed.is_primary():   # the stored config as it was
+        path = os.path.join(cfg.workdir, RUN_CONFIG)
+        if replaced is None:
+          os.remove(path)
+        else:
+          with open(path + ".tmp", "wb") as f:
+            f.write(replaced)
+          os.replace(path + ".tmp", path)
+      raise
+    yield run
 
 
 def load_run_config(workdir: str):

@@ -124,3 +124,26 @@ def plot_metrics(path: str, out_png: str, keys: tuple[str, ...], *, title: str =
   fig.tight_layout()
   fig.savefig(out_png, dpi=100)
   plt.close(fig)
+
+
+def penalty_terms(rows: list[dict]) -> list[str]:
+  """An RL run's reward penalty terms (`reward/<term>` but the task's 0/1) that were nonzero at some step."""
+  keys = sorted({k for row in rows for k in row if k.startswith("reward/") and k != "reward/task"})
+  return [k for k in keys if any(v for _, v in measured_points(rows, k))]
+
+
+def plot_rewards(workdir: str) -> None:
+  """An RL run's plots of workdir/metrics.jsonl: workdir/reward.png (reward and pass rate per step, and the pass
+  rate per level of a procedural mix) and workdir/reward_terms.png (each penalty term per step, its 10-step mean)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  try:
+    rows = read_metrics(path)
+    levels = sorted({k for row in rows for k in row if k.startswith("pass/level_")})
+    plot_metrics(path, os.path.join(workdir, "reward.png"), ("reward", "pass_rate", *levels),
+                 title="RL reward and pass rate per step", smooth=10)
+    terms = penalty_terms(rows)
+    if terms:
+      plot_lines(path, os.path.join(workdir, "reward_terms.png"), tuple(terms),
+                 title="reward terms per step (10-step mean)", ylabel="mean over the step's episodes")
+  except Exception as e:  # noqa: BLE001 - a missing matplotlib must not fail a finished run
+    print(f"(no reward plot: {e})")
