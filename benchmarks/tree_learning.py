@@ -14,7 +14,8 @@ tree_rollouts_settings.md chose, (0, 2) x (2, 4), the same G = 8 leaves) with th
 `step_s`; so `flat` runs first). Each arm's workdir is `<arm>_seed<seed>`.
 
 `report` writes experiments/results/tree_rollouts_learning.json/.md/.png from whatever the runs have reached (an
-arm still running: its curve so far, marked partial); its last line is one JSON object.
+arm still running: its curve so far, marked partial; a finished arm whose workdir is elsewhere: as the JSON there
+already holds it); its last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -87,20 +88,30 @@ def per_leaf(rows: list[dict]) -> dict:
           "step_s_mean": sum(r.get("step_s", 0.0) for r in rows) / len(rows) if rows else None}
 
 
-def report(workdir: str, seeds=(0, 1)) -> dict:
+def report(workdir: str, seeds=(0, 1), results: str = RESULTS) -> dict:
+  """Writes `results`/tree_rollouts_learning.json/.md/.png from the arms' workdirs. A finished arm whose workdir is
+  not here (its runs were on another machine) is carried over from the JSON already in `results`, so the report of
+  one seed's arms does not drop the other seed's."""
+  path = os.path.join(results, f"{NAME}.json")
+  before = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      before = json.load(f)["arms"]
   out = {"load_avg": os.getloadavg(), "arms": {}}
   for arm in ARMS:
     for seed in seeds:
-      rows = rl_from_start.logged_steps(arm_dir(workdir, arm, seed))
+      name, rows = f"{arm}_seed{seed}", rl_from_start.logged_steps(arm_dir(workdir, arm, seed))
       if rows:
         final = rl_from_start.done(arm_dir(workdir, arm, seed))
-        out["arms"][f"{arm}_seed{seed}"] = {"finished": final is not None, "result": final, "steps": len(rows),
-                                            **per_leaf(rows), "curve": curve(rows)}
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, f"{NAME}.json"), "w") as f:
+        out["arms"][name] = {"finished": final is not None, "result": final, "steps": len(rows),
+                             **per_leaf(rows), "curve": curve(rows)}
+      elif before.get(name, {}).get("finished"):
+        out["arms"][name] = before[name]
+  os.makedirs(results, exist_ok=True)
+  with open(path, "w") as f:
     json.dump(out, f, indent=1)
-  plot(out, os.path.join(RESULTS, f"{NAME}.png"))
-  with open(os.path.join(RESULTS, f"{NAME}.md"), "w") as f:
+  plot(out, os.path.join(results, f"{NAME}.png"))
+  with open(os.path.join(results, f"{NAME}.md"), "w") as f:
     f.write(table(out))
   return {name: {k: a[k] for k in ("finished", "steps", "generated_tokens_per_leaf", "step_s_mean")}
           for name, a in out["arms"].items()}
@@ -159,7 +170,7 @@ def plot(out: dict, png: str) -> None:
   for ax, key in zip(axes[0], levels):
     for name, a in out["arms"].items():
       c = a["curve"]
-      kept = [(s, v) for s, v in zip(c["seconds"], c[key]) if v is not None]
+      kept = [(s, v) for s, v in zip(c["seconds"], c.get(key, [])) if v is not None]
       if not kept:
         continue
       xs, ys = zip(*kept)

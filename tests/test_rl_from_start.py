@@ -95,6 +95,27 @@ def test_learning_report_figures(tmp_path):
   assert "| flat_seed0 | False | 2 | 40 | 125.0 | 20.0 | not measured yet |" in text
 
 
+def test_learning_report_carries_finished_arms_run_elsewhere(tmp_path):
+  """Seed 1's arms reported on a machine without seed 0's workdirs: seed 0's finished arms stay as the previous
+  JSON holds them, a partial arm there is dropped (its figures are stale), and what this workdir has is reread."""
+  results, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+  os.makedirs(results)
+  old = {"finished": True, "result": {"rl": None}, "steps": 300, "generated_tokens_per_leaf": 223.0,
+         "step_s_mean": 6.5, "curve": {"seconds": [6.5], "step": [1]}}
+  with open(os.path.join(results, f"{tree_learning.NAME}.json"), "w") as f:
+    json.dump({"load_avg": [1.0], "arms": {"flat_seed0": old, "tree_seed1": {**old, "finished": False, "steps": 12},
+                                           "flat_seed1": {**old, "steps": 7}}}, f)
+  arm = tree_learning.arm_dir(runs, "flat", 1)
+  os.makedirs(arm)
+  _log(arm, 1, 4.0, trajectories=8, generated_tokens=800, **{"pass/level_2": 0.5})
+  got = tree_learning.report(runs, results=results)
+  assert got == {"flat_seed0": {"finished": True, "steps": 300, "generated_tokens_per_leaf": 223.0, "step_s_mean": 6.5},
+                 "flat_seed1": {"finished": False, "steps": 1, "generated_tokens_per_leaf": 100.0, "step_s_mean": 4.0}}
+  with open(os.path.join(results, f"{tree_learning.NAME}.json")) as f:
+    assert json.load(f)["arms"]["flat_seed0"] == old
+  assert os.path.exists(os.path.join(results, f"{tree_learning.NAME}.png"))
+
+
 def test_learning_table_cells_of_a_finished_arm():
   cell = {"success": 0.5, "ci_low": 0.456, "ci_high": 0.544}
   rl = {t: {**cell, "levels": {"2": cell, "3": {**cell, "success": 0.25}}} for t in ("T0", "T1")}
