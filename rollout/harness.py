@@ -72,8 +72,11 @@ class HarnessConfig:
     tools: tool limits.
     rewards: reward weights.
     seed: base seed; each request gets a seed derived from (seed, episode, turn).
-    grade_workers: episodes graded at once when a batch ends (each grade is a sandboxed subprocess that mostly
-      waits on process start-up, so threads overlap them).
+    grade_workers: episodes graded at once (each grade is a sandboxed subprocess that mostly waits on process
+      start-up, so threads overlap them).
+    grade_early: grade each episode as soon as it ends, in the background while the others generate (the engine
+      leaves the cores partly idle between its ops); False: every episode once the last one ends. Speed only: the
+      trajectories are the same (`benchmarks/eval_overlap.py` measures it).
   """
   system_prompt: str = SYSTEM_PROMPT
   context_budget: int = 4096
@@ -89,6 +92,7 @@ class HarnessConfig:
   rewards: RewardConfig = RewardConfig()
   seed: int = 0
   grade_workers: int = 4
+  grade_early: bool = True
 
   def without_summaries(self) -> HarnessConfig:
     """The no-summary arm at the same context budget: a full context drops its oldest turns instead of asking for
@@ -395,13 +399,23 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
   Raises:
     SandboxStartError: an episode's workspace could not be forked (the ones already forked are closed).
   """
-  episodes = []
+  episodes: list[_Episode] = []
+  grading: dict[int, concurrent.futures.Future] = {}   # by position in `episodes`
+  pool = concurrent.futures.ThreadPoolExecutor(cfg.grade_workers) if cfg.grade_workers > 1 else None
+
+  def grade_ended() -> None:
+    for i, ep in enumerate(episodes):
+      if not ep.active and i not in grading:
+        grading[i] = pool.submit(ep.close_and_score) if pool else _done(ep.close_and_score())
+
   try:
     for i, t in enumerate(tasks):
       episodes.append(_Episode(i, t, envs, tokenizer, cfg))
     while True:
       batch = [(ep, ep.request()) for ep in episodes if ep.active]
       batch = [(ep, req) for ep, req in batch if req is not None]
+      if cfg.grade_early:
+        grade_ended()
       if not batch:
         break
       results = engine.generate([req for _, req in batch])
@@ -411,11 +425,18 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
         ep.consume(res)
       if branch is not None:
         episodes += branch(episodes)
-    if cfg.grade_workers <= 1 or len(episodes) <= 1:
-      return [ep.close_and_score() for ep in episodes]
-    with concurrent.futures.ThreadPoolExecutor(min(cfg.grade_workers, len(episodes))) as pool:
-      return list(pool.map(lambda ep: ep.close_and_score(), episodes))
+    grade_ended()
+    return [grading[i].result() for i in range(len(episodes))]
   finally:
+    if pool is not None:   # a grade in flight finishes before its workspace is closed below
+      pool.shutdown(wait=True, cancel_futures=True)
     for ep in episodes:
       ep.ws.close()
+
+
+def _done(result) -> concurrent.futures.Future:
+  """A future already holding `result` (a grade run in the caller's thread)."""
+  future = concurrent.futures.Future()
+  future.set_result(result)
+  return future
 

@@ -132,8 +132,10 @@ def rollout_tree(engine: Engine, tokenizer, task: Task, envs: EnvironmentCache, 
   def branch(episodes: list) -> list:
     ready, probe = [], []   # at their next branch point; at a turn start where an entropy branch may come first
     for ep in episodes:
+      if not ep.active:   # ended: never branched, and may be being graded (its segments closed) in the background
+        continue
       place = place_of(ep.index, (ep.segments[0] if ep.segments else ep.builder).prompt_len)
-      if not ep.active or place.level >= len(tree.branch_turns):
+      if place.level >= len(tree.branch_turns):
         continue
       if ep.act_turns >= tree.branch_turns[place.level]:
         ready.append(ep)

@@ -65,6 +65,38 @@ def test_oracle_solves_everything_noop_nothing(tok, envs, tasks):
   assert all(t.metrics["pass_fraction"] < 1 for t in noop)  # the fail-to-pass tests still fail
 
 
+def _outcome(t: Trajectory) -> tuple:
+  """Everything a trajectory holds but its timings."""
+  return (t.task_id, t.reward, t.breakdown, {k: v for k, v in t.metrics.items() if not k.endswith("wall_s")},
+          t.messages, t.stop_reason, [s.tokens_T.tolist() for s in t.segments])
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_episodes_are_graded_as_they_end_with_the_same_trajectories(tok, envs, tasks, monkeypatch, workers):
+  """With `grade_early` an episode that ends is graded while the longer ones still generate (the oracle's level-1
+  episodes end steps before its level-4 ones); without it, every grade waits for the last step. Either way the
+  trajectories are the same."""
+  engine = CountingEngine(scripted.ScriptedEngine(tok, scripted.oracle_policy(tasks)))
+  graded_after = []   # per grade: how many generate calls had been made when it started
+  close = harness._Episode.close_and_score
+  monkeypatch.setattr(harness._Episode, "close_and_score",
+                      lambda ep: graded_after.append(len(engine.batches)) or close(ep))
+  runs = {}
+  for early in (True, False):
+    engine.batches.clear()
+    graded_after.clear()
+    cfg = dataclasses.replace(CFG, grade_workers=workers, grade_early=early)
+    runs[early] = [_outcome(t) for t in harness.run_episodes(engine, tok, tasks, envs, cfg)]
+    steps = len(engine.batches)
+    assert len(graded_after) == len(tasks)
+    if early:
+      assert min(graded_after) < steps - 1, graded_after   # level 1 graded before level 4's last generate
+    else:
+      assert set(graded_after) == {steps}
+  assert runs[True] == runs[False]
+  assert {o[1] for o in runs[True]} == {1.0}
+
+
 def test_token_record_matches_chat_format(tok, envs, tasks):
   """The harness builds the context incrementally; it must equal encoding the whole transcript at once, and the
   model-generated mask must equal chat_format's loss mask."""

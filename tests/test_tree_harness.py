@@ -25,7 +25,8 @@ from tests.test_tree_codec import assert_same
 
 HCFG = harness.HarnessConfig(system_prompt=harness.SHORT_SYSTEM_PROMPT, context_budget=1024, max_turn_tokens=128,
                              observation_reserve=128, max_turns=4, max_segments=1,
-                             rewards=RewardConfig(lint_weight=0.0), grade_workers=1)   # closed in order
+                             rewards=RewardConfig(lint_weight=0.0), grade_workers=1,
+                             grade_early=False)   # closed in order, once every episode has ended
 
 
 def recording_factory(base, **kwargs):
@@ -110,6 +111,23 @@ def replay(envs, task, traj) -> dict[str, str]:
     return files(ws)
   finally:
     ws.sb.close()   # not through RecordingWorkspace.close: not one of the rollout's
+
+
+def test_a_leaf_graded_while_its_siblings_branch_is_the_same_tree(setting):
+  """Episode 1 ends at its first turn: with `grade_early` it is graded in the background while episode 0 is forked
+  (snapshot, forks) and goes on. The trajectories, their tree places and every leaf's final files are those of
+  grading only after the last step."""
+  pool, tok, envs = setting
+  tcfg = tree_harness.TreeConfig(branch_turns=(0, 1), fanouts=(2, 2))
+  runs = {}
+  for early in (False, True):
+    envs.factory.closed.clear()
+    cfg = dataclasses.replace(HCFG, grade_workers=4, grade_early=early)
+    trajs = tree_harness.rollout_tree(BranchingEngine(tok), tok, pool[0], envs, cfg, tcfg)
+    runs[early] = ([(t.reward, t.messages, t.tree, [s.tokens_T.tolist() for s in t.segments]) for t in trajs],
+                   sorted(map(sorted, (d.items() for d in envs.factory.closed))))
+  assert runs[True] == runs[False]
+  assert [t[2]["path"] for t in runs[True][0]] == [[0, 0], [1], [0, 1]]
 
 
 def test_tree_group_forks_state_and_shares_the_context(setting):
