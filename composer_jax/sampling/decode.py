@@ -91,7 +91,7 @@ def prefill(params: dict, batch: Batch, cfg: ModelConfig, slots: int, mtp: bool 
   return cache_B, logits_Ux1xV[rows, -1], h_UxLxD[rows], experts
 
 
-def greedy_or_sampled(batch: Batch, cond, body, state):
+def greedy_or_sampled(batch: Batch | Rows, cond, body, state):
   """The decode loop with `body(greedy, state)`: one loop specialised to all-greedy batches (argmax only), one for
   the rest, chosen once per call (a `lax.cond` inside every step cost more than a small step's sampling)."""
   def loop(greedy):
@@ -113,44 +113,95 @@ def _out_buffers(B: int, Lo: int, cfg: ModelConfig, extra: int = EXTRA):
           jnp.zeros((B, Lo + extra, n_moe, cfg.num_experts_per_tok), jnp.int32))
 
 
+class Rows(NamedTuple):
+  """What the decode loop reads per row: a `Batch`'s per-row fields, each row's prompt padding, its PRNG key."""
+  pad_B: jax.Array
+  temperature_B: jax.Array
+  top_k_B: jax.Array
+  top_p_B: jax.Array
+  stop_BxZ: jax.Array
+  keys_B: jax.Array
+
+
+class State(NamedTuple):
+  """The plain decode loop's state: after `i` steps every row has fed `i` output tokens and sampled its next,
+  `tok_B`, at output slot i; a row is live while i < end_B (end_B: its length once it stopped, else max_tokens)."""
+  i: jax.Array
+  tok_B: jax.Array
+  cache: dict                 # split layers, [B, S, ..] per layer
+  toks_BxLo: jax.Array        # Lo + EXTRA slots
+  lps_BxLo: jax.Array
+  ents_BxLo: jax.Array
+  routes_BxLoxLmxK: jax.Array
+  end_B: jax.Array
+
+
+def start(batch: Batch, cfg: ModelConfig, max_len: int, cache: dict, logits_BxV: jax.Array) -> tuple[Rows, State]:
+  """The loop's rows and first state after `prefill` (its cache of >= P + max_len + EXTRA slots, last logits): the
+  first token sampled, nothing fed yet."""
+  B, Lo = batch.row_prompt_B.shape[0], max_len
+  keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
+  rows = Rows(batch.pad_U[batch.row_prompt_B], batch.temperature_B, batch.top_k_B, batch.top_p_B, batch.stop_BxZ,
+              keys_B)
+  tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
+  toks, lps, routes = _out_buffers(B, Lo, cfg)
+  toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
+  ents = jnp.zeros_like(lps).at[:, 0].set(sampler.policy_entropy(logits_BxV, batch.temperature_B))
+  return rows, State(jnp.zeros((), jnp.int32), tok_B, cm.split_layers(cache), toks, lps, ents, routes,
+                     batch.max_tokens_B.astype(jnp.int32))
+
+
+def run(params: dict, rows: Rows, state: State, cfg: ModelConfig, P: int, until_live: int = 0) -> State:
+  """Steps every live row until none is left, or (`until_live` > 0) until at most `until_live` are: the caller can
+  then gather the live rows into a smaller batch (`take`) and go on with fewer rows a step. P: the prompt width
+  (output slot j of a row is cache slot P + j)."""
+  params = cm.split_layers(params)
+  B = rows.pad_B.shape[0]
+
+  def cond(st: State):
+    live_B = st.i < st.end_B
+    return live_B.any() & (live_B.sum() > until_live) if until_live else live_B.any()
+
+  def body(greedy: bool, st: State):
+    i = st.i
+    start_B = jnp.full((B,), P, jnp.int32) + i
+    logits, _, experts, cache = cm.forward_cached(params, st.tok_B[:, None], st.cache, start_B, rows.pad_B, cfg)
+    routes = jax.lax.dynamic_update_slice_in_dim(st.routes_BxLoxLmxK, jnp.transpose(experts, (1, 2, 0, 3)), i, axis=1)
+    end_B = jnp.where(is_stop(st.tok_B, rows.stop_BxZ) & (i < st.end_B), i + 1, st.end_B)
+    if greedy:
+      nxt_B = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    else:
+      slp = sampler.sampling_logprobs(logits[:, 0], rows.temperature_B, rows.top_k_B, rows.top_p_B)
+      nxt_B = sampler.draw_inverse_cdf(sampler.step_keys(rows.keys_B, jnp.full((B,), i + 1)), slp)
+    policy_BxV = sampler.policy_logprobs(logits[:, 0], rows.temperature_B)
+    lp_B = jnp.take_along_axis(policy_BxV, nxt_B[:, None], 1)[:, 0]
+    toks = jax.lax.dynamic_update_slice_in_dim(st.toks_BxLo, nxt_B[:, None], i + 1, axis=1)
+    lps = jax.lax.dynamic_update_slice_in_dim(st.lps_BxLo, lp_B[:, None], i + 1, axis=1)
+    ents = jax.lax.dynamic_update_slice_in_dim(st.ents_BxLo, sampler.entropy(policy_BxV)[:, None], i + 1, axis=1)
+    return State(i + 1, nxt_B, cache, toks, lps, ents, routes, end_B)
+
+  return greedy_or_sampled(rows, cond, body, state)
+
+
+def take(rows: Rows, state: State, idx_C: jax.Array) -> tuple[Rows, State]:
+  """Rows `idx_C` of a batch (C of them, in that order; repeats allowed) and of its state, the step count kept."""
+  pick = lambda a: a[idx_C]   # noqa: E731
+  return jax.tree.map(pick, rows), state._replace(**{f: jax.tree.map(pick, getattr(state, f))
+                                                     for f in State._fields if f != "i"})
+
+
+def output(state: State, max_len: int) -> Output:
+  """The loop's result as an `Output` (`prompt_experts_LmxUxPxK` None: the prefill's)."""
+  Lo = max_len
+  stats = {"steps": state.i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
+  return Output(state.toks_BxLo[:, :Lo], state.lps_BxLo[:, :Lo], state.routes_BxLoxLmxK[:, :Lo], state.end_B, None,
+                stats, state.cache, state.ents_BxLo[:, :Lo])
+
+
 def decode(params: dict, batch: Batch, cfg: ModelConfig, max_len: int, cache: dict, logits_BxV: jax.Array
            ) -> Output:
   """Plain (non-speculative) decoding of up to `max_len` tokens per row after `prefill` (its cache of >= P + max_len
   + EXTRA slots and last logits; jit with cfg and max_len static). `Output.prompt_experts_LmxUxPxK` is None (the
   prefill's)."""
-  U, P = batch.prompts_UxP.shape
-  B, Lo = batch.row_prompt_B.shape[0], max_len
-  keys_B = jax.vmap(jax.random.key)(batch.seeds_B)
-  pad_B = batch.pad_U[batch.row_prompt_B]
-  params, cache = cm.split_layers(params), cm.split_layers(cache)
-  tok_B, lp_B = _first_token(logits_BxV, batch, keys_B)
-  toks, lps, routes = _out_buffers(B, Lo, cfg)
-  toks, lps = toks.at[:, 0].set(tok_B), lps.at[:, 0].set(lp_B)
-  ents = jnp.zeros_like(lps).at[:, 0].set(sampler.policy_entropy(logits_BxV, batch.temperature_B))
-
-  def cond(state):
-    i, _, _, _, _, _, _, end_B = state
-    return (i < end_B).any()
-
-  def body(greedy: bool, state):
-    i, tok_B, cache, toks, lps, ents, routes, end_B = state
-    start_B = jnp.full((B,), P, jnp.int32) + i
-    logits, _, experts, cache = cm.forward_cached(params, tok_B[:, None], cache, start_B, pad_B, cfg)
-    routes = jax.lax.dynamic_update_slice_in_dim(routes, jnp.transpose(experts, (1, 2, 0, 3)), i, axis=1)
-    end_B = jnp.where(is_stop(tok_B, batch.stop_BxZ) & (i < end_B), i + 1, end_B)
-    if greedy:
-      nxt_B = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-    else:
-      slp = sampler.sampling_logprobs(logits[:, 0], batch.temperature_B, batch.top_k_B, batch.top_p_B)
-      nxt_B = sampler.draw_inverse_cdf(sampler.step_keys(keys_B, jnp.full((B,), i + 1)), slp)
-    policy_BxV = sampler.policy_logprobs(logits[:, 0], batch.temperature_B)
-    lp_B = jnp.take_along_axis(policy_BxV, nxt_B[:, None], 1)[:, 0]
-    toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt_B[:, None], i + 1, axis=1)
-    lps = jax.lax.dynamic_update_slice_in_dim(lps, lp_B[:, None], i + 1, axis=1)
-    ents = jax.lax.dynamic_update_slice_in_dim(ents, sampler.entropy(policy_BxV)[:, None], i + 1, axis=1)
-    return i + 1, nxt_B, cache, toks, lps, ents, routes, end_B
-
-  state = (jnp.zeros((), jnp.int32), tok_B, cache, toks, lps, ents, routes, batch.max_tokens_B.astype(jnp.int32))
-  i, _, cache, toks, lps, ents, routes, end_B = greedy_or_sampled(batch, cond, body, state)
-  stats = {"steps": i, "drafted": jnp.zeros((), jnp.int32), "accepted": jnp.zeros((), jnp.int32)}
-  return Output(toks[:, :Lo], lps[:, :Lo], routes[:, :Lo], end_B, None, stats, cache, ents[:, :Lo])
+  rows, state = start(batch, cfg, max_len, cache, logits_BxV)
+  return output(run(params, rows, state, cfg, batch.prompts_UxP.shape[1]), max_len)

@@ -37,6 +37,7 @@ from composer_jax.model import moe
 from composer_jax.model.config import ModelConfig
 from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling import cached_model as cm
+from composer_jax.sampling import decode as decode_lib
 from composer_jax.sampling import placement as placement_lib
 from composer_jax.sampling.decode import EXTRA, Batch, Output, decode, prefill
 from composer_jax.sampling.draft_depth import DraftDepth
@@ -83,6 +84,10 @@ class EngineConfig:
       every in-flight episode of a 256-task evaluation chunk at a 496-token context.
     min_window_bucket: smallest number of prompt slots run when a prompt's prefix is reused (the window is a power
       of two >= the longest uncached tail; when that reaches the prompt width, the call prefills from scratch).
+    shrink_rows: plain decoding on one device stops each time at most half its rows are still live and goes on
+      with only those, gathered into the smallest power of two >= max(live rows, shrink_rows): a call no longer
+      runs every row until its longest one ends (a decode step's time grows with its rows). 0: off (the whole
+      batch steps to the end); speculative decoding always does.
   """
   speculative: bool = False
   draft_tokens: int = 1
@@ -97,6 +102,7 @@ class EngineConfig:
   seed: int = 0
   prefix_cache_bytes: int = 256 << 20
   min_window_bucket: int = 32
+  shrink_rows: int = 8
 
 
 def generation_moe_impl(cfg: ModelConfig, choice: str, platform: str | None = None) -> str:
@@ -136,9 +142,45 @@ def _decode(params, batch: Batch, cache: dict, logits_BxV, h_BxHxD, cfg: ModelCo
   return decode(params, batch, cfg, max_len, cache, logits_BxV)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "until_live"))
+def _decode_start(params, batch: Batch, cache: dict, logits_BxV, cfg: ModelConfig, max_len: int, until_live: int):
+  """Plain decoding after `_prefill` until at most `until_live` rows are live (0: to the end) → (rows, state)."""
+  if cfg.moe_impl == "dense":
+    params = with_dense_layout(params)
+  rows, state = decode_lib.start(batch, cfg, max_len, cache, logits_BxV)
+  return rows, decode_lib.run(params, rows, state, cfg, batch.prompts_UxP.shape[1], until_live)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "P", "until_live"))
+def _decode_more(params, rows: decode_lib.Rows, state: decode_lib.State, idx_C, cfg: ModelConfig, P: int,
+                 until_live: int):
+  """Rows `idx_C` of a stopped plain decode, decoded on until at most `until_live` are live (0: to the end)."""
+  if cfg.moe_impl == "dense":
+    params = with_dense_layout(params)
+  rows, state = decode_lib.take(rows, state, idx_C)
+  return rows, decode_lib.run(params, rows, state, cfg, P, until_live)
+
+
+def merge_stages(stages: list[tuple[np.ndarray, decode_lib.State]]) -> decode_lib.State:
+  """One state of the first stage's rows from a shrinking decode's stages: (for each row of the stage, the first
+  stage's row it continues, -1 for a filler row; the stage's final state on the host). Each row's arrays are taken
+  from the last stage that holds it, where it ended."""
+  first = stages[0][1]
+
+  def merge(*leaves):
+    out = np.array(leaves[0])
+    for (orig, _), leaf in zip(stages[1:], leaves[1:], strict=True):
+      real = orig >= 0
+      out[orig[real]] = np.asarray(leaf)[real]
+    return out
+  fields = [f for f in decode_lib.State._fields if f != "i"]
+  merged = {f: jax.tree.map(merge, *[getattr(st, f) for _, st in stages]) for f in fields}
+  return first._replace(i=stages[-1][1].i, **merged)
+
+
 def _shapes(tree) -> tuple:
   """What a program's arguments contribute to its compile key: their tree structure, shapes and dtypes."""
-  return jax.tree.structure(tree), tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(tree))
+  return jax.tree.structure(tree), tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(tree))
 
 
 def _key(fn, args: tuple, **static) -> tuple:
@@ -350,7 +392,10 @@ class JaxEngine:
         _prefill, (batch,), **self.prefill_static(P, Lo, window))
     args = (batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None), cache, logits_BxV, h_BxHxD)
     ks, why = self._pick_draft_tokens(args, Lo)
-    runs = [(k, *self._program(_decode, args, max_len=Lo, draft_tokens=k)) for k in ks]
+    if self._shrinks:
+      runs = [(0, *self._decode_shrinking(batch, cache, logits_BxV, Lo))]
+    else:
+      runs = [(k, *self._program(_decode, args, max_len=Lo, draft_tokens=k)) for k in ks]
     (k, out, _, _), decode_s = runs[0], sum(s for _, _, s, _ in runs)
     out = jax.device_get(out._replace(prompt_experts_LmxUxPxK=prompt_experts,
                                       cache=out.cache if self.engine_cfg.prefix_cache_bytes else None))
@@ -382,6 +427,33 @@ class JaxEngine:
                                     entropies=None if out.entropies_BxLo is None
                                     else np.asarray(out.entropies_BxLo[b, :n], np.float32)))
     return results
+
+  @property
+  def _shrinks(self) -> bool:
+    """Whether plain decoding shrinks to its live rows (`EngineConfig.shrink_rows`; on one device)."""
+    return bool(self.engine_cfg.shrink_rows) and not self._draft_tokens and (self.mesh is None or self.mesh.size == 1)
+
+  def _decode_shrinking(self, batch: Batch, cache: dict, logits_BxV, Lo: int) -> tuple[Output, float, bool]:
+    """Plain decoding in stages (`EngineConfig.shrink_rows`) → (the output of every row in batch order, seconds,
+    whether anything compiled)."""
+    floor = self.engine_cfg.shrink_rows
+    until = lambda rows: rows // 2 if rows // 2 >= floor else 0   # noqa: E731
+    B, P = batch.row_prompt_B.shape[0], batch.prompts_UxP.shape[1]
+    (rows, state), seconds, fresh = self._program(_decode_start, (batch, cache, logits_BxV), max_len=Lo,
+                                                  until_live=until(B))
+    stages = [(np.arange(B), jax.device_get(state))]
+    while True:
+      orig, st = stages[-1]
+      live = np.flatnonzero(st.i < st.end_B)
+      if not live.size or not until(len(orig)):
+        break
+      C = bucket(live.size, floor)
+      filler = np.flatnonzero(st.i >= st.end_B)[0]   # a row that ended: stepped along, never read back
+      idx = np.concatenate([live, np.full(C - live.size, filler)]).astype(np.int32)
+      (rows, state), s, f = self._program(_decode_more, (rows, state, jnp.asarray(idx)), P=P, until_live=until(C))
+      seconds, fresh = seconds + s, fresh or f
+      stages.append((np.concatenate([orig[live], np.full(C - live.size, -1)]), jax.device_get(state)))
+    return decode_lib.output(merge_stages(stages), Lo), seconds, fresh
 
   def _pick_draft_tokens(self, args: tuple, Lo: int) -> tuple[list[int], str]:
     """The depths this call decodes with (the first one's output is returned) and why: the configured k, or
