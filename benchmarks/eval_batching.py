@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -39,6 +40,31 @@ from rollout.tasks.environment import EnvironmentCache
 from rollout.workspace import make_factory
 
 
+def recorded_mix(tasks: int, backend: str, seed: int) -> tuple[list, Callable[..., decode_prefix.Timed]]:
+  """The oracle's turn structures on the first `tasks` held-out tasks of the recipe's level 1-3 mix, and a maker of
+  timed engines of random weights as `rl/experiment._engine` builds the evaluation's (64-row calls), its keyword
+  arguments overriding fields of their `EngineConfig`."""
+  run_cfg = configs.from_dict(RunConfig, rl_configs.get_config("recipe_best").to_dict(), workdir="/tmp/unused")
+  factory = make_factory(backend)
+  try:
+    envs = EnvironmentCache(factory)
+    spec = registry.SetSpec(kind="procedural", n=tasks, seed=seed + 7, split="heldout", levels=(1, 2, 3))
+    loaded = registry.load_tasks(spec, envs, log=lambda s: None)
+    tok = setup.fit_tokenizer_to_source(spec, envs, run_cfg.harness.system_prompt,
+                                        tokenizer_lib.TokenizerConfig(vocab_size=512), 200, seed + 1)
+    structures = decode_prefix.record_structures(loaded, tok, envs, run_cfg.harness)
+  finally:
+    factory.close()
+  mcfg = dataclasses.replace(run_cfg.model, vocab_size=tokenizer_lib.padded_vocab_size(tok))
+  params = model.init(jax.random.key(seed), mcfg)
+
+  def make_engine(**overrides) -> decode_prefix.Timed:
+    ecfg = dataclasses.replace(engine_config(dataclasses.replace(run_cfg, seed=seed)), min_batch_bucket=64,
+                               max_batch=64, **overrides)   # rl/experiment._engine's evaluation engine
+    return decode_prefix.Timed(JaxEngine(params, mcfg, ecfg))
+  return structures, make_engine
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--tasks", type=int, default=256, help="held-out tasks of the level 1-3 mix")
@@ -49,21 +75,8 @@ def main() -> None:
   args = ap.parse_args()
   chunks = [int(c) for c in args.chunks.split(",")]
 
-  run_cfg = configs.from_dict(RunConfig, rl_configs.get_config("recipe_best").to_dict(), workdir="/tmp/unused")
-  factory = make_factory(args.backend)
-  try:
-    envs = EnvironmentCache(factory)
-    spec = registry.SetSpec(kind="procedural", n=args.tasks, seed=args.seed + 7, split="heldout", levels=(1, 2, 3))
-    tasks = registry.load_tasks(spec, envs, log=lambda s: None)
-    tok = setup.fit_tokenizer_to_source(spec, envs, run_cfg.harness.system_prompt,
-                                            tokenizer_lib.TokenizerConfig(vocab_size=512), 200, args.seed + 1)
-    structures = decode_prefix.record_structures(tasks, tok, envs, run_cfg.harness)
-  finally:
-    factory.close()
-  mcfg = dataclasses.replace(run_cfg.model, vocab_size=tokenizer_lib.padded_vocab_size(tok))
-  ecfg = dataclasses.replace(engine_config(dataclasses.replace(run_cfg, seed=args.seed)), min_batch_bucket=64,
-                             max_batch=64)   # rl/experiment._engine's evaluation engine
-  engine = decode_prefix.Timed(JaxEngine(model.init(jax.random.key(args.seed), mcfg), mcfg, ecfg))
+  structures, make_engine = recorded_mix(args.tasks, args.backend, args.seed)
+  engine = make_engine()
   seconds = {c: [] for c in chunks}
   calls = {}
   for rnd in range(args.rounds + 1):
