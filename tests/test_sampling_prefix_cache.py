@@ -74,3 +74,58 @@ def test_bad_entries_and_sizes_raise():
     Entry(np.zeros(3, np.int32), {}, np.zeros((2, 1, 1), np.int32))
   with pytest.raises(ValueError, match=">= 0"):
     PrefixCache(-1)
+
+
+class _Reference:
+  """The cache as a plain loop over its entries (one `common_prefix` per entry): what `PrefixCache` computes with
+  its token matrix."""
+
+  def __init__(self, max_bytes):
+    self.max_bytes, self.entries, self.nbytes = max_bytes, {}, 0
+
+  def lookup(self, prompt):
+    best, best_n = None, 0
+    for key, e in self.entries.items():   # least recently used first: a tie goes to it
+      n = common_prefix(e.tokens, prompt)
+      if n > best_n:
+        best, best_n = key, n
+    if best is None:
+      return None, 0
+    self.entries[best] = self.entries.pop(best)
+    return self.entries[best], best_n
+
+  def insert(self, entry):
+    if entry.nbytes > self.max_bytes:
+      return
+    key = entry.tokens.tobytes()
+    for k in [k for k, e in self.entries.items() if k == key or (
+        len(e.tokens) <= len(entry.tokens) and e.mtp_len <= entry.mtp_len
+        and common_prefix(e.tokens, entry.tokens) == len(e.tokens))]:
+      self.nbytes -= self.entries.pop(k).nbytes
+    self.entries[key] = entry
+    self.nbytes += entry.nbytes
+    while self.nbytes > self.max_bytes:
+      self.nbytes -= self.entries.pop(next(iter(self.entries))).nbytes
+
+
+def test_matches_the_loop_over_entries_on_random_episodes():
+  """Branching multi-turn sequences over a small vocabulary (many shared prefixes and ties), inserted and looked up
+  in random order under a bound that evicts: every lookup, size and byte count as the plain loop's."""
+  rng = np.random.default_rng(0)
+  fast, ref = PrefixCache(400 * PER_TOKEN), _Reference(400 * PER_TOKEN)
+  seqs = [list(rng.integers(0, 3, size=rng.integers(1, 6)))]
+  for _ in range(600):
+    base = seqs[rng.integers(len(seqs))]
+    seq = base[:rng.integers(0, len(base) + 1)] + list(rng.integers(0, 3, size=rng.integers(0, 8)))
+    if not seq:
+      continue
+    seqs.append(seq)
+    if rng.random() < 0.5:
+      e = _entry(seq, mtp_len=int(rng.integers(0, 3)))
+      fast.insert(e)
+      ref.insert(e)
+    else:
+      (a, n), (b, m) = fast.lookup(np.asarray(seq)), ref.lookup(np.asarray(seq))
+      assert n == m and (a is b), seq
+    assert len(fast) == len(ref.entries) and fast.nbytes == ref.nbytes
+  assert len(fast) > 20
