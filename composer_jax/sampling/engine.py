@@ -86,8 +86,9 @@ class EngineConfig:
       of two >= the longest uncached tail; when that reaches the prompt width, the call prefills from scratch).
     shrink_rows: plain decoding on one device stops each time at most half its rows are still live and goes on
       with only those, gathered into the smallest power of two >= max(live rows, shrink_rows): a call no longer
-      runs every row until its longest one ends (a decode step's time grows with its rows). 0: off (the whole
-      batch steps to the end); speculative decoding always does.
+      runs every row until its longest one ends (a decode step's time grows with its rows). A row's floats may round
+      differently in a batch of another size (~1e-6 in a logprob, as between batch buckets), so a draw that close to
+      a boundary can differ. 0: off (the whole batch steps to the end); speculative decoding always does.
   """
   speculative: bool = False
   draft_tokens: int = 1
