@@ -77,6 +77,8 @@ class HarnessConfig:
     grade_early: grade each episode as soon as it ends, in the background while the others generate (the engine
       leaves the cores partly idle between its ops); False: every episode once the last one ends. Speed only: the
       trajectories are the same (`benchmarks/eval_overlap.py` measures it).
+    tool_workers: episodes whose turn (its tool calls, each a sandboxed process that mostly waits on start-up) is
+      run at once after a batched step; 1: one after another. Speed only, like `grade_workers`.
   """
   system_prompt: str = SYSTEM_PROMPT
   context_budget: int = 4096
@@ -93,6 +95,7 @@ class HarnessConfig:
   seed: int = 0
   grade_workers: int = 4
   grade_early: bool = True
+  tool_workers: int = 4
 
   def without_summaries(self) -> HarnessConfig:
     """The no-summary arm at the same context budget: a full context drops its oldest turns instead of asking for
@@ -353,7 +356,7 @@ class _Episode:
       setup = autoinstall.validate_setup(self.envs, self.task, autoinstall.plan_from_workspace(self.ws))
       report, setup_reason = setup.report, setup.reason
     else:
-      report = grade(self.ws, self.task.tests)
+      report = grade(self.ws, self.task.tests, clean=False)   # closed below: its report files need no removing
     grade_s = time.perf_counter() - t0
     lint_new = 0
     if self.cfg.rewards.lint_weight and self.tools.originals:
@@ -402,6 +405,7 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
   episodes: list[_Episode] = []
   grading: dict[int, concurrent.futures.Future] = {}   # by position in `episodes`
   pool = concurrent.futures.ThreadPoolExecutor(cfg.grade_workers) if cfg.grade_workers > 1 else None
+  tools = concurrent.futures.ThreadPoolExecutor(cfg.tool_workers) if cfg.tool_workers > 1 else None
 
   def grade_ended() -> None:
     for i, ep in enumerate(episodes):
@@ -421,15 +425,20 @@ def run_episodes(engine: Engine, tokenizer, tasks: Sequence[Task], envs: Environ
       results = engine.generate([req for _, req in batch])
       if len(results) != len(batch):
         raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
-      for (ep, _), res in zip(batch, results, strict=True):
-        ep.consume(res)
+      if tools is None:
+        for (ep, _), res in zip(batch, results, strict=True):
+          ep.consume(res)
+      else:   # each episode's own workspace and state: the same turns in any order
+        for done in [tools.submit(ep.consume, res) for (ep, _), res in zip(batch, results, strict=True)]:
+          done.result()
       if branch is not None:
         episodes += branch(episodes)
     grade_ended()
     return [grading[i].result() for i in range(len(episodes))]
   finally:
-    if pool is not None:   # a grade in flight finishes before its workspace is closed below
-      pool.shutdown(wait=True, cancel_futures=True)
+    for p in (tools, pool):   # a turn or grade in flight finishes before its workspace is closed below
+      if p is not None:
+        p.shutdown(wait=True, cancel_futures=True)
     for ep in episodes:
       ep.ws.close()
 

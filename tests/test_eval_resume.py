@@ -37,9 +37,9 @@ def test_resume_refuses_other_settings_and_summaries_cover_every_policy(tmp_path
     suite.evaluate({"s": tasks}, _pol(tok, "oracle"), envs, bigger, out, **quiet)
   with pytest.raises(ValueError, match=r"samples: 1 -> 2"):
     suite.evaluate({"s": tasks}, _pol(tok, "oracle"), envs, CFG, out, runner.SampleConfig(samples=2), **quiet)
-  # grade_workers and grade_early change speed, not results: resuming with other values is fine.
-  suite.evaluate({"s": tasks}, _pol(tok, "oracle"), envs, dataclasses.replace(CFG, grade_workers=1, grade_early=False),
-                 out, **quiet)
+  # grade_workers, grade_early and tool_workers change speed, not results: resuming with other values is fine.
+  suite.evaluate({"s": tasks}, _pol(tok, "oracle"), envs,
+                 dataclasses.replace(CFG, grade_workers=1, grade_early=False, tool_workers=1), out, **quiet)
   # Another policy in a later run: the summary holds both, and the plot is redrawn with both.
   r = suite.evaluate({"s": tasks}, _pol(tok, "noop"), envs, CFG, out, **quiet)["s"]
   assert set(r["summaries"]) == {"oracle", "noop"} and r["notes"] == []
@@ -90,6 +90,6 @@ def test_run_info_records_the_harness(tmp_path):
   tasks = procedural.generate(2, seed=0)
   info = runner.run_settings("p", tasks, CFG, runner.SampleConfig())
   assert info["harness"]["max_turn_tokens"] == 768
-  assert "grade_workers" not in info["harness"] and "grade_early" not in info["harness"]
+  assert not {"grade_workers", "grade_early", "tool_workers"} & set(info["harness"])
   changed = [dataclasses.replace(tasks[0], tests=dataclasses.replace(tasks[0].tests, pass_to_pass=()))] + tasks[1:]
   assert runner.set_fingerprint(changed) != runner.set_fingerprint(tasks)  # relabelled tasks are another set

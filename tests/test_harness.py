@@ -1,6 +1,7 @@
 """rollout/harness.py: the loop with scripted, no-op and random engines; the token-level record; summarization."""
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -74,8 +75,8 @@ def _outcome(t: Trajectory) -> tuple:
 @pytest.mark.parametrize("workers", [1, 4])
 def test_episodes_are_graded_as_they_end_with_the_same_trajectories(tok, envs, tasks, monkeypatch, workers):
   """With `grade_early` an episode that ends is graded while the longer ones still generate (the oracle's level-1
-  episodes end steps before its level-4 ones); without it, every grade waits for the last step. Either way the
-  trajectories are the same."""
+  episodes end steps before its level-4 ones); without it, every grade waits for the last step. Either way, and
+  with turns run one after another or at once (`tool_workers`), the trajectories are the same."""
   engine = CountingEngine(scripted.ScriptedEngine(tok, scripted.oracle_policy(tasks)))
   graded_after = []   # per grade: how many generate calls had been made when it started
   close = harness._Episode.close_and_score
@@ -85,7 +86,7 @@ def test_episodes_are_graded_as_they_end_with_the_same_trajectories(tok, envs, t
   for early in (True, False):
     engine.batches.clear()
     graded_after.clear()
-    cfg = dataclasses.replace(CFG, grade_workers=workers, grade_early=early)
+    cfg = dataclasses.replace(CFG, grade_workers=workers, grade_early=early, tool_workers=workers)
     runs[early] = [_outcome(t) for t in harness.run_episodes(engine, tok, tasks, envs, cfg)]
     steps = len(engine.batches)
     assert len(graded_after) == len(tasks)
@@ -95,6 +96,23 @@ def test_episodes_are_graded_as_they_end_with_the_same_trajectories(tok, envs, t
       assert set(graded_after) == {steps}
   assert runs[True] == runs[False]
   assert {o[1] for o in runs[True]} == {1.0}
+
+
+def test_turns_of_a_step_run_at_once(tok, envs, tasks, monkeypatch):
+  """With `tool_workers` > 1 the episodes' tool calls after a step run in threads at once: two calls meet at a
+  barrier that one-at-a-time calls could never pass."""
+  meet = threading.Barrier(2, timeout=10)
+  call = harness.ToolBox.call
+
+  def waiting(box, c):
+    if c.name == "finish":   # both level-1 episodes finish at the same step
+      meet.wait()
+    return call(box, c)
+  monkeypatch.setattr(harness.ToolBox, "call", waiting)
+  level1 = [t for t in tasks if t.metadata.get("level") == 1]
+  trajs = harness.run_episodes(scripted.ScriptedEngine(tok, scripted.oracle_policy(level1)), tok, level1, envs,
+                               dataclasses.replace(CFG, tool_workers=2))
+  assert not meet.broken and [t.metrics["solved"] for t in trajs] == [1.0] * len(level1) == [1.0, 1.0]
 
 
 def test_token_record_matches_chat_format(tok, envs, tasks):

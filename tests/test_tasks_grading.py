@@ -126,3 +126,19 @@ def test_gold_validation_runs_each_side_twice_and_rejects_a_flaky_task(envs, tmp
   assert check.valid and check.gold_s > 0
   with pytest.raises(ValueError, match="at least twice"):
     gold.validate([stable], envs, runs=1)
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_grading_removes_its_report_files_unless_told_not_to(envs, clean):
+  """The report directory and plugin are removed after grading (a workspace that goes on sees none of them), or,
+  with clean=False (a workspace closed next), left: the result is the same."""
+  task = Task("t", "python", "p", Environment(files={"tests/test_a.py": "def test_a():\n    pass\n"}),
+              HiddenTests(CMD, ("tests/test_a.py::test_a",)))
+  ws = envs.fork(task)
+  try:
+    rep = environment.grade(ws, task.tests, clean=clean)
+    left = [p for p in ws.list_dir(".") if "grade" in p]
+  finally:
+    ws.close()
+  assert rep.passed and not rep.error
+  assert (left == []) == clean and (clean or len(left) == 2), left   # the report dir and the plugin module

@@ -51,8 +51,10 @@ class RecordingWorkspace(SandboxWorkspace):
 
 
 def files(ws) -> dict[str, str]:
-  """Every file's sha256 except what grading writes differently per run (its report, caches)."""
-  out = ws.run("find . -type f -not -path '*cache*' -not -name '*.xml' | sort | xargs sha256sum").output
+  """Every file's sha256 except what grading writes differently per run (its report, under a random name, which a
+  workspace closed after grading keeps; caches)."""
+  out = ws.run("find . -type f -not -path '*cache*' -not -name '*.xml' -not -path './.grade_*' "
+               "-not -name 'composer_grade_report_*' | sort | xargs sha256sum").output
   return dict(line.split()[::-1] for line in out.splitlines())
 
 

@@ -13,8 +13,9 @@ share a chunk with finished ones are sampled apart from them, so at T > 0 they a
 policy than a fresh run's, not the same one.
 
 Settings that define a result (`run_settings`: the policy, a hash of the tasks' content, k, chunking, the harness
-configuration except `grade_workers` and `grade_early`, active parameters) are stored in `run.json`; a directory
-holding results made with other settings is refused, naming each difference, so a resume never mixes them.
+configuration except `grade_workers`, `grade_early` and `tool_workers`, active parameters) are stored in `run.json`;
+a directory holding results made with other settings is refused, naming each difference, so a resume never mixes
+them.
 
 A policy whose engine pins its outputs (`result_key()`, the embedded JAX engine) is kept in the cross-run result
 cache when one is configured (`result_cache.py`): evaluated again with the same weights, tasks and settings, its
@@ -44,7 +45,7 @@ from rollout.tasks.task import Task
 
 RESULTS = "results.jsonl"
 RUN_INFO = "run.json"
-NOT_RESULT_DEFINING = ("grade_workers", "grade_early")  # harness fields that change speed, not results
+NOT_RESULT_DEFINING = ("grade_workers", "grade_early", "tool_workers")  # harness fields: speed, not results
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,8 +125,9 @@ class TestRun:
             f"root, so that the grading plugin can load): ...{self.output.strip()[-300:]}")
 
 
-def run_tests(ws: Workspace, command: str, report: str, timeout_s: float) -> TestRun:
-  """Runs `command` in `ws` with a fresh report file and nonce (see `grade_report`) and reads the report."""
+def run_tests(ws: Workspace, command: str, report: str, timeout_s: float, clean: bool = True) -> TestRun:
+  """Runs `command` in `ws` with a fresh report file and nonce (see `grade_report`) and reads the report; `clean`:
+  then removes the report and the plugin (one more sandboxed command; not needed when `ws` is closed next)."""
   if report not in grade_report.REPORT_KINDS:
     raise ValueError(f"unknown test report kind {report!r}; valid: {grade_report.REPORT_KINDS}")
   nonce, token = secrets.token_hex(8), secrets.token_hex(8)  # names the code under test cannot have prepared
@@ -141,7 +142,8 @@ def run_tests(ws: Workspace, command: str, report: str, timeout_s: float) -> Tes
   res = ws.run(f"{env} {command}", timeout_s=timeout_s)
   reported = ws.exists(f"{tmp}/report.jsonl")
   text = ws.read_file(f"{tmp}/report.jsonl") if reported else ""
-  ws.run(f"rm -rf {tmp} {plugin}.py", timeout_s=30)
+  if clean:
+    ws.run(f"rm -rf {tmp} {plugin}.py", timeout_s=30)
   return TestRun(grade_report.parse_report(text, nonce), res.timed_out, res.wall_s, res.output,
                  reported or res.timed_out)
 
@@ -182,8 +184,9 @@ def _restore_and_apply(ws: Workspace, patch: str, timeout_s: float) -> CommandRe
   return None if res.ok else res
 
 
-def grade(ws: Workspace, tests: HiddenTests) -> TestReport:
-  """Writes/applies the hidden tests into `ws`, runs them and checks every required id passed."""
+def grade(ws: Workspace, tests: HiddenTests, clean: bool = True) -> TestReport:
+  """Writes/applies the hidden tests into `ws`, runs them and checks every required id passed; `clean=False` leaves
+  the test run's report files behind (`run_tests`: for a workspace closed next)."""
   required = list(tests.fail_to_pass) + list(tests.pass_to_pass)
   if tests.patch:
     failed = _restore_and_apply(ws, tests.patch, tests.timeout_s)
@@ -192,7 +195,7 @@ def grade(ws: Workspace, tests: HiddenTests) -> TestReport:
                         f"hidden test patch did not apply: {failed.output[-300:]}")
   for path, text in tests.files.items():
     ws.write_file(path, text)
-  run = run_tests(ws, tests.command, tests.report, tests.timeout_s)
+  run = run_tests(ws, tests.command, tests.report, tests.timeout_s, clean)
   results = {t: run.results.get(t, "MISSING") for t in required}
   n_pass = sum(v == "PASSED" for v in results.values())
   error = f"{TIMEOUT_ERROR} after {tests.timeout_s:g} s" if run.timed_out else \
