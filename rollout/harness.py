@@ -76,7 +76,7 @@ class HarnessConfig:
       start-up, so threads overlap them).
     grade_early: grade each episode as soon as it ends, in the background while the others generate (the engine
       leaves the cores partly idle between its ops); False: every episode once the last one ends. Speed only: the
-      trajectories are the same (`benchmarks/eval_overlap.py` measures it).
+      trajectories are the same (`benchmarks/eval_harness.py` measures it).
     tool_workers: episodes whose turn (its tool calls, each a sandboxed process that mostly waits on start-up) is
       run at once after a batched step; 1: one after another. Speed only, like `grade_workers`.
   """
