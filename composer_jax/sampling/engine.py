@@ -84,11 +84,13 @@ class EngineConfig:
       every in-flight episode of a 256-task evaluation chunk at a 496-token context.
     min_window_bucket: smallest number of prompt slots run when a prompt's prefix is reused (the window is a power
       of two >= the longest uncached tail; when that reaches the prompt width, the call prefills from scratch).
-    shrink_rows: plain decoding on one device stops each time at most half its rows are still live and goes on
-      with only those, gathered into the smallest power of two >= max(live rows, shrink_rows): a call no longer
-      runs every row until its longest one ends (a decode step's time grows with its rows). A row's floats may round
-      differently in a batch of another size (~1e-6 in a logprob, as between batch buckets), so a draw that close to
-      a boundary can differ. 0: off (the whole batch steps to the end); speculative decoding always does.
+    shrink_rows: > 0: plain decoding on one device stops each time at most half its rows are still live and goes
+      on with only those, gathered into the smallest power of two >= max(live rows, shrink_rows): a call no longer
+      runs every row until its longest one ends (a decode step's time grows with its rows), for more programs to
+      compile (one per stage shape). A row's floats may round differently in a batch of another size (~1e-6 in a
+      logprob, as between batch buckets), so a draw that close to a boundary can differ. 0 (the default: on the
+      evaluation's calls it saved less decode time than its extra compiles cost a fresh process, see the sampling
+      README): the whole batch steps to the end, as speculative decoding always does.
   """
   speculative: bool = False
   draft_tokens: int = 1
@@ -103,7 +105,7 @@ class EngineConfig:
   seed: int = 0
   prefix_cache_bytes: int = 256 << 20
   min_window_bucket: int = 32
-  shrink_rows: int = 8
+  shrink_rows: int = 0
 
 
 def generation_moe_impl(cfg: ModelConfig, choice: str, platform: str | None = None) -> str:
