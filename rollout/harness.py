@@ -114,6 +114,9 @@ class HarnessConfig:
       raise ValueError(f"need max_segments >= 1 and max_turns >= 1, got {self.max_segments=} {self.max_turns=}")
     if self.overflow not in OVERFLOW:
       raise ValueError(f"unknown overflow {self.overflow!r}; valid: {', '.join(OVERFLOW)}")
+    if self.grade_workers < 1 or self.tool_workers < 1:
+      raise ValueError(f"need grade_workers >= 1 and tool_workers >= 1 (1: one at a time), got "
+                       f"{self.grade_workers=} {self.tool_workers=}")
 
 
 DROP_OLDEST_MAX_SEGMENTS = 8   # `HarnessConfig.without_summaries`

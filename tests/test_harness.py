@@ -113,6 +113,8 @@ def test_turns_of_a_step_run_at_once(tok, envs, tasks, monkeypatch):
   trajs = harness.run_episodes(scripted.ScriptedEngine(tok, scripted.oracle_policy(level1)), tok, level1, envs,
                                dataclasses.replace(CFG, tool_workers=2))
   assert not meet.broken and [t.metrics["solved"] for t in trajs] == [1.0] * len(level1) == [1.0, 1.0]
+  with pytest.raises(ValueError, match="tool_workers >= 1"):
+    dataclasses.replace(CFG, tool_workers=0)
 
 
 def test_token_record_matches_chat_format(tok, envs, tasks):
