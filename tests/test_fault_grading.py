@@ -51,10 +51,10 @@ def _run(setting, tmp_path, pool=None, envs=None, **wcfg):
 def test_a_grade_timing_out_mid_group_reruns_the_whole_group_once(setting, tmp_path, monkeypatch):
   calls, lock = itertools.count(), threading.Lock()
 
-  def second_grade_times_out(ws, tests):
+  def second_grade_times_out(ws, tests, **kwargs):
     with lock:
       i = next(calls)
-    return real_grade(ws, _slow(tests) if i == 1 else tests)
+    return real_grade(ws, _slow(tests) if i == 1 else tests, **kwargs)
 
   monkeypatch.setattr(harness, "grade", second_grade_times_out)
   pool = setting[0]

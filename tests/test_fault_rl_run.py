@@ -29,12 +29,12 @@ def test_a_sync_run_through_faults_applies_every_group_once(tmp_path, monkeypatc
   real_grade, calls, lock = harness.grade, itertools.count(), threading.Lock()
   armed = threading.Event()   # set when RL starts: the warm start's oracle episodes are graded too
 
-  def second_rl_grade_times_out(ws, tests):   # in step 1's first group: a real timeout
+  def second_rl_grade_times_out(ws, tests, **kwargs):   # in step 1's first group: a real timeout
     with lock:
       i = next(calls) if armed.is_set() else -1
     if i == 1:
       tests = dataclasses.replace(tests, command="sleep 3; " + tests.command, timeout_s=0.5)
-    return real_grade(ws, tests)
+    return real_grade(ws, tests, **kwargs)
 
   bad_keys, real_next = [], sources.InProcess.next
 
