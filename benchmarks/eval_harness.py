@@ -17,8 +17,9 @@ process that is mostly start-up and waiting. Arms (`rollout.harness.HarnessConfi
   harness before either (except that a grade no longer removes its report files: the workspace is closed next).
 
 The arms take turns, the order reversed every round, over `--rounds` rounds after one warm-up round (compiles), each
-evaluation into a fresh directory; per arm the median wall-clock and the seconds inside `generate`. Every arm must
-give the same per-task results (`same_results`: solved, tokens, turns, tool calls). The last line is one JSON object.
+evaluation into a fresh directory and from an empty prefix cache; per arm the median wall-clock and the seconds
+inside `generate`. Every arm must give the same per-task results (`same_results`: solved, tokens, turns, tool calls).
+The last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks import rl_from_start
+from benchmarks import decode_prefix, rl_from_start
 from composer_jax.rl import evaluate, experiment, warmstart
 from composer_jax.rl import workdir as workdir_lib
 
@@ -38,23 +39,10 @@ ARMS = {"now": {}, "serial_turns": {"tool_workers": 1}, "before": {"tool_workers
 KEYS = ("solved", "output_tokens", "turns", "tool_calls", "stop_reason")
 
 
-class Timed:
-  """An engine that counts the seconds spent in `generate`."""
-
-  def __init__(self, engine):
-    self.engine, self.seconds = engine, 0.0
-
-  def generate(self, requests):
-    t0 = time.perf_counter()
-    try:
-      return self.engine.generate(requests)
-    finally:
-      self.seconds += time.perf_counter() - t0
-
-
-def evaluate_once(engine: Timed, run, hcfg, temperature: float, chunk: int) -> tuple[float, float, list]:
-  """(wall-clock, seconds in generate, per-task results) of one evaluation into a fresh directory."""
-  engine.seconds = 0.0
+def evaluate_once(engine: decode_prefix.Timed, run, hcfg, temperature: float, chunk: int) -> tuple[float, float, list]:
+  """(wall-clock, seconds in generate, per-task results) of one evaluation into a fresh directory, from an empty
+  prefix cache (the arms sample the same episodes: one must not reuse another's)."""
+  engine.reset()
   with tempfile.TemporaryDirectory(prefix="eval_harness_") as out:
     t0 = time.perf_counter()
     evaluate.success_rate(engine, run.tokenizer, run.heldout, run.envs, hcfg, temperature, out, chunk=chunk)
@@ -79,7 +67,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory(prefix="eval_harness_run_") as workdir:
     cfg = rl_from_start.from_start("default", args.start, workdir, 0, **{"eval.tasks": args.tasks})
     with workdir_lib.claim(cfg, ()) as run:
-      engine = Timed(experiment._engine(cfg, warmstart.warm_start(cfg.sft_plan, run, lambda s: None)))
+      engine = decode_prefix.Timed(experiment._engine(cfg, warmstart.warm_start(cfg.sft_plan, run, lambda s: None)))
       walls, gens, results = {a: [] for a in ARMS}, {a: [] for a in ARMS}, {}
       for rnd in range(args.rounds + 1):
         for arm in (list(ARMS) if rnd % 2 == 0 else list(ARMS)[::-1]):
