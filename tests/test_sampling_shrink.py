@@ -8,7 +8,8 @@ import pytest
 
 from composer_jax import model
 from composer_jax.sampling import decode as decode_lib
-from composer_jax.sampling.engine import EngineConfig, JaxEngine, merge_stages
+from composer_jax.sampling import shrinking
+from composer_jax.sampling.engine import EngineConfig, JaxEngine
 from rollout.engines.protocol import GenerateRequest, SamplingParams
 from tests.test_sampling_engine import CFG, STOPS
 
@@ -51,7 +52,7 @@ def test_shrinking_decode_equals_the_whole_batch(params, temperature):
     assert engines[2].last_stats["steps"] == engines[0].last_stats["steps"] == max(lengths)
     assert engines[2].last_stats["prefix_reused_tokens"] == engines[0].last_stats["prefix_reused_tokens"]
   stages = {key[0] for key in engines[2]._programs}
-  assert "_decode_more" in stages and "_decode" not in stages   # it shrank (16 -> 8 -> 4 -> 2 rows)
+  assert "decode_more" in stages and "_decode" not in stages   # it shrank (16 -> 8 -> 4 -> 2 rows)
   assert {key[0] for key in engines[0]._programs} == {"_prefill", "_decode"}
 
 
@@ -66,26 +67,31 @@ def test_merge_stages_takes_each_row_from_the_stage_it_ended_in():
   stages = [(np.arange(4), _state(4, 2, 0.0, [1, 9, 2, 9])),
             (np.array([1, 3, -1, -1]), _state(4, 5, 1.0, [4, 9, 1, 1])),
             (np.array([3, -1]), _state(2, 7, 2.0, [7, 1]))]
-  got = merge_stages(stages)
+  got = shrinking.merge_stages(stages)
   assert got.i == 7
   np.testing.assert_array_equal(got.end_B, [1, 4, 2, 7])
   np.testing.assert_array_equal(got.toks_BxLo[:, 0], [0.0, 1.0, 0.0, 2.0])
   np.testing.assert_array_equal(got.cache["layer"][0]["c"][:, 0], [0.0, 1.0, 0.0, 2.0])
   assert got.routes_BxLoxLmxK.shape == (4, 4, 1, 1)
+  # Stages fetched without their caches (the prefix cache off) merge the same, with no cache.
+  bare = shrinking.merge_stages([(orig, st._replace(cache=None)) for orig, st in stages])
+  assert bare.cache is None
+  np.testing.assert_array_equal(bare.toks_BxLo, got.toks_BxLo)
 
 
 def test_shrinking_programs_lower_for_cuda(params):
   """Both stages' programs lower for GPU, not only for this CPU."""
   from composer_jax.sampling import engine as engine_lib
+  from composer_jax.sampling.shrinking import decode_more, decode_start
   engine = JaxEngine(params, CFG, dataclasses.replace(ECFG, shrink_rows=2))
   batch, Lo, window = engine._batch(_requests(0, 1.0))
   P = batch.prompts_UxP.shape[1]
   static = dict(cfg=engine.cfg, **engine.prefill_static(P, Lo, window))
   cache, logits, _, _ = jax.eval_shape(lambda: engine_lib._prefill(engine.params, batch, **static))
-  start = engine_lib._decode_start.trace(engine.params, batch, cache, logits, cfg=engine.cfg, max_len=Lo, until_live=8)
+  start = decode_start.trace(engine.params, batch, cache, logits, cfg=engine.cfg, max_len=Lo, until_live=8)
   assert start.lower(lowering_platforms=("cuda",)).as_text()
-  rows, state = jax.eval_shape(lambda: engine_lib._decode_start(engine.params, batch, cache, logits, cfg=engine.cfg,
-                                                                max_len=Lo, until_live=8))
+  rows, state = jax.eval_shape(lambda: decode_start(engine.params, batch, cache, logits, cfg=engine.cfg, max_len=Lo,
+                                                    until_live=8))
   idx = jax.ShapeDtypeStruct((8,), np.int32)
-  more = engine_lib._decode_more.trace(engine.params, rows, state, idx, cfg=engine.cfg, P=P, until_live=4)
+  more = decode_more.trace(engine.params, rows, state, idx, cfg=engine.cfg, P=P, until_live=4)
   assert "while" in more.lower(lowering_platforms=("cuda",)).as_text()

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from composer_jax.configs import to_dict
 from composer_jax.parallel.rules import ShardingRules
 from composer_jax.rl.config import RunConfig, RunInputError
-from composer_jax.sampling.engine import bucket
+from composer_jax.sampling.decode import bucket
 from composer_jax.train import tokenizer as tokenizer_lib
 from rollout import chat_format, harness
 from rollout.evaluation import budget, policies

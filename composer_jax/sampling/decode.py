@@ -13,12 +13,14 @@ length (new tokens a row can hold), Z stop ids per row, V vocab, D hidden, Lm Mo
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from composer_jax.model.config import ModelConfig
+from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import sampler
 
@@ -54,6 +56,17 @@ class Output(NamedTuple):
   cache: dict                 # the final cache [.., B, S, ..] (split layers): row b's slots up to its last fed
                               # token hold its prompt's and outputs' rows (what the prefix cache keeps)
   entropies_BxLo: jax.Array | None = None   # the policy's entropy over each output token (None: not reported)
+
+
+def bucket(n: int, minimum: int) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  return 1 << max(math.ceil(math.log2(max(n, 1))), math.ceil(math.log2(minimum)))
+
+
+def program_params(params: dict, cfg: ModelConfig) -> dict:
+  """params as a generation program runs them (call inside jit): the dense MoE path's weight layout, made once per
+  program rather than once per step."""
+  return with_dense_layout(params) if cfg.moe_impl == "dense" else params
 
 
 def is_stop(tok_B: jax.Array, stop_BxZ: jax.Array) -> jax.Array:

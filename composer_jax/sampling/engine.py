@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,22 +34,17 @@ from jax.sharding import Mesh
 
 from composer_jax.model import moe
 from composer_jax.model.config import ModelConfig
-from composer_jax.model.experts import with_dense_layout
 from composer_jax.sampling import cached_model as cm
 from composer_jax.sampling import decode as decode_lib
 from composer_jax.sampling import placement as placement_lib
-from composer_jax.sampling.decode import EXTRA, Batch, Output, decode, prefill
+from composer_jax.sampling import shrinking
+from composer_jax.sampling.decode import EXTRA, Batch, Output, bucket, decode, prefill
 from composer_jax.sampling.draft_depth import DraftDepth
 from composer_jax.sampling.prefix_cache import Entry, PrefixCache
 from composer_jax.sampling.spec_log import VersionLog
 from composer_jax.sampling.speculative import decode_speculative, slack
 from rollout.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from rollout.evaluation.result_cache import code_fingerprint
-
-
-def bucket(n: int, minimum: int) -> int:
-  """Smallest power of two >= max(n, minimum)."""
-  return 1 << max(math.ceil(math.log2(max(n, 1))), math.ceil(math.log2(minimum)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +122,7 @@ def _prefill(params, batch: Batch, cfg: ModelConfig, slots: int, window: int, hi
   from scratch (see `decode.prefill`). It does not depend on the draft depth, so it serves every k."""
   if hidden and 0 < window < hidden:
     raise ValueError(f"a prefill window of {window} slots is narrower than the {hidden} hiddens speculation reads")
-  if cfg.moe_impl == "dense":
-    params = with_dense_layout(params)   # the dense path's weight layout, once per program rather than per step
+  params = decode_lib.program_params(params, cfg)
   cache, logits_BxV, h_BxLxD, experts = prefill(params, batch, cfg, slots, mtp=hidden > 0, window=window)
   return cache, logits_BxV, h_BxLxD[:, -hidden:] if hidden else None, experts
 
@@ -138,47 +131,10 @@ def _prefill(params, batch: Batch, cfg: ModelConfig, slots: int, window: int, hi
 def _decode(params, batch: Batch, cache: dict, logits_BxV, h_BxHxD, cfg: ModelConfig, max_len: int,
             draft_tokens: int) -> Output:
   """The decode program after `_prefill` (draft_tokens = 0: plain decoding)."""
-  if cfg.moe_impl == "dense":
-    params = with_dense_layout(params)
+  params = decode_lib.program_params(params, cfg)
   if draft_tokens:
     return decode_speculative(params, batch, cfg, max_len, draft_tokens, cache, logits_BxV, h_BxHxD)
   return decode(params, batch, cfg, max_len, cache, logits_BxV)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "until_live"))
-def _decode_start(params, batch: Batch, cache: dict, logits_BxV, cfg: ModelConfig, max_len: int, until_live: int):
-  """Plain decoding after `_prefill` until at most `until_live` rows are live (0: to the end) → (rows, state)."""
-  if cfg.moe_impl == "dense":
-    params = with_dense_layout(params)
-  rows, state = decode_lib.start(batch, cfg, max_len, cache, logits_BxV)
-  return rows, decode_lib.run(params, rows, state, cfg, batch.prompts_UxP.shape[1], until_live)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "P", "until_live"))
-def _decode_more(params, rows: decode_lib.Rows, state: decode_lib.State, idx_C, cfg: ModelConfig, P: int,
-                 until_live: int):
-  """Rows `idx_C` of a stopped plain decode, decoded on until at most `until_live` are live (0: to the end)."""
-  if cfg.moe_impl == "dense":
-    params = with_dense_layout(params)
-  rows, state = decode_lib.take(rows, state, idx_C)
-  return rows, decode_lib.run(params, rows, state, cfg, P, until_live)
-
-
-def merge_stages(stages: list[tuple[np.ndarray, decode_lib.State]]) -> decode_lib.State:
-  """One state of the first stage's rows from a shrinking decode's stages: (for each row of the stage, the first
-  stage's row it continues, -1 for a filler row; the stage's final state on the host). Each row's arrays are taken
-  from the last stage that holds it, where it ended."""
-  first = stages[0][1]
-
-  def merge(*leaves):
-    out = np.array(leaves[0])
-    for (orig, _), leaf in zip(stages[1:], leaves[1:], strict=True):
-      real = orig >= 0
-      out[orig[real]] = np.asarray(leaf)[real]
-    return out
-  fields = [f for f in decode_lib.State._fields if f != "i"]
-  merged = {f: jax.tree.map(merge, *[getattr(st, f) for _, st in stages]) for f in fields}
-  return first._replace(i=stages[-1][1].i, **merged)
 
 
 def _shapes(tree) -> tuple:
@@ -396,7 +352,8 @@ class JaxEngine:
     args = (batch._replace(prefix_cache=None, prefix_experts_LmxUxPxK=None), cache, logits_BxV, h_BxHxD)
     ks, why = self._pick_draft_tokens(args, Lo)
     if self._shrinks:
-      runs = [(0, *self._decode_shrinking(batch, cache, logits_BxV, Lo))]
+      runs = [(0, *shrinking.decode(self._program, batch, cache, logits_BxV, Lo, self.engine_cfg.shrink_rows,
+                                    keep_cache=bool(self.engine_cfg.prefix_cache_bytes)))]
     else:
       runs = [(k, *self._program(_decode, args, max_len=Lo, draft_tokens=k)) for k in ks]
     (k, out, _, _), decode_s = runs[0], sum(s for _, _, s, _ in runs)
@@ -435,28 +392,6 @@ class JaxEngine:
   def _shrinks(self) -> bool:
     """Whether plain decoding shrinks to its live rows (`EngineConfig.shrink_rows`; on one device)."""
     return bool(self.engine_cfg.shrink_rows) and not self._draft_tokens and (self.mesh is None or self.mesh.size == 1)
-
-  def _decode_shrinking(self, batch: Batch, cache: dict, logits_BxV, Lo: int) -> tuple[Output, float, bool]:
-    """Plain decoding in stages (`EngineConfig.shrink_rows`) → (the output of every row in batch order, seconds,
-    whether anything compiled)."""
-    floor = self.engine_cfg.shrink_rows
-    until = lambda rows: rows // 2 if rows // 2 >= floor else 0   # noqa: E731
-    B, P = batch.row_prompt_B.shape[0], batch.prompts_UxP.shape[1]
-    (rows, state), seconds, fresh = self._program(_decode_start, (batch, cache, logits_BxV), max_len=Lo,
-                                                  until_live=until(B))
-    stages = [(np.arange(B), jax.device_get(state))]
-    while True:
-      orig, st = stages[-1]
-      live = np.flatnonzero(st.i < st.end_B)
-      if not live.size or not until(len(orig)):
-        break
-      C = bucket(live.size, floor)
-      filler = np.flatnonzero(st.i >= st.end_B)[0]   # a row that ended: stepped along, never read back
-      idx = np.concatenate([live, np.full(C - live.size, filler)]).astype(np.int32)
-      (rows, state), s, f = self._program(_decode_more, (rows, state, jnp.asarray(idx)), P=P, until_live=until(C))
-      seconds, fresh = seconds + s, fresh or f
-      stages.append((np.concatenate([orig[live], np.full(C - live.size, -1)]), jax.device_get(state)))
-    return decode_lib.output(merge_stages(stages), Lo), seconds, fresh
 
   def _pick_draft_tokens(self, args: tuple, Lo: int) -> tuple[list[int], str]:
     """The depths this call decodes with (the first one's output is returned) and why: the configured k, or
