@@ -20,11 +20,11 @@ $(SGLANG_STAMP): $(STAMP) rollout/engines/sglang-cpu-requirements.txt
 install: $(STAMP)
 
 # The main job: the report's RL recipe at Colab scale on the embedded defaults (rl.py:recipe_best: levels 1-3,
-# self-summary chains; SFT warm start, asynchronous RL, the equal-time SFT control, held-out eval): ~2 h on 2 idle cores.
+# self-summary chains; SFT warm start, asynchronous RL, the equal-time SFT control, held-out eval): ~1 h on 2 idle cores.
 run: $(STAMP)
 	$(BIN)/python experiments/rl_main.py --workdir=runs/rl
 
-# The level-1 run (read, edit, finish): ~15 min on 2 idle cores.
+# The level-1 run (read, edit, finish): 10-20 min on 2 idle cores.
 colab: $(STAMP)
 	$(BIN)/python experiments/rl_main.py --config=experiments/configs/rl.py:colab --workdir=runs/rl_colab
 

@@ -12,12 +12,12 @@ and at T=1 (Wilson 95% CIs); the last line is JSON, also in workdir/results.json
 
 The default run (`DEFAULT`, `make run`): procedural levels 1-3, self-summary chains, the length penalty C(x) and the
 behavioural terms on, a curriculum start taught half near misses (900 + 3600 SFT steps), 300 RL steps at KL β 5e-2,
-500 held-out tasks per level; ~2 h on 2 idle cores. Measured: RL beat its start by over 15 and the equal-time control
+500 held-out tasks per level; ~1 h on 2 idle cores. Measured: RL beat its start by over 15 and the equal-time control
 by over 10 points on levels 2-3 at T=1, on both seeds (experiments/results/recipe_calibration.md says how each value
 was chosen). Every value the default run does not name is its dataclass's default (`composer_jax.rl.config`): the
 config starts from those (`common.defaults_of`), so every field can be set with `--config.<section>.<field>`.
 
-Variants, each a few overrides of the default: `colab` (`make colab`: level-1 tasks, read, edit, finish; 17-20 min
+Variants, each a few overrides of the default: `colab` (`make colab`: level-1 tasks, read, edit, finish; 10-20 min
 on 2 idle cores), `curriculum` (levels 1-2 from a curriculum start), `colab_pretrained` (colab with SFT from the
 colab pretraining run, `make pretrain`, and its tokenizer), `recipe` (the recipe as first calibrated, which
 `get_sweep()`'s rows override), `test` (tiny model, few tasks, local workspaces). `colab_level1` names colab.
