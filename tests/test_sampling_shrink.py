@@ -56,6 +56,17 @@ def test_shrinking_decode_equals_the_whole_batch(params, temperature):
   assert {key[0] for key in engines[0]._programs} == {"_prefill", "_decode"}
 
 
+def test_shrinking_decode_without_the_prefix_cache(params):
+  """With the prefix cache off the stages are fetched without their caches: the same outputs as the whole batch."""
+  engines = {n: JaxEngine(params, CFG, dataclasses.replace(ECFG, shrink_rows=n, prefix_cache_bytes=0)) for n in (0, 2)}
+  out = {n: e.generate(_requests(1, 1.0)) for n, e in engines.items()}
+  for a, b in zip(out[0], out[2], strict=True):
+    np.testing.assert_array_equal(a.output_ids, b.output_ids)
+    np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  assert "decode_more" in {key[0] for key in engines[2]._programs}
+
+
 def _state(B: int, i: int, value: float, end: list[int]) -> decode_lib.State:
   full = lambda *shape: np.full((B, *shape), value, np.float32)   # noqa: E731
   return decode_lib.State(np.int32(i), full(), {"layer": [{"c": full(3)}]}, full(4), full(4), full(4), full(4, 1, 1),
